@@ -1,0 +1,1 @@
+"""Flax NNX decoders (Llama family) and the Hugging Face checkpoint loader."""

@@ -1,0 +1,94 @@
+"""``paged_attention``: the one entry point the models call, dispatching on ``impl``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import validation
+from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels import xla as xla_kernel
+from paged_jax.kv_cache import KVCache
+
+IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+_PALLAS_MODULES = {"pallas_tpu": "pallas_kernels.tpu", "pallas_gpu": "pallas_kernels.gpu"}
+_AUTO_BY_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
+
+def _pallas_impl(impl: str) -> Callable | None:
+  """The Pallas kernel module's ``ragged_paged_attention``, or None while it is absent."""
+  try:
+    module = importlib.import_module(_PALLAS_MODULES[impl])
+  except ModuleNotFoundError as e:
+    if e.name != _PALLAS_MODULES[impl]:
+      raise
+    return None
+  return module.ragged_paged_attention
+
+
+def resolve_impl(impl: str) -> str:
+  """The concrete implementation ``impl`` names ("auto" picks by the default backend)."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+  if impl != "auto":
+    return impl
+  chosen = _AUTO_BY_BACKEND.get(jax.default_backend(), "xla")
+  return chosen if chosen == "xla" or _pallas_impl(chosen) is not None else "xla"
+
+
+def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                    sm_scale: float | None = None, impl: str = "auto",
+                    interpret: bool = False):
+  """Causal attention of a ragged batch of queries over the paged KV cache.
+
+  One call serves prefill, chunked prefill and decode together.
+
+  Args:
+    q: [T, H, D] queries. Sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``: its last
+      ``q_len`` tokens, so row j of it sits at position ``kv_lens[i] - q_len + j`` and sees
+      positions ``<=`` its own.
+    cache: the ``KVCache`` holding K/V (already written for the new tokens).
+    layer: which layer's pages to read (int or traced int scalar).
+    kv_lens: i32[S] tokens in each sequence's cache, the new ones included.
+    block_tables: i32[S, P] physical block of each logical block.
+    cu_q_lens: i32[S + 1] cumulative query lengths, starting at 0.
+    num_seqs: i32[] live sequences; rows past it are padding.
+    sm_scale: softmax scale, default ``D ** -0.5``.
+    impl: "auto", "reference", "xla", "pallas_tpu" or "pallas_gpu".
+    interpret: run a Pallas impl in its interpret mode (on CPU).
+
+  Returns:
+    [T, H, D] in q's dtype; padding rows (past ``cu_q_lens[num_seqs]``) are zero.
+  """
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"cache={type(cache).__name__} must be a paged_jax.KVCache")
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+  if isinstance(num_seqs, int):
+    num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
+  validation.static_validate_inputs(q, cache.k_pages, cache.v_pages, layer, kv_lens,
+                                    block_tables, cu_q_lens, num_seqs)
+  if sm_scale is None:
+    sm_scale = float(q.shape[-1]) ** -0.5
+  args = (q, cache.k_pages, cache.v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+  chosen = resolve_impl(impl)
+  if chosen == "reference":
+    return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+  if chosen == "xla":
+    return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale))
+  kernel = _pallas_impl(chosen)
+  if kernel is None:
+    raise NotImplementedError(f"impl={chosen!r} is not available in this build")
+  return kernel(*args, sm_scale=float(sm_scale), interpret=interpret)
+
+
+def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
+                              num_seqs) -> None:
+  """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``."""
+  validation.static_validate_inputs(q, cache.k_pages, cache.v_pages, layer, kv_lens,
+                                    block_tables, cu_q_lens, num_seqs)
+  validation.dynamic_validate_inputs(q, cache.k_pages, layer, kv_lens, block_tables,
+                                     cu_q_lens, num_seqs)

@@ -1,0 +1,103 @@
+"""KV cache geometry and memory math.
+
+One physical block holds ``block_size`` tokens of K and V for every layer and KV head:
+
+    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+(the 2 is K and V). Everything else the planner and the engine say about memory derives
+from this one formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+  try:
+    canonical = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"{name}={dtype!r} is not a dtype; expected a floating dtype such as "
+                     "jnp.bfloat16 or jnp.float32") from e
+  if not jnp.issubdtype(canonical, jnp.floating):
+    raise ValueError(f"{name}={canonical} must be a floating dtype (float32, bfloat16, float16)")
+  return canonical
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name}={value!r} must be a positive Python int")
+  if value <= 0:
+    raise ValueError(f"{name}={value} must be > 0")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+  """Shape of a paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens.
+
+  Attributes:
+    num_layers: L, decoder layers that each own a K and a V page pool.
+    num_kv_heads: K, KV heads per layer.
+    head_dim: D.
+    block_size: Z, tokens per block.
+    num_blocks: N, physical blocks in the pool (shared by all sequences).
+    dtype: element type of the pages.
+  """
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  block_size: int
+  num_blocks: int
+  dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+      object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+    object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+
+  @property
+  def itemsize(self) -> int:
+    return self.dtype.itemsize
+
+  @property
+  def token_bytes(self) -> int:
+    """Bytes of K and V for one token across all layers."""
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+  @property
+  def block_bytes(self) -> int:
+    """``2 * L * Z * K * D * itemsize``: one block across all layers, K and V."""
+    return self.token_bytes * self.block_size
+
+  @property
+  def total_bytes(self) -> int:
+    return self.block_bytes * self.num_blocks
+
+  @property
+  def max_tokens(self) -> int:
+    """Tokens the pool can hold when every block is full."""
+    return self.block_size * self.num_blocks
+
+  def blocks_for(self, num_tokens: int) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens occupies: ``ceil(num_tokens / Z)``."""
+    return -(-int(num_tokens) // self.block_size)
+
+  @classmethod
+  def from_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, dtype: Any = jnp.bfloat16) -> "KVCacheSpec":
+    """The largest cache that fits in ``budget_bytes`` (whole blocks only)."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
+      raise ValueError(f"{budget_bytes=} must be an int number of bytes")
+    probe = cls(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+    num_blocks = int(budget_bytes) // probe.block_bytes
+    if num_blocks < 1:
+      raise ValueError(f"{budget_bytes=} is smaller than one block ({probe.block_bytes} bytes "
+                       f"for num_layers={num_layers}, num_kv_heads={num_kv_heads}, "
+                       f"head_dim={head_dim}, block_size={block_size}, dtype={probe.dtype})")
+    return dataclasses.replace(probe, num_blocks=num_blocks)

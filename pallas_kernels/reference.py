@@ -1,0 +1,72 @@
+"""Ragged paged attention in plain jnp: the oracle every kernel is tested against.
+
+Simple and obviously right rather than fast: every query row gathers all the pages its
+sequence owns and runs an ordinary masked softmax in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import metadata
+
+
+def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                     block_tables_SP, cu_q_lens, num_seqs, *,
+                                     sm_scale: float):
+  """Causal attention of a ragged batch of queries over a paged KV cache.
+
+  Args:
+    q_THD: [T, H, D] queries; sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (see ``pallas_kernels.layout``).
+    layer: scalar int, which layer's pages to read.
+    kv_lens_S: i32[S] tokens in each sequence's cache, the new ones included.
+    block_tables_SP: i32[S, P] physical block of each logical block.
+    cu_q_lens: i32[S + 1] cumulative query lengths.
+    num_seqs: i32[] live sequences; rows past it are padding.
+    sm_scale: softmax scale.
+
+  Returns:
+    [T, H, D] in q's dtype; padding rows are zero.
+  """
+  num_tokens, num_q_heads, head_dim = q_THD.shape
+  _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
+  blocks_per_seq = block_tables_SP.shape[1]
+  group = num_q_heads // num_kv_heads
+
+  seq_T, live_T = metadata.token_sequence_ids(cu_q_lens, num_seqs, num_tokens)
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  qpos_T = metadata.query_positions(t, seq_T, kv_lens_S, cu_q_lens)
+  kv_len_T = kv_lens_S[seq_T]
+
+  # Only the blocks a sequence owns are read; every other entry becomes the out-of-range id
+  # N, which the "fill" gather turns into zeros without touching memory.
+  owned_TP = (jnp.arange(blocks_per_seq)[None, :] * block_size < kv_len_T[:, None])
+  owned_TP &= live_T[:, None]
+  block_ids_TP = jnp.where(owned_TP, block_tables_SP[seq_T], num_blocks)
+  k_TPKZD = k_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
+  v_TPKZD = v_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
+  # Advanced indices split by a slice go first: [T, P, K, Z, D] -> [T, K, P * Z, D].
+  k_TKJD = k_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)
+  v_TKJD = v_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)
+
+  kv_pos_J = jnp.arange(blocks_per_seq * block_size)
+  visible_TJ = (kv_pos_J[None, :] <= qpos_T[:, None]) & (kv_pos_J[None, :] < kv_len_T[:, None])
+  visible_TJ &= live_T[:, None]
+
+  q_TKGD = q_THD.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+  k_TKJD = jnp.where(visible_TJ[:, None, :, None], k_TKJD.astype(jnp.float32), 0.0)
+  v_TKJD = jnp.where(visible_TJ[:, None, :, None], v_TKJD.astype(jnp.float32), 0.0)
+  scores_TKGJ = jnp.einsum("tkgd,tkjd->tkgj", q_TKGD, k_TKJD,
+                           precision=lax.Precision.HIGHEST) * sm_scale
+  scores_TKGJ = jnp.where(visible_TJ[:, None, None, :], scores_TKGJ, -jnp.inf)
+  row_max_TKG = jnp.max(scores_TKGJ, axis=-1, keepdims=True)
+  row_max_TKG = jnp.where(jnp.isfinite(row_max_TKG), row_max_TKG, 0.0)
+  probs_TKGJ = jnp.exp(scores_TKGJ - row_max_TKG)  # exp(-inf) = 0 for hidden keys
+  denom_TKG = jnp.sum(probs_TKGJ, axis=-1, keepdims=True)
+  out_TKGD = jnp.einsum("tkgj,tkjd->tkgd", probs_TKGJ, v_TKJD, precision=lax.Precision.HIGHEST)
+  out_TKGD = out_TKGD / jnp.where(denom_TKG > 0, denom_TKG, 1.0)
+  out_THD = out_TKGD.reshape(num_tokens, num_q_heads, head_dim)
+  return jnp.where(live_T[:, None, None], out_THD, 0.0).astype(q_THD.dtype)

@@ -1,0 +1,116 @@
+"""Input checks shared by every ragged paged attention implementation.
+
+``static_validate_inputs`` runs at trace time on shapes and dtypes and raises ``ValueError``
+naming the argument. ``dynamic_validate_inputs`` is a host function over concrete values
+(lengths, block ids) for debug runs and tests; kernels never depend on it having run, and
+never clamp a bad block id into a real block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import layout
+
+
+def _is_int32(x) -> bool:
+  return jnp.dtype(x.dtype) == jnp.int32
+
+
+def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                           block_tables_SP, cu_q_lens, num_seqs) -> None:
+  """Shape and dtype checks; raises ``ValueError`` naming the offending argument."""
+  if q_THD.ndim != 3:
+    raise ValueError(f"q.shape={tuple(q_THD.shape)} must be rank 3 [T, H, D]")
+  if not jnp.issubdtype(q_THD.dtype, jnp.floating):
+    raise ValueError(f"q.dtype={q_THD.dtype} must be a floating dtype")
+  for name, pages in (("k_pages", k_pages_LKNZD), ("v_pages", v_pages_LKNZD)):
+    if pages.ndim != 5:
+      raise ValueError(f"{name}.shape={tuple(pages.shape)} must be rank 5 [L, K, N, Z, D]")
+    if not jnp.issubdtype(pages.dtype, jnp.floating):
+      raise ValueError(f"{name}.dtype={pages.dtype} must be a floating dtype")
+  if k_pages_LKNZD.shape != v_pages_LKNZD.shape:
+    raise ValueError(f"v_pages.shape={tuple(v_pages_LKNZD.shape)} must equal "
+                     f"k_pages.shape={tuple(k_pages_LKNZD.shape)}")
+  if k_pages_LKNZD.dtype != v_pages_LKNZD.dtype:
+    raise ValueError(f"v_pages.dtype={v_pages_LKNZD.dtype} must equal "
+                     f"k_pages.dtype={k_pages_LKNZD.dtype}")
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  _, num_q_heads, head_dim = q_THD.shape
+  if head_dim != dims["D"]:
+    raise ValueError(f"q head dim {head_dim} (q.shape[2]) must equal the cache head dim "
+                     f"{dims['D']}")
+  if num_q_heads % dims["K"] != 0:
+    raise ValueError(f"q heads H={num_q_heads} (q.shape[1]) must be a multiple of the "
+                     f"cache's KV heads K={dims['K']}")
+  if block_tables_SP.ndim != 2:
+    raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be rank 2 [S, P]")
+  num_seq_rows = block_tables_SP.shape[0]
+  if kv_lens_S.ndim != 1 or kv_lens_S.shape[0] != num_seq_rows:
+    raise ValueError(f"kv_lens.shape={tuple(kv_lens_S.shape)} must be [S]=[{num_seq_rows}] "
+                     "(one length per block-table row)")
+  if cu_q_lens.ndim != 1 or cu_q_lens.shape[0] != num_seq_rows + 1:
+    raise ValueError(f"cu_q_lens.shape={tuple(cu_q_lens.shape)} must be [S + 1]="
+                     f"[{num_seq_rows + 1}]")
+  if jnp.ndim(num_seqs) != 0:
+    raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
+  for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),
+                  ("cu_q_lens", cu_q_lens)):
+    if not _is_int32(x):
+      raise ValueError(f"{name}.dtype={x.dtype} must be int32")
+  if hasattr(num_seqs, "dtype") and not _is_int32(num_seqs):
+    raise ValueError(f"num_seqs.dtype={num_seqs.dtype} must be int32")
+  if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= num_seq_rows:
+    raise ValueError(f"num_seqs={int(num_seqs)} must be in [0, S={num_seq_rows}]")
+  if hasattr(layer, "dtype") and not jnp.issubdtype(layer.dtype, jnp.integer):
+    raise ValueError(f"layer.dtype={layer.dtype} must be an integer dtype")
+  if jnp.ndim(layer) != 0:
+    raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+  if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < dims["L"]:
+    raise ValueError(f"layer={int(layer)} must be in [0, L={dims['L']})")
+
+
+def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                            cu_q_lens, num_seqs) -> None:
+  """Host-side value checks (concrete arrays only); raises ``ValueError``.
+
+  Checks that the live rows are consistent: ``cu_q_lens`` starts at 0 and never decreases,
+  ends within ``T``; each live sequence has ``0 <= q_len <= kv_len <= P * Z``; and every
+  block-table entry a live sequence reads (its first ``ceil(kv_len / Z)``) lies in
+  ``[0, N)``.
+  """
+  if isinstance(q_THD, jax.core.Tracer) or isinstance(kv_lens_S, jax.core.Tracer):
+    raise ValueError("dynamic_validate_inputs needs concrete arrays; call it outside jit")
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  num_tokens = q_THD.shape[0]
+  kv_lens = np.asarray(kv_lens_S)
+  tables = np.asarray(block_tables_SP)
+  cu = np.asarray(cu_q_lens)
+  n = int(np.asarray(num_seqs))
+  layer = int(np.asarray(layer))
+  if not 0 <= layer < dims["L"]:
+    raise ValueError(f"layer={layer} must be in [0, L={dims['L']})")
+  if not 0 <= n <= tables.shape[0]:
+    raise ValueError(f"num_seqs={n} must be in [0, S={tables.shape[0]}]")
+  if cu[0] != 0:
+    raise ValueError(f"cu_q_lens[0]={cu[0]} must be 0")
+  live_cu = cu[: n + 1]
+  if np.any(np.diff(live_cu) < 0):
+    raise ValueError(f"cu_q_lens={live_cu.tolist()} must be non-decreasing over the first "
+                     f"num_seqs + 1 entries")
+  if live_cu[-1] > num_tokens:
+    raise ValueError(f"cu_q_lens[num_seqs]={live_cu[-1]} must be <= T={num_tokens}")
+  q_lens = np.diff(live_cu)
+  capacity = tables.shape[1] * dims["Z"]
+  for i in range(n):
+    if not q_lens[i] <= kv_lens[i] <= capacity:
+      raise ValueError(f"kv_lens[{i}]={kv_lens[i]} must be in [q_len={q_lens[i]}, "
+                       f"P * Z={capacity}]")
+    used = tables[i, : -(-int(kv_lens[i]) // dims["Z"])]
+    bad = (used < 0) | (used >= dims["N"])
+    if np.any(bad):
+      j = int(np.argmax(bad))
+      raise ValueError(f"block_tables[{i}, {j}]={used[j]} must be a block id in "
+                       f"[0, N={dims['N']}) (sequence {i} reads it)")
