@@ -76,7 +76,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   args = (q, cache.k_pages, cache.v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   chosen = resolve_impl(impl)
   if chosen == "reference":
-    return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+    return ragged_paged_attention_reference(*args, sm_scale=float(sm_scale))
   if chosen == "xla":
     return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale))
   kernel = _pallas_impl(chosen)

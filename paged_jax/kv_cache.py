@@ -79,12 +79,16 @@ class KVCache:
     if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < self.num_layers:
       raise ValueError(f"layer={int(layer)} must be in [0, L={self.num_layers})")
 
-  def write(self, layer, k_TKD: jax.Array, v_TKD: jax.Array, slots_T: jax.Array) -> "KVCache":
-    """Store token t's K/V at flat slot ``slots_T[t] = block_id * Z + offset`` of ``layer``.
+  def write(self, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> "KVCache":
+    """Store token t's K/V at flat slot ``slots[t] = block_id * Z + offset`` of ``layer``.
 
-    A slot outside ``[0, N * Z)`` (negative means padding) writes nothing: it is never
-    clamped or wrapped into a real block. K/V are cast to the cache dtype.
+    Args:
+      layer: int or traced int scalar.
+      k, v: [T, K, D]; cast to the cache dtype.
+      slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
+        it is never clamped or wrapped into a real block.
     """
+    k_TKD, v_TKD, slots_T = k, v, slots
     self._check_layer(layer)
     expected = (self.num_kv_heads, self.head_dim)
     for name, x in (("k", k_TKD), ("v", v_TKD)):
@@ -107,12 +111,13 @@ class KVCache:
         v_TKD.astype(self.dtype), mode="drop")
     return KVCache(k_pages=k_pages, v_pages=v_pages)
 
-  def copy_blocks(self, src_C: jax.Array, dst_C: jax.Array) -> "KVCache":
-    """Copy whole blocks ``src_C[c] -> dst_C[c]`` in every layer (fork / copy-on-write).
+  def copy_blocks(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+    """Copy whole blocks ``src[c] -> dst[c]`` (i32[C] each) in every layer (fork / COW).
 
     A pair with either id outside ``[0, N)`` (``NO_BLOCK`` included) copies nothing. All
     reads happen before any write.
     """
+    src_C, dst_C = src, dst
     _check_int32_vector("src", src_C)
     _check_int32_vector("dst", dst_C)
     if src_C.shape != dst_C.shape:

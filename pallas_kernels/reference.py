@@ -6,6 +6,8 @@ sequence owns and runs an ordinary masked softmax in float32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -13,6 +15,7 @@ from jax import lax
 from pallas_kernels import metadata
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
 def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                                      block_tables_SP, cu_q_lens, num_seqs, *,
                                      sm_scale: float):

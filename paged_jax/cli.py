@@ -1,0 +1,69 @@
+"""The ``paged-jax`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from paged_jax import planner
+from paged_jax.spec import KVCacheSpec
+
+
+def _add_plan(subparsers) -> None:
+  p = subparsers.add_parser(
+      "plan", help="KV capacity planner: blocks, tokens and sequences that fit a budget",
+      description="How many sequences fit a KV memory budget, paged against contiguous "
+      "max-length reservation. Without --config it plans for a Llama-3-8B shape "
+      "(L=32, K=8, D=128, bfloat16) in 16 GiB.")
+  p.add_argument("--config", help="a Hugging Face config.json, or the checkpoint directory")
+  p.add_argument("--num-layers", type=int, help="override L")
+  p.add_argument("--num-kv-heads", type=int, help="override K")
+  p.add_argument("--head-dim", type=int, help="override D")
+  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="KV dtype")
+  p.add_argument("--budget", default="16GiB", help="KV memory budget, e.g. 16GiB (default)")
+  p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+  p.add_argument("--max-len", type=int, default=4096,
+                 help="declared maximum sequence length (default 4096)")
+  p.add_argument("--median-len", type=int, default=512,
+                 help="median of the log-normal length distribution (default 512)")
+  p.add_argument("--sigma", type=float, default=1.0,
+                 help="sigma of the log-normal length distribution (default 1.0)")
+  p.add_argument("--seed", type=int, default=0)
+  p.set_defaults(func=_plan)
+
+
+def _plan(args) -> int:
+  model = planner.model_shape_from_config(args.config) if args.config else planner.LLAMA3_8B
+  overrides = {k: v for k, v in (("num_layers", args.num_layers),
+                                 ("num_kv_heads", args.num_kv_heads),
+                                 ("head_dim", args.head_dim), ("dtype", args.dtype))
+               if v is not None}
+  if overrides:
+    model = planner.dataclasses.replace(model, **overrides)
+  budget = planner.parse_bytes(args.budget)
+  spec = KVCacheSpec.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim,
+                                 args.block_size, model.dtype)
+  dist = planner.LengthDistribution(median_len=args.median_len, sigma=args.sigma,
+                                    max_len=args.max_len, seed=args.seed)
+  print(planner.format_plan(planner.plan_capacity(spec, dist), model, budget))
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__)
+  subparsers = parser.add_subparsers(dest="command", required=True)
+  _add_plan(subparsers)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    return args.func(args)
+  except (ValueError, FileNotFoundError) as e:
+    parser.exit(2, f"paged-jax {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

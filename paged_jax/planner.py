@@ -1,0 +1,179 @@
+"""KV capacity planning: how many sequences fit a memory budget, paged or contiguous.
+
+The sequence lengths come from a long-tailed (log-normal) distribution, clipped to
+``[1, max_len]``, drawn in arrival order with a fixed seed. Three ways to hold them:
+
+- paged: each sequence takes ``ceil(len / Z)`` blocks, so the waste is one block's tail;
+- contiguous, max length: each sequence reserves ``max_len`` tokens up front (what a
+  static-shape cache does);
+- contiguous, oracle: each reserves exactly its final length (an unreachable lower bound
+  on contiguous waste, since the final length is unknown when a request arrives).
+
+For each: the number of sequences of the stream that fit (the longest prefix of arrivals
+whose reservations fit in the pool) and the KV utilisation (tokens held / tokens reserved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.spec import KVCacheSpec
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+  """``"16GiB"``, ``"8GB"``, ``"1.5e9"`` or an int -> bytes."""
+  if isinstance(text, (int, np.integer)):
+    return int(text)
+  match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+  if not match or match.group(2).lower() not in _UNITS:
+    raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB' or a byte count")
+  try:
+    value = float(match.group(1))
+  except ValueError as e:
+    raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB'") from e
+  return int(value * _UNITS[match.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The part of a model that sizes its KV cache."""
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: Any = jnp.bfloat16
+  name: str = "custom"
+
+
+# The embedded default: Llama-3-8B's attention shape.
+LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                       name="Llama-3-8B shape (embedded default)")
+
+_HF_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
+  """A ``ModelShape`` from a Hugging Face ``config.json`` (or the directory holding it)."""
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config={path!r} does not exist")
+  with open(path) as f:
+    config = json.load(f)
+  try:
+    num_heads = int(config["num_attention_heads"])
+    num_layers = int(config["num_hidden_layers"])
+    hidden = int(config["hidden_size"])
+  except KeyError as e:
+    raise ValueError(f"config={path!r} lacks {e.args[0]!r}") from e
+  num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+  head_dim = int(config.get("head_dim") or hidden // num_heads)
+  dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+  return ModelShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=_HF_DTYPES.get(str(dtype_name), jnp.bfloat16),
+                    name=config.get("_name_or_path") or os.path.basename(os.path.dirname(path)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+  """Log-normal sequence lengths (prompt + output tokens), clipped to ``[1, max_len]``."""
+
+  median_len: int = 512
+  sigma: float = 1.0
+  max_len: int = 4096
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.median_len < 1:
+      raise ValueError(f"median_len={self.median_len} must be >= 1")
+    if not self.sigma >= 0:
+      raise ValueError(f"sigma={self.sigma} must be >= 0")
+    if self.max_len < 1:
+      raise ValueError(f"max_len={self.max_len} must be >= 1")
+
+  def sample(self, num: int) -> np.ndarray:
+    rng = np.random.default_rng(self.seed)
+    lengths = np.exp(rng.normal(np.log(self.median_len), self.sigma, size=num))
+    return np.clip(np.ceil(lengths), 1, self.max_len).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """How one strategy holds the stream: sequences that fit and the utilisation."""
+
+  name: str
+  num_seqs: int
+  tokens_held: int
+  tokens_reserved: int
+
+  @property
+  def utilization(self) -> float:
+    return self.tokens_held / self.tokens_reserved if self.tokens_reserved else 0.0
+
+
+def _fit_prefix(lengths: np.ndarray, reserved: np.ndarray,
+                capacity: int) -> tuple[int, int, int]:
+  """(sequences, tokens held, tokens reserved) of the longest prefix that fits."""
+  cum = np.cumsum(reserved)
+  n = int(np.searchsorted(cum, capacity, side="right"))
+  return n, int(lengths[:n].sum()), int(cum[n - 1]) if n else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+  spec: KVCacheSpec
+  lengths: LengthDistribution
+  paged: Placement
+  contiguous_max: Placement
+  contiguous_oracle: Placement
+
+
+def plan_capacity(spec: KVCacheSpec, lengths: LengthDistribution) -> CapacityPlan:
+  """Fit a stream of sampled sequences into ``spec``'s pool three ways."""
+  capacity = spec.max_tokens
+  # No strategy fits more sequences than the pool has tokens (each holds at least one).
+  stream = lengths.sample(capacity + 1)
+  z = spec.block_size
+  placements = []
+  for name, reserved in (("paged", -(-stream // z) * z),
+                         ("contiguous, max length", np.full_like(stream, lengths.max_len)),
+                         ("contiguous, oracle length", stream)):
+    n, held, used = _fit_prefix(stream, reserved, capacity)
+    placements.append(Placement(name, n, held, used))
+  return CapacityPlan(spec, lengths, *placements)
+
+
+def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str:
+  spec, dist = plan.spec, plan.lengths
+  mib = 2**20
+  lines = [
+      f"model      : {model.name}: L={spec.num_layers} K={spec.num_kv_heads} "
+      f"D={spec.head_dim} dtype={spec.dtype}",
+      f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
+      f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)",
+      f"per block  : {spec.block_bytes} bytes ({spec.block_bytes / mib:.3f} MiB), "
+      f"Z={spec.block_size} tokens",
+      f"blocks     : {spec.num_blocks}  ({spec.total_bytes / 2**30:.2f} GiB used)",
+      f"tokens     : {spec.max_tokens}",
+      f"lengths    : log-normal, median {dist.median_len}, sigma {dist.sigma}, clipped to "
+      f"[1, {dist.max_len}], seed {dist.seed}",
+      "",
+      "| strategy | sequences that fit | KV utilisation | vs max-length |",
+      "|---|---:|---:|---:|",
+  ]
+  base = max(plan.contiguous_max.num_seqs, 1)
+  for p in (plan.paged, plan.contiguous_max, plan.contiguous_oracle):
+    lines.append(f"| {p.name} | {p.num_seqs} | {100 * p.utilization:.1f}% | "
+                 f"{p.num_seqs / base:.2f}x |")
+  return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""paged_attention (reference and XLA impls) against an independent float64 oracle."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import KVCache, paged_attention, resolve_impl, validate_attention_inputs
+from pallas_kernels.xla import XlaTiling, ragged_paged_attention as xla_attention
+from tests import attention_cases as cases
+
+IMPLS = ("reference", "xla")
+
+
+def run(case: cases.Case, impl: str, **kwargs):
+  q, k_pages, v_pages, layer, kv_lens, tables, cu, num_seqs = case.jax_args()
+  cache = KVCache(k_pages=k_pages, v_pages=v_pages)
+  return paged_attention(q, cache, layer, kv_lens, tables, cu, num_seqs, impl=impl, **kwargs)
+
+
+def check(case: cases.Case, out, dtype) -> None:
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.all(np.isfinite(out)), "output must be finite (NaN pages were read)"
+  expected = cases.oracle(case)
+  live = int(case.cu_q_lens[case.num_seqs])
+  np.testing.assert_allclose(out[:live], expected[:live], **cases.tolerance(dtype))
+  np.testing.assert_array_equal(out[live:], 0.0)  # padding rows are zero
+
+
+GRID = list(itertools.product([jnp.float32, jnp.bfloat16], [8, 16, 32], [1, 4, 8], [64, 128]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", GRID)
+def test_grid_against_float64_oracle(impl, dtype, block_size, group, head_dim):
+  q_lens, kv_lens = cases.mixed_lengths(block_size)
+  seed = zlib.crc32(f"{impl}-{jnp.dtype(dtype)}-{block_size}-{group}-{head_dim}".encode())
+  case = cases.make_case(seed, q_lens=q_lens, kv_lens=kv_lens, num_kv_heads=2 if group < 8
+                         else 1, group=group, head_dim=head_dim, block_size=block_size,
+                         dtype=dtype)
+  check(case, run(case, impl), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hand_computed_case(impl):
+  # One sequence, K = H = D = 1, block size 2, sm_scale 1. Keys at positions 0, 1, 2 are
+  # 0, ln 2, ln 3 and values 3, 6, 9; the two queries (q_len 2 of kv_len 3) are 1.
+  # Query 0 sits at position 1: weights e^0 : e^ln2 = 1 : 2, so 3/3 + 6*2/3 = 5.
+  # Query 1 sits at position 2: weights 1 : 2 : 3 over 6, so (3 + 12 + 27) / 6 = 7.
+  # Logical block 0 is physical block 3, logical block 1 is physical block 1; everything
+  # else (blocks 0 and 2, and offset 1 of block 1) is NaN and must never be read.
+  nan = np.nan
+  k_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
+  v_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
+  k_pages[0, 0, 3, :, 0] = [0.0, math.log(2)]
+  k_pages[0, 0, 1, 0, 0] = math.log(3)
+  v_pages[0, 0, 3, :, 0] = [3.0, 6.0]
+  v_pages[0, 0, 1, 0, 0] = 9.0
+  cache = KVCache(k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages))
+  q = jnp.ones((3, 1, 1), jnp.float32)  # row 2 is padding
+  out = paged_attention(q, cache, 0, jnp.array([3], jnp.int32), jnp.array([[3, 1]], jnp.int32),
+                        jnp.array([0, 2], jnp.int32), jnp.int32(1), sm_scale=1.0, impl=impl)
+  np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [5.0, 7.0, 0.0], rtol=1e-6)
+
+
+class VariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_variants_match_oracle(self):
+    for impl, dtype in itertools.product(IMPLS, [jnp.float32, jnp.bfloat16]):
+      q_lens, kv_lens = cases.mixed_lengths(8)
+      case = cases.make_case(7, q_lens=q_lens, kv_lens=kv_lens, group=4, head_dim=64,
+                             dtype=dtype)
+      q, k_pages, v_pages, layer, kv_lens_S, tables, cu, num_seqs = case.jax_args()
+
+      @self.variant
+      def attend(q, k_pages, v_pages, layer, kv_lens_S, tables, cu, num_seqs):
+        cache = KVCache(k_pages=k_pages, v_pages=v_pages)
+        return paged_attention(q, cache, layer, kv_lens_S, tables, cu, num_seqs, impl=impl)
+
+      check(case, attend(q, k_pages, v_pages, jnp.int32(layer), kv_lens_S, tables, cu,
+                         num_seqs), dtype)
+
+
+@pytest.mark.parametrize("q_tile,pages_per_chunk", [(1, 1), (2, 3), (4, 1), (8, 2), (64, 8)])
+def test_xla_tilings_agree(q_tile, pages_per_chunk):
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(3, q_lens=q_lens, kv_lens=kv_lens, group=2, head_dim=64)
+  out = xla_attention(*case.jax_args(), sm_scale=64 ** -0.5,
+                      tiling=XlaTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk))
+  check(case, out, jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_context_and_single_sequence(impl):
+  # One long prefill, then one long decode: many chunks in the XLA loop.
+  for q_lens, kv_lens in (([40], [300]), ([1], [513])):
+    case = cases.make_case(11, q_lens=q_lens, kv_lens=kv_lens, block_size=16, group=2,
+                           padding_seqs=0, padding_tokens=0)
+    check(case, run(case, impl), jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_padding_and_empty_batches(impl):
+  case = cases.make_case(5, q_lens=[0, 0], kv_lens=[4, 0], padding_tokens=3)
+  out = run(case, impl)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  case = cases.make_case(5, q_lens=[2], kv_lens=[4])
+  case.num_seqs = 0  # every row is padding
+  np.testing.assert_array_equal(np.asarray(run(case, impl)), 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sm_scale_is_applied(impl):
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(2, q_lens=q_lens, kv_lens=kv_lens)
+  out = np.asarray(run(case, impl, sm_scale=0.3))
+  np.testing.assert_allclose(out[: sum(q_lens)], cases.oracle(case, 0.3)[: sum(q_lens)],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_traced_layer_selects_pages():
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(4, q_lens=q_lens, kv_lens=kv_lens, layer=0)
+  q, k_pages, v_pages, _, kv_lens_S, tables, cu, num_seqs = case.jax_args()
+  cache = KVCache(k_pages=k_pages, v_pages=v_pages)
+  fn = jax.jit(lambda layer: paged_attention(q, cache, layer, kv_lens_S, tables, cu, num_seqs,
+                                             impl="xla"))
+  check(case, fn(jnp.int32(0)), jnp.float32)
+  case.layer = 1
+  check(case, fn(jnp.int32(1)), jnp.float32)
+
+
+def test_auto_resolves_to_xla_on_cpu():
+  assert resolve_impl("auto") == "xla"
+  assert resolve_impl("reference") == "reference"
+
+
+# --- bad input: each a ValueError naming the argument --------------------------------------
+
+
+def _good_args():
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, group=2)
+  q, k_pages, v_pages, layer, kv_lens_S, tables, cu, num_seqs = case.jax_args()
+  return dict(q=q, cache=KVCache(k_pages=k_pages, v_pages=v_pages), layer=layer,
+              kv_lens=kv_lens_S, block_tables=tables, cu_q_lens=cu, num_seqs=num_seqs)
+
+
+def _call(**overrides):
+  args = _good_args()
+  impl = overrides.pop("impl", "xla")
+  args.update(overrides)
+  return paged_attention(**args, impl=impl)
+
+
+@pytest.mark.parametrize("name,make,match", [
+    ("q rank", lambda a: dict(q=a["q"][0]), r"q\.shape"),
+    ("q integer", lambda a: dict(q=a["q"].astype(jnp.int32)), r"q\.dtype"),
+    ("H not multiple of K", lambda a: dict(q=a["q"][:, :3]), r"multiple of"),
+    ("head dim", lambda a: dict(q=a["q"][..., :32]), r"head dim"),
+    ("tables rank", lambda a: dict(block_tables=a["block_tables"][0]), r"block_tables\.shape"),
+    ("tables dtype", lambda a: dict(block_tables=a["block_tables"].astype(jnp.int64)
+                                    if jax.config.jax_enable_x64 else
+                                    a["block_tables"].astype(jnp.float32)),
+     r"block_tables\.dtype"),
+    ("kv_lens dtype", lambda a: dict(kv_lens=a["kv_lens"].astype(jnp.uint32)), r"kv_lens\.dtype"),
+    ("kv_lens length", lambda a: dict(kv_lens=a["kv_lens"][:-1]), r"kv_lens\.shape"),
+    ("cu_q_lens length", lambda a: dict(cu_q_lens=a["cu_q_lens"][:-1]), r"cu_q_lens\.shape"),
+    ("cu_q_lens dtype", lambda a: dict(cu_q_lens=a["cu_q_lens"].astype(jnp.float32)),
+     r"cu_q_lens\.dtype"),
+    ("num_seqs shape", lambda a: dict(num_seqs=jnp.zeros(2, jnp.int32)), r"num_seqs"),
+    ("num_seqs range", lambda a: dict(num_seqs=99), r"num_seqs=99"),
+    ("layer range", lambda a: dict(layer=2), r"layer=2"),
+    ("layer negative", lambda a: dict(layer=-1), r"layer=-1"),
+    ("layer float", lambda a: dict(layer=jnp.float32(0)), r"layer\.dtype"),
+    ("cache type", lambda a: dict(cache=a["cache"].k_pages), r"cache="),
+    ("impl", lambda a: dict(impl="cuda_magic"), r"impl='cuda_magic'"),
+])
+def test_bad_input_raises_value_error(name, make, match):
+  with pytest.raises(ValueError, match=match):
+    _call(**make(_good_args()))
+
+
+def test_validate_attention_inputs_checks_values():
+  args = _good_args()
+  validate_attention_inputs(**args)  # the good case passes
+  bad_table = np.asarray(args["block_tables"]).copy()
+  bad_table[0, 0] = args["cache"].num_blocks  # out of range, read by sequence 0
+  with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
+    validate_attention_inputs(**{**args, "block_tables": jnp.asarray(bad_table)})
+  bad_table[0, 0] = -1
+  with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
+    validate_attention_inputs(**{**args, "block_tables": jnp.asarray(bad_table)})
+  kv_lens = np.asarray(args["kv_lens"]).copy()
+  kv_lens[2] = 1  # shorter than its q_len of 5
+  with pytest.raises(ValueError, match=r"kv_lens\[2\]"):
+    validate_attention_inputs(**{**args, "kv_lens": jnp.asarray(kv_lens)})
+  cu = np.asarray(args["cu_q_lens"]).copy()
+  cu[2], cu[3] = cu[3], cu[2]
+  with pytest.raises(ValueError, match=r"non-decreasing"):
+    validate_attention_inputs(**{**args, "cu_q_lens": jnp.asarray(cu)})
+  cu = np.asarray(args["cu_q_lens"]).copy()
+  cu[args["num_seqs"]:] = args["q"].shape[0] + 1
+  with pytest.raises(ValueError, match=r"cu_q_lens\[num_seqs\]"):
+    validate_attention_inputs(**{**args, "cu_q_lens": jnp.asarray(cu)})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_table_entry_is_never_clamped(impl):
+  # A corrupt entry must not silently read a real block (as a clamping gather would): the
+  # block is treated as empty (zeros), so the output differs from reading block N - 1.
+  case = cases.make_case(9, q_lens=[1], kv_lens=[8], padding_seqs=0, padding_tokens=0,
+                         extra_blocks=0)
+  case.block_tables_SP[0, 0] = case.k_pages_LKNZD.shape[2]  # == N, out of range
+  out = np.asarray(run(case, impl))
+  assert np.all(np.isfinite(out))
+  np.testing.assert_allclose(out, 0.0, atol=1e-6)  # zero keys, zero values -> zero output

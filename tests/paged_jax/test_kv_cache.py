@@ -1,0 +1,131 @@
+"""KVCache: create, write (padding and out-of-range slots), copy_blocks, donation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import KVCache, KVCacheSpec
+
+SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=5,
+                   dtype=jnp.float32)
+
+
+def test_create_layout_and_bytes():
+  cache = KVCache.create(SPEC)
+  assert cache.k_pages.shape == (3, 2, 5, 4, 4)  # [L, K, N, Z, D]
+  assert cache.v_pages.shape == (3, 2, 5, 4, 4)
+  assert cache.spec == SPEC
+  assert cache.nbytes() == SPEC.total_bytes
+  assert not np.any(np.asarray(cache.k_pages))
+
+
+def test_create_rejects_non_spec():
+  with pytest.raises(ValueError, match="spec="):
+    KVCache.create((3, 2, 4))
+
+
+def test_write_places_tokens_at_their_slots():
+  cache = KVCache.create(SPEC)
+  rng = np.random.default_rng(0)
+  k = rng.normal(size=(3, 2, 4)).astype(np.float32)
+  v = rng.normal(size=(3, 2, 4)).astype(np.float32)
+  # slot = block * Z + offset: 9 -> block 2 offset 1; 0 -> block 0 offset 0; 19 -> block 4
+  # offset 3 (the very last slot).
+  cache = cache.write(1, jnp.asarray(k), jnp.asarray(v), jnp.array([9, 0, 19], jnp.int32))
+  kp, vp = np.asarray(cache.k_pages), np.asarray(cache.v_pages)
+  for t, (block, offset) in enumerate([(2, 1), (0, 0), (4, 3)]):
+    np.testing.assert_array_equal(kp[1, :, block, offset], k[t])
+    np.testing.assert_array_equal(vp[1, :, block, offset], v[t])
+  assert np.count_nonzero(kp) == k.size and np.count_nonzero(kp[[0, 2]]) == 0
+
+
+@pytest.mark.parametrize("bad_slot", [-1, -7, -20, 20, 21, 2**31 - 1])
+def test_padding_and_out_of_range_slots_write_nothing(bad_slot):
+  # jnp would wrap -1 to the last slot, and a clamping scatter would put 20 into slot 19:
+  # both must leave the pool untouched.
+  cache = KVCache.create(SPEC)
+  ones = jnp.ones((2, 2, 4), jnp.float32)
+  out = cache.write(0, ones, 2 * ones, jnp.array([bad_slot, 5], jnp.int32))
+  kp = np.asarray(out.k_pages)
+  assert np.count_nonzero(kp) == 2 * 4  # only slot 5 (block 1, offset 1) was written
+  np.testing.assert_array_equal(kp[0, :, 1, 1], 1.0)
+  np.testing.assert_array_equal(np.asarray(out.v_pages)[0, :, 1, 1], 2.0)
+
+
+def test_write_casts_to_cache_dtype_and_accepts_traced_layer():
+  spec = KVCacheSpec(2, 1, 2, 2, 2, jnp.bfloat16)
+  cache = KVCache.create(spec)
+  write = jax.jit(lambda c, layer, k, s: c.write(layer, k, k, s))
+  out = write(cache, jnp.int32(1), jnp.full((1, 1, 2), 1.5, jnp.float32),
+              jnp.array([3], jnp.int32))
+  assert out.k_pages.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out.k_pages[1, 0, 1, 1], np.float32), 1.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=jnp.ones((2, 3, 4)), v=jnp.ones((2, 3, 4))), r"k\.shape"),
+    (dict(k=jnp.ones((2, 2, 4)), v=jnp.ones((1, 2, 4))), r"v\.shape"),
+    (dict(slots=jnp.array([0, 1], jnp.float32)), r"slots\.dtype"),
+    (dict(slots=jnp.array([0], jnp.int32)), r"slots\.shape"),
+    (dict(layer=3), r"layer=3"),
+    (dict(layer=jnp.float32(0)), r"layer\.dtype"),
+])
+def test_write_bad_input(kwargs, match):
+  args = dict(layer=0, k=jnp.ones((2, 2, 4)), v=jnp.ones((2, 2, 4)),
+              slots=jnp.array([0, 1], jnp.int32))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    KVCache.create(SPEC).write(**args)
+
+
+def test_copy_blocks_copies_every_layer_and_ignores_no_block():
+  rng = np.random.default_rng(1)
+  k = rng.normal(size=(3, 2, 5, 4, 4)).astype(np.float32)
+  v = rng.normal(size=(3, 2, 5, 4, 4)).astype(np.float32)
+  cache = KVCache(k_pages=jnp.asarray(k), v_pages=jnp.asarray(v))
+  # Pairs: 0 -> 3, then NO_BLOCK pairs, an out-of-range destination, and 3 -> 1 which must
+  # read block 3 as it was BEFORE this call (reads happen before writes).
+  src = jnp.array([0, -1, 2, 3, 4], jnp.int32)
+  dst = jnp.array([3, 2, -1, 1, 5], jnp.int32)
+  out = cache.copy_blocks(src, dst)
+  expected_k, expected_v = k.copy(), v.copy()
+  expected_k[:, :, 3], expected_v[:, :, 3] = k[:, :, 0], v[:, :, 0]
+  expected_k[:, :, 1], expected_v[:, :, 1] = k[:, :, 3], v[:, :, 3]
+  np.testing.assert_array_equal(np.asarray(out.k_pages), expected_k)
+  np.testing.assert_array_equal(np.asarray(out.v_pages), expected_v)
+
+
+def test_copy_blocks_bad_input():
+  cache = KVCache.create(SPEC)
+  with pytest.raises(ValueError, match=r"dst\.shape"):
+    cache.copy_blocks(jnp.array([0, 1], jnp.int32), jnp.array([2], jnp.int32))
+  with pytest.raises(ValueError, match=r"src\.dtype"):
+    cache.copy_blocks(jnp.array([0.0]), jnp.array([2], jnp.int32))
+
+
+def test_donated_write_updates_the_pool_in_place():
+  spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=256,
+                     dtype=jnp.float32)
+  write = jax.jit(lambda c, k, s: c.write(1, k, k, s), donate_argnums=0)
+  cache = KVCache.create(spec)
+  k = jnp.ones((4, 2, 16), jnp.float32)
+  slots = jnp.array([0, 9, 100, -1], jnp.int32)
+  out = write(cache, k, slots)  # compile (the first call may allocate)
+  pointer = out.k_pages.unsafe_buffer_pointer()
+  out2 = write(out, k, slots + 1)
+  assert out.k_pages.is_deleted() and out.v_pages.is_deleted()  # the input was donated
+  assert out2.k_pages.unsafe_buffer_pointer() == pointer  # ... and reused, not copied
+  lowered = write.lower(out2, k, slots)
+  temp_bytes = lowered.compile().memory_analysis().temp_size_in_bytes
+  assert temp_bytes < spec.total_bytes // 4, temp_bytes  # no pool-sized temporary
+
+
+def test_cache_is_a_pytree():
+  cache = KVCache.create(SPEC)
+  leaves, treedef = jax.tree_util.tree_flatten(cache)
+  assert len(leaves) == 2
+  rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+  assert isinstance(rebuilt, KVCache) and rebuilt.spec == SPEC

@@ -1,0 +1,90 @@
+"""The capacity planner and the ``paged-jax plan`` command."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import KVCacheSpec, cli, planner
+
+
+@pytest.mark.parametrize("text,expected", [("16GiB", 16 * 2**30), ("8GB", 8 * 10**9),
+                                           ("1.5e9", 1_500_000_000), (4096, 4096),
+                                           ("512 MiB", 512 * 2**20)])
+def test_parse_bytes(text, expected):
+  assert planner.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "16XB", ""])
+def test_parse_bytes_rejects(text):
+  with pytest.raises(ValueError, match="budget="):
+    planner.parse_bytes(text)
+
+
+def test_hand_computed_plan():
+  # 10 blocks of Z=4 -> 40 tokens. With sigma 0 every length is the median, 6 tokens.
+  # paged: 2 blocks (8 tokens) each -> 5 sequences, 30 / 40 = 75% utilisation.
+  # max length 20: 2 sequences, 12 / 40 = 30%. oracle: floor(40 / 6) = 6 sequences, 100%.
+  spec = KVCacheSpec(1, 1, 8, 4, 10, jnp.float32)
+  plan = planner.plan_capacity(spec, planner.LengthDistribution(median_len=6, sigma=0.0,
+                                                                max_len=20))
+  assert (plan.paged.num_seqs, plan.paged.tokens_held, plan.paged.tokens_reserved) == (5, 30, 40)
+  assert plan.paged.utilization == 0.75
+  assert (plan.contiguous_max.num_seqs, plan.contiguous_max.utilization) == (2, 0.3)
+  assert (plan.contiguous_oracle.num_seqs, plan.contiguous_oracle.utilization) == (6, 1.0)
+
+
+def test_paged_waste_is_bounded_by_one_block_per_sequence():
+  spec = KVCacheSpec(32, 8, 128, 16, 4096, jnp.bfloat16)
+  plan = planner.plan_capacity(spec, planner.LengthDistribution(seed=3))
+  waste = plan.paged.tokens_reserved - plan.paged.tokens_held
+  assert waste < plan.paged.num_seqs * spec.block_size
+  assert plan.contiguous_max.num_seqs <= plan.paged.num_seqs <= plan.contiguous_oracle.num_seqs
+  assert plan.paged.tokens_reserved <= spec.max_tokens
+
+
+def test_length_distribution_is_seeded_and_clipped():
+  dist = planner.LengthDistribution(median_len=100, sigma=2.0, max_len=300, seed=1)
+  a, b = dist.sample(1000), dist.sample(1000)
+  np.testing.assert_array_equal(a, b)
+  assert a.min() >= 1 and a.max() <= 300
+  with pytest.raises(ValueError, match="median_len"):
+    planner.LengthDistribution(median_len=0)
+
+
+def test_model_shape_from_config(tmp_path):
+  config = dict(num_attention_heads=32, num_hidden_layers=4, hidden_size=2048,
+                num_key_value_heads=4, torch_dtype="float16")
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  shape = planner.model_shape_from_config(tmp_path)
+  assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (4, 4, 64)
+  assert shape.dtype == jnp.float16
+  (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+  with pytest.raises(ValueError, match="num_attention_heads"):
+    planner.model_shape_from_config(tmp_path)
+  with pytest.raises(FileNotFoundError, match="config="):
+    planner.model_shape_from_config(tmp_path / "missing")
+
+
+def test_cli_plan_default_and_config(tmp_path, capsys):
+  assert cli.main(["plan"]) == 0
+  out = capsys.readouterr().out
+  assert "per block  : 2097152 bytes" in out and "blocks     : 8192" in out
+  assert "| paged |" in out and "| contiguous, max length | 32 |" in out
+  config = dict(num_attention_heads=4, num_hidden_layers=2, hidden_size=256)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert cli.main(["plan", "--config", str(tmp_path), "--budget", "64MiB",
+                   "--block-size", "8", "--max-len", "512", "--median-len", "64"]) == 0
+  out = capsys.readouterr().out
+  # 2 * 2 layers * 4 heads * 64 dims * 2 bytes = 2048 bytes per token; 16 KiB per block.
+  assert "per token  : 2048 bytes" in out and "per block  : 16384 bytes" in out
+
+
+def test_cli_plan_errors_exit_2(capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["plan", "--budget", "10"])
+  assert exc.value.code == 2
+  assert "budget_bytes=10" in capsys.readouterr().err
