@@ -1,0 +1,9 @@
+"""Pallas TPU (Mosaic) kernels: ragged paged attention over the ``[L, K, N, Z, D]`` pool."""
+
+from __future__ import annotations
+
+from pallas_kernels.tpu.ragged import TpuTiling
+from pallas_kernels.tpu.ragged import default_tiling
+from pallas_kernels.tpu.ragged import ragged_paged_attention
+
+__all__ = ["TpuTiling", "default_tiling", "ragged_paged_attention"]

@@ -1,0 +1,473 @@
+"""Ragged paged attention as a Mosaic TPU Pallas kernel: decode and prefill in one launch.
+
+Work decomposition (as in ``pallas_kernels.xla.ragged``): the T query rows are cut into
+tiles of Q consecutive rows, and a work item is a (tile, sequence) pair sharing a row; a
+tile that spans a sequence boundary yields one item per sequence it touches. Tiles that no
+live sequence touches (padding rows) get one dead item each, so that every output block is
+written. The item list is computed in jnp in the jitted wrapper and reaches the kernel by
+scalar prefetch, together with the layer index and the block tables.
+
+Grid: ``(K, W)``: KV heads (parallel, so megacore chips may split them) by work items (in
+order). One grid step computes the G query heads of one KV head for the Q rows of one item,
+packed as the ``M = Q * G`` rows (padded to the sublane tile) of one matmul, against its
+sequence's pages up to the item's causal horizon, R pages (``J = R * Z`` KV positions) per
+chunk. The chunk loop has a dynamic trip count: chunks past the horizon, and dead items,
+cost nothing.
+
+Buffering: pages stay in HBM (``pl.ANY``); each page of one KV head, ``pages[layer, k, n]``,
+is one contiguous ``[Z, D]`` tile DMA'd into rows ``r * Z : (r + 1) * Z`` of a
+double-buffered ``[2, J, D]`` VMEM scratch (one per K and V, one DMA semaphore per buffer
+and slot). Before the math of chunk c, the copies of chunk c + 1 are started into the other
+slot; during an item's last chunk the next item's first chunk is started, so the pipeline
+does not drain between items of one KV head. Slots are assigned statically (the parity of a
+running chunk count, precomputed), not carried in scratch. Pages past an item's horizon
+(those a sequence does not own, and the unused tail of its table) are never copied: each
+page copy sits under ``pl.when``; rows of a buffer that this chunk did not fill, and rows
+past the horizon, are masked with ``where`` (never multiplied), so NaN garbage cannot leak.
+
+Precision: float32 KV is computed in float32 (``Precision.HIGHEST``); bfloat16 q and KV
+feed the MXU in bfloat16 with float32 accumulation. The online softmax state (row max,
+denominator, accumulator) lives in float32 VMEM scratch.
+
+No ref reshapes or bitcasts happen in the kernel (the TPU interpreter on CPU cannot run
+them): q and the output are laid out ``[K, tiles, M, D]`` by the wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import validation
+
+_NEG_INF = float("-inf")
+# VMEM the tiling may use; the smallest default scoped limit among TPU generations.
+_VMEM_BUDGET_BYTES = 16 * 1024 * 1024
+
+# Fields of the flat work-item table ``items[field * W + w]`` (one i32[W] row per field).
+_SEQ = 0         # the item's sequence
+_TILE = 1        # the item's query tile
+_ROW_LO = 2      # first tile-local row the item owns
+_ROW_HI = 3      # one past the last tile-local row it owns (lo == hi: a dead item)
+_FIRST = 4       # 1 when it is the first item of its tile (it zeroes the rows it does not own)
+_Q_OFFSET = 5    # query position of tile-local row i is i + q_offset
+_HORIZON = 6     # KV positions the item reads: [0, horizon)
+_CHUNKS = 7      # chunks of J positions it reads: ceil(horizon / J)
+_CHUNK_BASE = 8  # chunks read by the items before it (the slot parity of its first chunk)
+_NUM_FIELDS = 9
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTiling:
+  """Static tiling of the TPU kernel.
+
+  Attributes:
+    q_tile: Q, query rows per work item. The packed matmul has ``M = Q * G`` rows (G query
+      heads per KV head), padded up to the sublane tile. 1 suits decode; larger tiles
+      amortise each page read over many prefill rows of one sequence.
+    pages_per_chunk: R, pages brought in per DMA round and per compute step
+      (``J = R * Z`` KV positions).
+  """
+
+  q_tile: int
+  pages_per_chunk: int
+
+  def __post_init__(self):
+    for name in ("q_tile", "pages_per_chunk"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+  def vmem_bytes(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
+                 kv_itemsize: int) -> int:
+    """Approximate VMEM footprint of one kernel instance."""
+    rows = _padded_rows(self.q_tile * group, q_itemsize)
+    chunk_len = self.pages_per_chunk * block_size
+    kv_buffers = 2 * 2 * chunk_len * head_dim * kv_itemsize       # K and V, two slots
+    q_out_blocks = 2 * 2 * rows * head_dim * q_itemsize           # pipelined in and out
+    state = rows * head_dim * 4 + 2 * rows * 128 * 4              # acc, max, denom
+    temporaries = 3 * rows * chunk_len * 4 + chunk_len * head_dim * 4
+    return kv_buffers + q_out_blocks + state + temporaries
+
+  def check(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
+            kv_itemsize: int) -> None:
+    """Raises ``ValueError`` naming the field when the tiling overflows the VMEM budget."""
+    rows = self.q_tile * group
+    if rows > 4096:
+      raise ValueError(f"q_tile={self.q_tile} gives q_tile * G={rows} packed rows; must be "
+                       "<= 4096")
+    sizes = dict(group=group, block_size=block_size, head_dim=head_dim,
+                 q_itemsize=q_itemsize, kv_itemsize=kv_itemsize)
+    used = self.vmem_bytes(**sizes)
+    if used > _VMEM_BUDGET_BYTES:
+      # Blame q_tile when even one page per chunk would not fit, else pages_per_chunk.
+      one_page = dataclasses.replace(self, pages_per_chunk=1).vmem_bytes(**sizes)
+      name = "q_tile" if one_page > _VMEM_BUDGET_BYTES else "pages_per_chunk"
+      raise ValueError(f"{name}={getattr(self, name)} needs ~{used} bytes of VMEM "
+                       f"(q_tile={self.q_tile}, pages_per_chunk={self.pages_per_chunk}, "
+                       f"G={group}, Z={block_size}, D={head_dim}); must fit in "
+                       f"{_VMEM_BUDGET_BYTES}")
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << (max(1, x).bit_length() - 1)
+
+
+def _padded_rows(rows: int, itemsize: int) -> int:
+  """Rows padded to the sublane tile of the dtype: 8 for 32-bit, 16 for 16-bit."""
+  sublanes = 8 * max(1, 4 // itemsize)
+  return -(-rows // sublanes) * sublanes
+
+
+def default_tiling(num_tokens: int, num_seq_rows: int, num_q_heads: int, num_kv_heads: int,
+                   block_size: int, blocks_per_seq: int) -> TpuTiling:
+  """Q near the mean rows per sequence (a power of two, ``Q * G`` at most 256, Q at most
+  64); R so that a chunk holds 256 positions (at most the table width)."""
+  group = num_q_heads // num_kv_heads
+  rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
+  q_tile = max(1, min(_pow2_floor(rows_per_seq), 64, _pow2_floor(max(1, 256 // group))))
+  pages_per_chunk = max(1, min(blocks_per_seq, 256 // block_size))
+  return TpuTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk)
+
+
+def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
+  """W, an upper bound on (tile, sequence) items plus one dead item per untouched tile.
+
+  Sequences are consecutive row ranges, so neighbours share at most one tile: the items
+  number at most the tiles plus one per further non-empty sequence; and a tile holds at
+  most ``min(Q, S)`` items.
+  """
+  num_tiles = -(-num_tokens // q_tile)
+  nonempty = min(num_seq_rows, num_tokens)
+  return max(1, min(num_tiles + nonempty - 1, num_tiles * min(q_tile, num_seq_rows)))
+
+
+def _work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
+                chunk_len: int, kv_capacity: int):
+  """The flat i32[_NUM_FIELDS * W] work-item table (fields above), in jnp."""
+  num_seq_rows = kv_lens_S.shape[0]
+  num_tiles = -(-num_tokens // q_tile)
+  num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
+
+  q_start_S = jnp.clip(cu_q_lens[:-1], 0, num_tokens)
+  q_end_S = jnp.clip(cu_q_lens[1:], 0, num_tokens)
+  live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
+  first_tile_S = q_start_S // q_tile
+  tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
+  tiles_end_S = jnp.cumsum(tiles_S)
+  num_live = tiles_end_S[-1]
+
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  live_W = w < num_live
+  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"), num_seq_rows - 1)
+  seq_W = seq_W.astype(jnp.int32)
+  live_tile_W = first_tile_S[seq_W] + w - (tiles_end_S - tiles_S)[seq_W]
+
+  # Tiles no live item touches (padding rows only) get the dead items, in order, after the
+  # live ones; the remaining dead items repeat the last tile, so each tile's items stay
+  # consecutive and its output block is written back once.
+  touched = jnp.zeros((num_tiles,), jnp.bool_).at[
+      jnp.where(live_W, live_tile_W, num_tiles)].set(True, mode="drop")
+  num_untouched = num_tiles - jnp.sum(touched.astype(jnp.int32))
+  untouched = jnp.nonzero(~touched, size=num_tiles, fill_value=num_tiles - 1)[0]
+  last_live_tile = live_tile_W[jnp.maximum(num_live - 1, 0)]
+  dead_index = jnp.clip(w - num_live, 0, jnp.maximum(num_untouched - 1, 0))
+  dead_tile_W = jnp.where(num_untouched > 0, untouched[dead_index], last_live_tile)
+  tile_W = jnp.where(live_W, live_tile_W, dead_tile_W).astype(jnp.int32)
+
+  tile_start_W = tile_W * q_tile
+  row_lo_W = jnp.where(live_W, jnp.maximum(q_start_S[seq_W] - tile_start_W, 0), 0)
+  row_hi_W = jnp.where(live_W, jnp.minimum(q_end_S[seq_W] - tile_start_W, q_tile), 0)
+  prev_tile_W = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_W[:-1]])
+  first_W = (tile_W != prev_tile_W).astype(jnp.int32)
+  # Row t of sequence i sits at kv_lens[i] - cu_q_lens[i + 1] + t (see metadata).
+  q_offset_W = tile_start_W + kv_lens_S[seq_W] - cu_q_lens[seq_W + 1]
+  horizon_W = jnp.minimum(row_hi_W + q_offset_W, kv_lens_S[seq_W])
+  horizon_W = jnp.where(live_W, jnp.clip(horizon_W, 0, kv_capacity), 0)
+  chunks_W = (horizon_W + chunk_len - 1) // chunk_len
+  chunk_base_W = jnp.cumsum(chunks_W) - chunks_W
+
+  fields = [None] * _NUM_FIELDS
+  fields[_SEQ], fields[_TILE] = seq_W, tile_W
+  fields[_ROW_LO], fields[_ROW_HI], fields[_FIRST] = row_lo_W, row_hi_W, first_W
+  fields[_Q_OFFSET], fields[_HORIZON] = q_offset_W, horizon_W
+  fields[_CHUNKS], fields[_CHUNK_BASE] = chunks_W, chunk_base_W
+  return jnp.concatenate([f.astype(jnp.int32) for f in fields]), num_items
+
+
+def _parity(x):
+  """``x % 2`` for non-negative int scalars (a bit mask: floor ``%`` lowers through sign,
+  which Mosaic cannot lower without a TPU attached)."""
+  return jnp.bitwise_and(x, 1)
+
+
+def _ragged_kernel(
+    # Prefetch
+    layer_ref,            # i32[1]
+    block_tables_ref,     # i32[S * P], flat
+    items_ref,            # i32[_NUM_FIELDS * W], flat work-item table
+    # Input
+    row_M1_ref,           # i32[M, 1] tile-local query row of each packed row (Q: padding)
+    q_MD_ref,             # [M, D] packed queries of one (KV head, tile)
+    k_pages_hbm_ref,      # [L, K, N, Z, D] in HBM
+    v_pages_hbm_ref,      # [L, K, N, Z, D] in HBM
+    # Output
+    out_MD_ref,           # [M, D]
+    # Scratch
+    k_buf_ref,            # [2, J, D] double-buffered K chunk
+    v_buf_ref,            # [2, J, D] double-buffered V chunk
+    sems_ref,             # DMA semaphores [2 (K, V), 2 (slot)]
+    row_max_ref,          # f32[M, 1]
+    denom_ref,            # f32[M, 1]
+    acc_ref,              # f32[M, D]
+    *,
+    sm_scale: float,
+    block_size: int,
+    pages_per_chunk: int,
+    blocks_per_seq: int,
+    num_items: int,
+    compute_dtype,
+):
+  kv_head = pl.program_id(0)
+  w = pl.program_id(1)
+  layer = layer_ref[0]
+  chunk_len = pages_per_chunk * block_size
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+
+  def item(field, index):
+    return items_ref[field * num_items + index]
+
+  def for_each_page(index, chunk, slot, action, when=True):
+    """Applies ``action`` ("start" or "wait") to the K and V copies of chunk ``chunk`` of
+    item ``index`` into ``slot``, if ``when``, for the pages the item reads and no others."""
+    seq = item(_SEQ, index)
+    pages_needed = lax.div(item(_HORIZON, index) + (block_size - 1), block_size)
+    for r in range(pages_per_chunk):
+      page = chunk * pages_per_chunk + r
+      needed = jnp.logical_and(when, page < pages_needed)
+      entry = seq * blocks_per_seq + jnp.minimum(page, blocks_per_seq - 1)
+      block = jnp.where(needed, block_tables_ref[entry], 0)
+      rows = pl.ds(r * block_size, block_size)
+      copies = (
+          pltpu.make_async_copy(k_pages_hbm_ref.at[layer, kv_head, block],
+                                k_buf_ref.at[slot, rows], sems_ref.at[0, slot]),
+          pltpu.make_async_copy(v_pages_hbm_ref.at[layer, kv_head, block],
+                                v_buf_ref.at[slot, rows], sems_ref.at[1, slot]),
+      )
+
+      @pl.when(needed)
+      def _():
+        for copy in copies:
+          getattr(copy, action)()
+
+  num_chunks = item(_CHUNKS, w)
+  chunk_base = item(_CHUNK_BASE, w)
+  next_w = jnp.minimum(w + 1, num_items - 1)
+  next_has_chunks = (w + 1 < num_items) & (item(_CHUNKS, next_w) > 0)
+
+  # Copies chain along the items of one KV head: an item's first chunk is started by the
+  # item before it (during that item's last chunk, or here when it has none); only the
+  # first item of each KV head starts its own.
+  start_own = (w == 0) & (num_chunks > 0)
+  first_target = jnp.where(start_own, w, next_w)
+  for_each_page(first_target, 0, _parity(item(_CHUNK_BASE, first_target)), "start",
+                when=start_own | ((num_chunks == 0) & next_has_chunks))
+
+  row_max_ref[...] = jnp.full(row_max_ref.shape, _NEG_INF, jnp.float32)
+  denom_ref[...] = jnp.zeros(denom_ref.shape, jnp.float32)
+  acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  q_MD = q_MD_ref[...].astype(compute_dtype)
+  qpos_M1 = row_M1_ref[...] + item(_Q_OFFSET, w)
+  horizon = item(_HORIZON, w)
+
+  def chunk_step(chunk, carry):
+    slot = _parity(chunk_base + chunk)
+    # Before this chunk's math: start the next chunk of this item, or after its last
+    # chunk the next item's first, into the other slot.
+    last = chunk + 1 == num_chunks
+    for_each_page(jnp.where(last, next_w, w), jnp.where(last, 0, chunk + 1), 1 - slot,
+                  "start", when=jnp.logical_not(last) | next_has_chunks)
+    for_each_page(w, chunk, slot, "wait")
+    k_JD = k_buf_ref[slot].astype(compute_dtype)
+    v_JD = v_buf_ref[slot].astype(compute_dtype)
+
+    kv_pos_1J = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1)
+    visible_MJ = (kv_pos_1J <= qpos_M1) & (kv_pos_1J < horizon)
+    scores_MJ = lax.dot_general(q_MD, k_JD, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32, precision=precision)
+    scores_MJ = jnp.where(visible_MJ, scores_MJ * sm_scale, _NEG_INF)
+    row_max_M1 = row_max_ref[...]
+    new_max_M1 = jnp.maximum(row_max_M1, jnp.max(scores_MJ, axis=1, keepdims=True))
+    safe_max_M1 = jnp.where(new_max_M1 == _NEG_INF, 0.0, new_max_M1)
+    probs_MJ = jnp.exp(scores_MJ - safe_max_M1)  # hidden keys: exp(-inf) = 0
+    rescale_M1 = jnp.exp(row_max_M1 - safe_max_M1)
+    denom_ref[...] = rescale_M1 * denom_ref[...] + jnp.sum(probs_MJ, axis=1, keepdims=True)
+    # Rows this chunk did not fill (stale or uninitialised) and rows past the sequence's
+    # length may hold anything, NaN included: select zeros, never multiply by zero.
+    kv_pos_J1 = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
+    v_JD = jnp.where(kv_pos_J1 < horizon, v_JD, jnp.zeros_like(v_JD))
+    pv_MD = lax.dot_general(probs_MJ.astype(compute_dtype), v_JD, (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32, precision=precision)
+    acc_ref[...] = rescale_M1 * acc_ref[...] + pv_MD
+    row_max_ref[...] = new_max_M1
+    return carry
+
+  lax.fori_loop(0, num_chunks, chunk_step, 0)
+
+  row_M1 = row_M1_ref[...]
+  owned_M1 = (row_M1 >= item(_ROW_LO, w)) & (row_M1 < item(_ROW_HI, w))
+  denom_M1 = denom_ref[...]
+  out_MD = acc_ref[...] / jnp.where(denom_M1 > 0, denom_M1, 1.0)
+  # The first item of a tile zeroes the rows it does not own (padding, or rows the next
+  # items fill); later items keep what the earlier ones wrote.
+  kept_MD = jnp.where(item(_FIRST, w) == 1, 0.0, out_MD_ref[...].astype(jnp.float32))
+  out_MD_ref[...] = jnp.where(owned_M1, out_MD, kept_MD).astype(out_MD_ref.dtype)
+
+
+def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                           block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling
+                           ) -> None:
+  """The shared shape checks plus this kernel's own; raises ``ValueError``."""
+  validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                    block_tables_SP, cu_q_lens, num_seqs)
+  _, num_q_heads, head_dim = q_THD.shape
+  _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
+  if head_dim % 64 != 0:
+    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be a multiple of 64 "
+                     "(64, 128, 256 are supported)")
+  if block_size % 8 != 0:
+    raise ValueError(f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8 "
+                     "(the sublane tile)")
+  if not isinstance(tiling, TpuTiling):
+    raise ValueError(f"tiling={tiling!r} must be a TpuTiling or None")
+  tiling.check(group=num_q_heads // num_kv_heads, block_size=block_size, head_dim=head_dim,
+               q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
+               kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize)
+
+
+def _interpret_params(interpret):
+  if interpret is True:
+    return pltpu.InterpretParams()
+  if interpret is False or interpret is None:
+    return None
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  raise ValueError(f"interpret={interpret!r} must be a bool or a pltpu.InterpretParams")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "tiling", "interpret"))
+def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                           block_tables_SP, cu_q_lens, num_seqs, *,
+                           sm_scale: float | None = None, tiling: TpuTiling | None = None,
+                           interpret: bool | pltpu.InterpretParams = False):
+  """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``.
+
+  Args:
+    q_THD: [T, H, D] queries; sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (see ``pallas_kernels.layout``).
+    layer: int or traced int scalar, which layer's pages to read (inside the kernel).
+    kv_lens_S: i32[S]; block_tables_SP: i32[S, P]; cu_q_lens: i32[S + 1]; num_seqs: i32[].
+    sm_scale: softmax scale, default ``D ** -0.5``.
+    tiling: a ``TpuTiling``; default from the shapes (``default_tiling``).
+    interpret: True (or a ``pltpu.InterpretParams``) runs the kernel in TPU interpret mode
+      on CPU.
+
+  Returns:
+    [T, H, D] in q's dtype; padding rows are zero.
+  """
+  num_tokens, num_q_heads, head_dim = q_THD.shape
+  _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
+  num_seq_rows, blocks_per_seq = block_tables_SP.shape
+  if tiling is None:
+    tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
+                            blocks_per_seq)
+  static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                         block_tables_SP, cu_q_lens, num_seqs, tiling=tiling)
+  interpret_params = _interpret_params(interpret)
+  if sm_scale is None:
+    sm_scale = float(head_dim) ** -0.5
+  if num_tokens == 0:
+    return jnp.zeros_like(q_THD)
+  group = num_q_heads // num_kv_heads
+  q_tile, pages_per_chunk = tiling.q_tile, tiling.pages_per_chunk
+  chunk_len = pages_per_chunk * block_size
+  q_itemsize = jnp.dtype(q_THD.dtype).itemsize
+  kv_dtype = jnp.dtype(k_pages_LKNZD.dtype)
+  both_bf16 = q_THD.dtype == jnp.bfloat16 and kv_dtype == jnp.bfloat16
+  compute_dtype = jnp.bfloat16 if both_bf16 else jnp.float32
+  num_tiles = -(-num_tokens // q_tile)
+  rows = q_tile * group
+  rows_padded = _padded_rows(rows, q_itemsize)
+
+  items, num_items = _work_items(
+      kv_lens_S, cu_q_lens, jnp.asarray(num_seqs, jnp.int32), num_tokens=num_tokens,
+      q_tile=q_tile, chunk_len=chunk_len, kv_capacity=blocks_per_seq * block_size)
+  layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
+  block_tables_flat = block_tables_SP.reshape(-1)
+
+  # [T, H, D] -> [K, tiles, M, D], packed rows (q, g) of one KV head; M padded with zeros.
+  q_pad_THD = jnp.pad(q_THD, ((0, num_tiles * q_tile - num_tokens), (0, 0), (0, 0)))
+  q_KTGD = q_pad_THD.reshape(-1, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+  q_KXMD = q_KTGD.reshape(num_kv_heads, num_tiles, rows, head_dim)
+  q_KXMD = jnp.pad(q_KXMD, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
+  row_M1 = jnp.concatenate([jnp.repeat(jnp.arange(q_tile, dtype=jnp.int32), group),
+                            jnp.full((rows_padded - rows,), q_tile, jnp.int32)])[:, None]
+
+  def tile_map(kv_head, w, layer_ref, block_tables_ref, items_ref):
+    del layer_ref, block_tables_ref
+    return kv_head, items_ref[_TILE * num_items + w], 0, 0
+
+  qo_spec = pl.BlockSpec((None, None, rows_padded, head_dim), tile_map)
+  kernel = functools.partial(
+      _ragged_kernel, sm_scale=float(sm_scale), block_size=block_size,
+      pages_per_chunk=pages_per_chunk, blocks_per_seq=blocks_per_seq, num_items=num_items,
+      compute_dtype=compute_dtype)
+
+  kv_reach = blocks_per_seq * block_size  # keys one row can attend at most
+  q_bytes = q_THD.size * q_itemsize
+  kv_bytes = (2 * num_kv_heads * min(num_blocks, num_seq_rows * blocks_per_seq) * block_size
+              * head_dim * kv_dtype.itemsize)
+  cost = pl.CostEstimate(
+      flops=int(4 * num_tokens * num_q_heads * head_dim * kv_reach),
+      transcendentals=int(num_tokens * num_q_heads * kv_reach),
+      bytes_accessed=int(2 * q_bytes + kv_bytes))
+
+  out_KXMD = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,
+          grid=(num_kv_heads, num_items),
+          in_specs=[
+              pl.BlockSpec((rows_padded, 1), lambda kv_head, w, *_: (0, 0)),
+              qo_spec,
+              pl.BlockSpec(memory_space=pl.ANY),
+              pl.BlockSpec(memory_space=pl.ANY),
+          ],
+          out_specs=qo_spec,
+          scratch_shapes=[
+              pltpu.VMEM((2, chunk_len, head_dim), kv_dtype),
+              pltpu.VMEM((2, chunk_len, head_dim), kv_dtype),
+              pltpu.SemaphoreType.DMA((2, 2)),
+              pltpu.VMEM((rows_padded, 1), jnp.float32),
+              pltpu.VMEM((rows_padded, 1), jnp.float32),
+              pltpu.VMEM((rows_padded, head_dim), jnp.float32),
+          ],
+      ),
+      out_shape=jax.ShapeDtypeStruct(q_KXMD.shape, q_THD.dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary")),
+      cost_estimate=cost,
+      interpret=interpret_params,
+      name="ragged_paged_attention",
+  )(layer_1, block_tables_flat, items, row_M1, q_KXMD, k_pages_LKNZD, v_pages_LKNZD)
+
+  out_KTGD = out_KXMD[:, :, :rows].reshape(num_kv_heads, -1, group, head_dim)
+  out_THD = out_KTGD.transpose(1, 0, 2, 3).reshape(-1, num_q_heads, head_dim)
+  return out_THD[:num_tokens]

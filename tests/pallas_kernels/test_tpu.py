@@ -1,0 +1,393 @@
+"""The Mosaic TPU ragged paged attention kernel, run in TPU interpret mode on CPU.
+
+Every interpret-mode case compiles once per (shapes, tiling, interpret params), which costs
+seconds here; the default run therefore covers the dtype x block size x GQA x head dim grid
+with a Latin-square subset (every block size meets every GQA ratio, every dtype meets every
+head dim), and the full product is marked slow. Lowering for real TPUs is checked with
+``jax.export`` for a grid of production-like shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+
+import paged_jax
+from pallas_kernels import tpu as tpu_kernel
+from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.tpu import ragged as tpu_ragged
+from tests import attention_cases as cases
+
+_TILING = tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=2)  # tiles span sequences; >1 chunk
+_OUT_OF_RANGE = 1_000_000  # a block id far outside every pool
+
+
+def _with_out_of_range_entries(case: cases.Case, seed: int) -> cases.Case:
+  """Points half of the table entries no live sequence reads at nonexistent blocks: an
+  out-of-bounds DMA of them would raise in the interpreter."""
+  rng = np.random.default_rng(seed)
+  block_size = case.k_pages_LKNZD.shape[3]
+  tables = case.block_tables_SP.copy()
+  for i in range(tables.shape[0]):
+    first_unused = -(-int(case.kv_lens_S[i]) // block_size) if i < case.num_seqs else 0
+    for p in range(first_unused, tables.shape[1]):
+      if rng.random() < 0.5:
+        tables[i, p] = _OUT_OF_RANGE + p
+  case.block_tables_SP = tables
+  return case
+
+
+def _mixed_lengths(z: int):
+  """(q_lens, kv_lens) with few rows at any block size z (interpret mode is slow): decode
+  (q_len 1, long history or none), q_len 0, chunked prefill (q_len < kv_len) and full
+  prefill (q_len == kv_len), lengths multiple of z and not."""
+  q_lens = [1, 0, 5, 9, 1, 6, 3]
+  kv_lens = [z + 3, 7, 2 * z, 9, 1, 3 * z + 1, 3]
+  return q_lens, kv_lens
+
+
+def _mixed_case(seed, *, dtype, block_size, group, head_dim, num_kv_heads=None, **kwargs):
+  if num_kv_heads is None:
+    num_kv_heads = 1 if group >= 8 else 2  # group 8 with one KV head: MQA
+  q_lens, kv_lens = _mixed_lengths(block_size)
+  case = cases.make_case(seed, q_lens=q_lens, kv_lens=kv_lens, num_kv_heads=num_kv_heads,
+                         group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                         **kwargs)
+  return _with_out_of_range_entries(case, seed + 1)
+
+
+# XLA:CPU spends most of an interpret-mode case optimising the interpreter's program; the
+# tests compile it at optimisation level 0 (3x faster) and keep each executable.
+_CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+_EXECUTABLES = {}
+
+
+def _call_fast(key, fn, *args):
+  """``fn(*args)`` through a cached, quickly compiled executable (``key``: fn's statics)."""
+  avals = tuple((jnp.shape(a), jnp.result_type(a)) for a in args)
+  if (key, avals) not in _EXECUTABLES:
+    lowered = jax.jit(fn).lower(*args)
+    _EXECUTABLES[key, avals] = lowered.compile(_CPU_COMPILE_OPTIONS)
+  return _EXECUTABLES[key, avals](*args)
+
+
+def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None):
+  head_dim = case.q_THD.shape[-1]
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  kernel = functools.partial(tpu_kernel.ragged_paged_attention, sm_scale=scale, tiling=tiling,
+                             interpret=interpret)
+  args = case.jax_args()
+  args = args[:3] + (jnp.int32(args[3]),) + args[4:]
+  out = _call_fast(("kernel", scale, tiling, interpret), kernel, *args)
+  return out, scale
+
+
+def _check(case: cases.Case, out, scale, *, with_reference=False):
+  """Against the float64 oracle (and the jnp reference); padding rows exactly zero."""
+  dtype = case.q_THD.dtype
+  assert out.dtype == dtype and out.shape == case.q_THD.shape
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.all(np.isfinite(out))
+  expected = cases.oracle(case, scale)
+  assert np.abs(expected).max() > 0.1  # the comparison below is not vacuous
+  np.testing.assert_allclose(out, expected, **cases.tolerance(dtype))
+  if with_reference:
+    reference = ragged_paged_attention_reference(*case.jax_args(), sm_scale=scale)
+    np.testing.assert_allclose(out, np.asarray(reference.astype(jnp.float32)),
+                               **cases.tolerance(dtype))
+  live_rows = int(case.cu_q_lens[case.num_seqs])
+  assert np.all(out[live_rows:] == 0.0)
+
+
+# (dtype, block size Z, GQA ratio G, head dim D): every (Z, G) pair once, dtype x D balanced.
+_QUICK_GRID = [
+    (jnp.float32, 8, 1, 64), (jnp.bfloat16, 8, 4, 128), (jnp.float32, 8, 8, 128),
+    (jnp.bfloat16, 16, 1, 128), (jnp.float32, 16, 4, 64), (jnp.bfloat16, 16, 8, 64),
+    (jnp.float32, 32, 1, 128), (jnp.bfloat16, 32, 4, 64), (jnp.float32, 32, 8, 64),
+]
+_FULL_GRID = [c for c in itertools.product((jnp.float32, jnp.bfloat16), (8, 16, 32), (1, 4, 8),
+                                           (64, 128)) if c not in _QUICK_GRID]
+
+
+def _seed(params) -> int:
+  return sum(ord(c) for c in _grid_id(params))
+
+
+def _grid_id(params):
+  dtype, block_size, group, head_dim = params
+  return f"{jnp.dtype(dtype).name}-Z{block_size}-G{group}-D{head_dim}"
+
+
+@pytest.mark.parametrize("params", _QUICK_GRID, ids=_grid_id)
+def test_matches_oracle_on_mixed_batch(params):
+  dtype, block_size, group, head_dim = params
+  case = _mixed_case(_seed(params), dtype=dtype, block_size=block_size, group=group,
+                     head_dim=head_dim)
+  _check(case, *_run(case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _FULL_GRID, ids=_grid_id)
+def test_matches_oracle_on_mixed_batch_full_grid(params):
+  dtype, block_size, group, head_dim = params
+  case = _mixed_case(_seed(params), dtype=dtype, block_size=block_size, group=group,
+                     head_dim=head_dim)
+  _check(case, *_run(case))
+
+
+def test_float32_is_not_computed_in_bfloat16():
+  # A bf16 cast of q or K/V costs ~1e-3 relative; exact float32 stays near 1e-7.
+  case = _mixed_case(7, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  out, scale = _run(case)
+  expected = cases.oracle(case, scale)
+  rel = np.abs(np.asarray(out) - expected).max() / np.abs(expected).max()
+  assert rel < 2e-6, rel
+
+
+def test_hand_computed_two_keys():
+  # One sequence, kv_len 2, one query row (position 1, sees both keys). K is all zeros, so
+  # every score is 0 and the weights are 1/2, 1/2: out = (v0 + v1) / 2 = (1 + 3) / 2 = 2.
+  # Slots 2.. of the page and the second page hold NaN and must not matter.
+  block_size, head_dim = 8, 64
+  k_pages = np.full((1, 1, 2, block_size, head_dim), np.nan, np.float32)
+  v_pages = np.full((1, 1, 2, block_size, head_dim), np.nan, np.float32)
+  k_pages[0, 0, 1, :2] = 0.0
+  v_pages[0, 0, 1, 0] = 1.0
+  v_pages[0, 0, 1, 1] = 3.0
+  q = np.ones((2, 1, head_dim), np.float32)  # row 1 is padding
+  kernel = functools.partial(tpu_kernel.ragged_paged_attention, sm_scale=1.0, interpret=True)
+  out = _call_fast("hand", kernel, jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages),
+                   jnp.int32(0), jnp.array([2], jnp.int32), jnp.array([[1, 0]], jnp.int32),
+                   jnp.array([0, 1], jnp.int32), jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(out[0]), 2.0)
+  np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
+def test_random_ragged_batches_one_shape():
+  # Fixed shapes, random lengths: one compile serves every batch.
+  block_size, blocks_per_seq, num_rows, num_tokens = 8, 5, 5, 24
+  tiling = tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=3)  # 3 does not divide P
+  for seed in range(2):
+    rng = np.random.default_rng(100 + seed)
+    num_seqs = int(rng.integers(1, num_rows + 1))
+    while True:
+      kv_lens = rng.integers(1, blocks_per_seq * block_size + 1, num_seqs)
+      q_lens = [int(rng.integers(0, k + 1)) for k in kv_lens]
+      q_lens = [q if rng.random() < 0.6 else min(q, 1) for q in q_lens]  # decode rows
+      if sum(q_lens) <= num_tokens - 1:
+        break
+    case = cases.make_case(seed, q_lens=q_lens, kv_lens=kv_lens, num_kv_heads=2, group=4,
+                           block_size=block_size, head_dim=64,
+                           padding_seqs=num_rows - num_seqs,
+                           padding_tokens=num_tokens - sum(q_lens), spare_pages=0,
+                           extra_blocks=num_rows * blocks_per_seq - sum(
+                               -(-int(k) // block_size) for k in kv_lens))
+    # make_case sizes P from the longest sequence: pad the table to a fixed width.
+    tables = np.full((num_rows, blocks_per_seq), _OUT_OF_RANGE, np.int32)
+    tables[:, :case.block_tables_SP.shape[1]] = case.block_tables_SP
+    case.block_tables_SP = tables
+    _check(case, *_run(case, tiling=tiling), with_reference=True)
+
+
+def test_default_tiling_and_traced_layer_in_scan():
+  case = _mixed_case(11, dtype=jnp.float32, block_size=16, group=4, head_dim=128)
+  q, k_pages, v_pages, _, kv_lens, tables, cu_q_lens, num_seqs = case.jax_args()
+  scale = 128 ** -0.5
+
+  def all_layers(q, k_pages, v_pages):
+    def step(carry, layer):  # layer is a traced scalar: indexed inside the kernel
+      out = tpu_kernel.ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, tables,
+                                              cu_q_lens, num_seqs, sm_scale=scale,
+                                              interpret=True)
+      return carry, out
+    return lax.scan(step, 0, jnp.arange(k_pages.shape[0], dtype=jnp.int32))[1]
+
+  outs = _call_fast("scan", all_layers, q, k_pages, v_pages)
+  for layer in range(k_pages.shape[0]):
+    case.layer = layer
+    _check(case, outs[layer], scale)
+
+
+def _small_case(seed):
+  # Decode, chunked prefill (two chunks), q_len 0, full prefill: few grid steps, since the
+  # race detector is slow.
+  case = cases.make_case(seed, q_lens=[1, 5, 0, 3], kv_lens=[11, 21, 7, 3], num_kv_heads=2,
+                         group=4, head_dim=64, block_size=8)
+  return _with_out_of_range_entries(case, seed + 1)
+
+
+def test_no_races_and_no_out_of_bounds_reads():
+  case = _small_case(3)
+  params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
+                                 uninitialized_memory="nan", num_cores_or_threads=2)
+  out, scale = _run(case, interpret=params)
+  out.block_until_ready()
+  assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+  _check(case, out, scale)
+
+
+def test_out_of_range_block_that_is_read_raises():
+  # The guard the test above relies on: an out-of-range block a sequence DOES read is an
+  # out-of-bounds DMA, which the interpreter reports.
+  case = _small_case(3)
+  case.block_tables_SP[1, 2] = _OUT_OF_RANGE
+  params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
+                                 uninitialized_memory="nan", num_cores_or_threads=2)
+  try:
+    with pytest.raises(Exception, match="Out-of-bounds read"):
+      jax.block_until_ready(_run(case, interpret=params)[0])
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def test_padding_only_batch_is_zero():
+  case = _mixed_case(5, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  case.num_seqs = 0
+  out, _ = _run(case)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_zero_tokens():
+  case = _mixed_case(5, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  q, *rest = case.jax_args()
+  out = tpu_kernel.ragged_paged_attention(q[:0], *rest, sm_scale=0.125, interpret=True)
+  assert out.shape == (0,) + q.shape[1:]
+
+
+def test_public_entry_point():
+  case = _mixed_case(9, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs = case.jax_args()
+
+  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs):
+    cache = paged_jax.KVCache(k_pages=k_pages, v_pages=v_pages)
+    return paged_jax.paged_attention(q, cache, layer, kv_lens, tables, cu_q_lens, num_seqs,
+                                     impl="pallas_tpu", interpret=True)
+
+  out = _call_fast("public", attend, q, k_pages, v_pages, jnp.int32(layer), kv_lens, tables,
+                   cu_q_lens, num_seqs)
+  _check(case, out, 64 ** -0.5, with_reference=True)
+
+
+# --- Work items (jnp metadata, no kernel). ---
+
+@pytest.mark.parametrize("q_tile", [1, 3, 4, 8])
+def test_work_items_cover_every_row_once(q_tile):
+  num_tokens, num_rows, chunk_len = 23, 6, 16
+  work_items = jax.jit(functools.partial(tpu_ragged._work_items, num_tokens=num_tokens,
+                                         q_tile=q_tile, chunk_len=chunk_len,
+                                         kv_capacity=10_000))
+  for seed in range(10):
+    rng = np.random.default_rng(seed)
+    num_seqs = int(rng.integers(0, num_rows + 1))
+    q_lens = rng.integers(0, 7, num_rows) * (rng.random(num_rows) < 0.8)
+    q_lens[num_seqs:] = 0
+    q_lens = np.minimum(q_lens, np.maximum(0, num_tokens - np.cumsum(q_lens) + q_lens))
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_lens = (q_lens + rng.integers(0, 20, num_rows)).astype(np.int32)
+    items, _ = work_items(jnp.asarray(kv_lens), jnp.asarray(cu_q_lens), jnp.int32(num_seqs))
+    num_items = items.size // tpu_ragged._NUM_FIELDS
+    f = np.asarray(items).reshape(tpu_ragged._NUM_FIELDS, num_items)
+    tile, lo, hi, first = (f[tpu_ragged._TILE], f[tpu_ragged._ROW_LO],
+                           f[tpu_ragged._ROW_HI], f[tpu_ragged._FIRST])
+    owner = np.full(-(-num_tokens // q_tile) * q_tile, -1)
+    for w in range(num_items):
+      for row in range(tile[w] * q_tile + lo[w], tile[w] * q_tile + hi[w]):
+        assert owner[row] == -1, "row owned twice"
+        owner[row] = f[tpu_ragged._SEQ, w]
+        qpos = row + f[tpu_ragged._Q_OFFSET, w] - tile[w] * q_tile
+        seq = f[tpu_ragged._SEQ, w]
+        assert qpos == kv_lens[seq] - q_lens[seq] + row - cu_q_lens[seq]
+    live = cu_q_lens[num_seqs]
+    expected_owner = np.searchsorted(cu_q_lens, np.arange(live), side="right") - 1
+    np.testing.assert_array_equal(owner[:live], expected_owner)
+    assert np.all(owner[live:] == -1)
+    # Every tile is visited, its items consecutive, the first one flagged.
+    assert set(tile.tolist()) == set(range(-(-num_tokens // q_tile)))
+    changes = np.flatnonzero(np.diff(tile) != 0) + 1
+    assert len(set(tile[np.concatenate([[0], changes])].tolist())) == len(changes) + 1
+    np.testing.assert_array_equal(np.flatnonzero(first), np.concatenate([[0], changes]))
+    chunks = f[tpu_ragged._CHUNKS]
+    np.testing.assert_array_equal(f[tpu_ragged._CHUNK_BASE], np.cumsum(chunks) - chunks)
+    assert np.all(chunks[hi == lo] == 0)  # dead items read nothing
+
+
+# --- Validation. ---
+
+@pytest.mark.parametrize("field,value", [("q_tile", 0), ("pages_per_chunk", -1),
+                                         ("q_tile", 2.0), ("pages_per_chunk", True)])
+def test_tiling_rejects_bad_values(field, value):
+  kwargs = dict(q_tile=4, pages_per_chunk=2)
+  kwargs[field] = value
+  with pytest.raises(ValueError, match=field):
+    tpu_kernel.TpuTiling(**kwargs)
+
+
+def test_tiling_rejects_vmem_overflow():
+  case = _mixed_case(5, dtype=jnp.float32, block_size=32, group=1, head_dim=256)
+  with pytest.raises(ValueError, match="pages_per_chunk"):
+    _run(case, tiling=tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=4096))
+
+
+@pytest.mark.parametrize("head_dim,block_size,match", [(96, 8, "head_dim"),
+                                                       (64, 12, "block_size")])
+def test_rejects_unsupported_shapes(head_dim, block_size, match):
+  q = jnp.zeros((4, 2, head_dim), jnp.float32)
+  pages = jnp.zeros((1, 2, 4, block_size, head_dim), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    tpu_kernel.ragged_paged_attention(q, pages, pages, 0, jnp.ones((2,), jnp.int32),
+                                      jnp.zeros((2, 2), jnp.int32),
+                                      jnp.array([0, 1, 2], jnp.int32), jnp.int32(2),
+                                      sm_scale=1.0, interpret=True)
+
+
+def test_default_tiling_fits_shapes():
+  decode = tpu_kernel.default_tiling(64, 64, 32, 8, 16, 128)
+  assert decode.q_tile == 1 and decode.pages_per_chunk * 16 == 256
+  prefill = tpu_kernel.default_tiling(2048, 4, 32, 1, 32, 64)  # MQA: G = 32
+  assert prefill.q_tile * 32 <= 256
+
+
+# --- Lowering for real TPUs (no TPU needed). ---
+
+_EXPORT_GRID = [
+    # (T, S, H, K, D, Z, dtype): Llama-3-8B-like (32 q heads, 8 KV heads, head dim 128) at
+    # decode and at prefill; MQA; head dims 64 and 256; block sizes 16, 32, 64; f32, bf16.
+    (8, 8, 32, 8, 128, 16, jnp.bfloat16), (256, 4, 32, 8, 128, 32, jnp.bfloat16),
+    (256, 4, 32, 8, 128, 16, jnp.float32), (64, 8, 16, 1, 128, 16, jnp.bfloat16),
+    (64, 8, 8, 1, 64, 32, jnp.float32), (64, 8, 8, 2, 64, 16, jnp.bfloat16),
+    (64, 8, 8, 4, 256, 16, jnp.bfloat16), (64, 8, 4, 2, 256, 32, jnp.float32),
+    (64, 8, 8, 2, 128, 64, jnp.bfloat16),  # block size 64
+]
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_seq_rows,num_q_heads,num_kv_heads,head_dim,block_size,dtype",
+    _EXPORT_GRID)
+def test_lowers_for_tpu(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, head_dim,
+                        block_size, dtype):
+  blocks_per_seq, num_blocks, num_layers = 32, 256, 4
+  spec = jax.ShapeDtypeStruct
+  pages = spec((num_layers, num_kv_heads, num_blocks, block_size, head_dim), dtype)
+  args = (spec((num_tokens, num_q_heads, head_dim), dtype), pages, pages,
+          spec((), jnp.int32), spec((num_seq_rows,), jnp.int32),
+          spec((num_seq_rows, blocks_per_seq), jnp.int32),
+          spec((num_seq_rows + 1,), jnp.int32), spec((), jnp.int32))
+
+  def attend(*a):
+    return tpu_kernel.ragged_paged_attention(*a, sm_scale=head_dim ** -0.5)
+
+  exported = export.export(jax.jit(attend), platforms=["tpu"])(*args)
+  module = exported.mlir_module()
+  assert "tpu_custom_call" in module
+  assert "cost_estimate" in module  # the pl.CostEstimate reaches XLA
+  assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
+  assert exported.out_avals[0].dtype == dtype
