@@ -1,1 +1,29 @@
-"""Flax NNX decoders (Llama family) and the Hugging Face checkpoint loader."""
+"""Flax NNX decoders (Llama family) and the Hugging Face checkpoint loader.
+
+- ``ModelConfig`` (``from_hf_dict`` / ``from_json``): the frozen model config.
+- ``Decoder``: the decoder; ``paged_forward(tokens_T, positions_T, cache, metadata)`` and
+  dense ``model(tokens_BT)``.
+- ``init_random(config, seed=...)``: a random model drawn on the host (tests, demos).
+- ``AttentionMetadata``: the ragged batch's slots, lengths, block tables.
+- ``load_pretrained(path, dtype=...) -> (model, config)``: safetensors, no torch.
+- ``prefill_step`` / ``decode_step`` (traceable) and ``Steps`` (their jitted, donating form).
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig, RopeScaling
+from models.decoder import AttentionMetadata, Decoder, init_random
+from models.loader import load_pretrained
+from models.steps import Steps, decode_step, prefill_step
+
+__all__ = [
+    "AttentionMetadata",
+    "Decoder",
+    "ModelConfig",
+    "RopeScaling",
+    "Steps",
+    "decode_step",
+    "init_random",
+    "load_pretrained",
+    "prefill_step",
+]

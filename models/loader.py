@@ -1,0 +1,222 @@
+"""Load a Hugging Face Llama / Mistral / Qwen2 checkpoint (config.json + safetensors).
+
+No torch: tensors are read with ``safetensors.safe_open(framework="np")``; bfloat16 ones
+(which numpy cannot name) are mapped straight from the file with ``np.memmap`` and
+``ml_dtypes.bfloat16``, using the offsets of the safetensors header.
+
+Memory: the model is built abstractly (``nnx.eval_shape``, no random init); each parameter
+kind is then filled one tensor at a time into one host buffer ``[L, ...]`` in the target
+dtype, moved to the device, and the buffer dropped before the next kind. Peak host memory is
+one stacked parameter kind plus one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import struct
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.decoder import Decoder
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """How one model parameter comes from the checkpoint.
+
+  Attributes:
+    name: HF tensor name; ``{layer}`` is filled in for per-layer tensors.
+    hf_shape: the shape the checkpoint must hold.
+    convert: HF array -> our layout (transposes, head split).
+  """
+
+  name: str
+  hf_shape: tuple[int, ...]
+  convert: Callable[[np.ndarray], np.ndarray]
+
+
+def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
+  """Our parameter path -> the checkpoint tensor it comes from."""
+  c = config
+  e, i, v = c.embed_dim, c.mlp_dim, c.vocab_size
+  h, k, d = c.num_heads, c.num_kv_heads, c.head_dim
+  same = lambda x: x
+  attn = "model.layers.{layer}.self_attn."
+  mlp = "model.layers.{layer}.mlp."
+  plan = {
+      ("embed_VE",): _Tensor("model.embed_tokens.weight", (v, e), same),
+      ("final_norm", "scale_E"): _Tensor("model.norm.weight", (e,), same),
+      ("layers", "attn_norm", "scale_E"): _Tensor(
+          "model.layers.{layer}.input_layernorm.weight", (e,), same),
+      ("layers", "mlp_norm", "scale_E"): _Tensor(
+          "model.layers.{layer}.post_attention_layernorm.weight", (e,), same),
+      # nn.Linear stores [out, in].
+      ("layers", "attn", "q_EHD"): _Tensor(attn + "q_proj.weight", (h * d, e),
+                                           lambda x: x.T.reshape(e, h, d)),
+      ("layers", "attn", "k_EKD"): _Tensor(attn + "k_proj.weight", (k * d, e),
+                                           lambda x: x.T.reshape(e, k, d)),
+      ("layers", "attn", "v_EKD"): _Tensor(attn + "v_proj.weight", (k * d, e),
+                                           lambda x: x.T.reshape(e, k, d)),
+      ("layers", "attn", "o_HDE"): _Tensor(attn + "o_proj.weight", (e, h * d),
+                                           lambda x: x.T.reshape(h, d, e)),
+      ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "down_IE"): _Tensor(mlp + "down_proj.weight", (e, i), lambda x: x.T),
+  }
+  if c.qkv_bias:
+    plan[("layers", "attn", "q_bias_HD")] = _Tensor(attn + "q_proj.bias", (h * d,),
+                                                    lambda x: x.reshape(h, d))
+    plan[("layers", "attn", "k_bias_KD")] = _Tensor(attn + "k_proj.bias", (k * d,),
+                                                    lambda x: x.reshape(k, d))
+    plan[("layers", "attn", "v_bias_KD")] = _Tensor(attn + "v_proj.bias", (k * d,),
+                                                    lambda x: x.reshape(k, d))
+  if c.o_bias:
+    plan[("layers", "attn", "o_bias_E")] = _Tensor(attn + "o_proj.bias", (e,), same)
+  if not c.tie_word_embeddings:
+    plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
+  return plan
+
+
+class _CheckpointReader:
+  """Tensor lookup across the safetensors files of a checkpoint directory (lazy opens)."""
+
+  def __init__(self, path: str, stack: contextlib.ExitStack):
+    self._path = path
+    self._stack = stack
+    self._handles = {}
+    self._headers = {}
+    index_path = os.path.join(path, INDEX_FILE)
+    single_path = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(index_path):
+      with open(index_path, encoding="utf-8") as f:
+        try:
+          weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+          raise ValueError(f"index file {index_path!r} is not a safetensors index "
+                           f"(needs a 'weight_map'): {e}") from e
+      self._weight_map = dict(weight_map)
+      for shard in sorted(set(self._weight_map.values())):
+        if not os.path.isfile(os.path.join(path, shard)):
+          raise FileNotFoundError(f"shard {shard!r} named by {index_path!r} does not exist")
+    elif os.path.isfile(single_path):
+      handle = self._open(SINGLE_FILE)
+      self._weight_map = {name: SINGLE_FILE for name in handle.keys()}
+    else:
+      raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "
+                              f"directory {path!r}")
+
+  def _open(self, file: str):
+    if file not in self._handles:
+      self._handles[file] = self._stack.enter_context(
+          safe_open(os.path.join(self._path, file), framework="np"))
+    return self._handles[file]
+
+  def _header(self, file: str) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file."""
+    if file not in self._headers:
+      with open(os.path.join(self._path, file), "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        self._headers[file] = (8 + size, json.loads(f.read(size)))
+    return self._headers[file]
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._weight_map
+
+  def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``name`` as numpy, after checking its shape (before reading its data)."""
+    if name not in self._weight_map:
+      raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}")
+    file = self._weight_map[name]
+    handle = self._open(file)
+    try:
+      info = handle.get_slice(name)
+    except Exception as e:  # safetensors raises its own error type for an unknown name
+      raise ValueError(f"tensor {name!r} is missing from {file!r} (the index names it)") from e
+    shape, dtype = tuple(info.get_shape()), info.get_dtype()
+    if shape != tuple(expected_shape):
+      raise ValueError(f"tensor {name!r} in {file!r} has shape {shape}, expected "
+                       f"{tuple(expected_shape)}")
+    if dtype not in _RAW_DTYPES:
+      return handle.get_tensor(name)
+    start, header = self._header(file)
+    begin, end = header[name]["data_offsets"]
+    raw = np.memmap(os.path.join(self._path, file), dtype=np.uint8, mode="r",
+                    offset=start + begin, shape=(end - begin,))
+    return raw.view(_RAW_DTYPES[dtype]).reshape(shape)
+
+
+def _default_dtype(config: ModelConfig):
+  if config.checkpoint_dtype in ("float32", "bfloat16", "float16"):
+    return jnp.dtype(config.checkpoint_dtype)
+  return jnp.dtype(jnp.float32)
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
+                    interpret: bool = False, max_seq_len: int | None = None,
+                    sharding: Callable[[tuple[str, ...], tuple[int, ...]], Any] | None = None
+                    ) -> tuple[Decoder, ModelConfig]:
+  """``(model, config)`` from a Hugging Face checkpoint directory.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` or a sharded
+      ``model.safetensors.index.json`` + shards.
+    dtype: parameter / activation dtype; default the checkpoint's declared dtype (float32
+      when it declares none).
+    impl: the model's default ``paged_attention`` implementation.
+    interpret: run a Pallas impl in interpret mode.
+    max_seq_len: see ``ModelConfig.from_hf_dict`` (sliding windows >= it are ignored).
+    sharding: optional ``(param_path, shape) -> jax.sharding.Sharding`` placing each
+      parameter (e.g. a ``NamedSharding`` over a mesh); default: the default device.
+      ``param_path`` is the parameter's path in the model, e.g. ``("layers", "attn",
+      "q_EHD")``; stacked layer parameters carry a leading L axis.
+
+  Raises:
+    FileNotFoundError: the directory, config.json, or a safetensors file is missing.
+    ValueError: unsupported model_type / feature, or a missing or mis-shaped tensor (named).
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+  config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
+  dtype = _default_dtype(config) if dtype is None else jnp.dtype(dtype)
+  abstract = nnx.eval_shape(
+      lambda: Decoder(config, dtype=dtype, impl=impl, interpret=interpret, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  plan = _tensor_plan(config)
+  flat = list(nnx.to_flat_state(abstract_state))
+  unplanned = [p for p, _ in flat if tuple(p) not in plan]
+  if unplanned:  # a bug in the plan, not in the checkpoint
+    raise RuntimeError(f"no checkpoint tensor mapped to parameters {unplanned}")
+
+  filled = []
+  with contextlib.ExitStack() as stack:
+    reader = _CheckpointReader(path, stack)
+    for param_path, variable in flat:
+      spec = plan[tuple(param_path)]
+      target = variable.get_value()
+      host = np.empty(target.shape, target.dtype)
+      if param_path[0] == "layers":
+        for layer in range(config.num_layers):
+          name = spec.name.format(layer=layer)
+          host[layer] = spec.convert(reader.read(name, spec.hf_shape))
+      else:
+        host[...] = spec.convert(reader.read(spec.name, spec.hf_shape))
+      placement = None if sharding is None else sharding(tuple(param_path), host.shape)
+      filled.append((param_path, variable.replace(value=jax.device_put(host, placement))))
+      del host
+  model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+  return model, config

@@ -1,0 +1,121 @@
+"""``ModelConfig.from_hf_dict``: what is read, what is refused, and the RoPE frequencies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from models import ModelConfig, RopeScaling
+from tests.models import helpers
+
+
+def test_llama_fields():
+  c = helpers.tiny_config("llama", eos_token_id=[2, 9])
+  assert (c.vocab_size, c.embed_dim, c.mlp_dim, c.num_layers) == (128, 64, 96, 2)
+  assert (c.num_heads, c.num_kv_heads, c.head_dim, c.group) == (4, 2, 16, 2)
+  assert c.eos_token_ids == (2, 9) and c.bos_token_id == 1
+  assert not c.qkv_bias and not c.o_bias and c.rope_scaling is None
+  assert c.max_seq_len == 256
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.num_layers = 3  # frozen
+
+
+def test_head_dim_defaults_to_width_over_heads():
+  hf = helpers.hf_config_dict()
+  del hf["head_dim"]
+  assert ModelConfig.from_hf_dict(hf).head_dim == 16
+
+
+def test_llama_attention_bias_and_qwen2_bias():
+  assert helpers.tiny_config("llama", attention_bias=True).o_bias
+  qwen = helpers.tiny_config("qwen2", tie_word_embeddings=True)
+  assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+
+
+def test_rope_parameters_of_transformers_5():
+  hf = helpers.hf_config_dict()
+  del hf["rope_theta"]
+  hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}
+  c = ModelConfig.from_hf_dict(hf)
+  assert c.rope_theta == 500000.0
+  assert c.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope"])
+def test_unsupported_rope_scaling_is_refused(rope_type):
+  with pytest.raises(ValueError, match=f"rope_scaling type '{rope_type}'"):
+    helpers.tiny_config(rope_scaling={"type": rope_type, "factor": 2.0})
+
+
+def test_llama3_rope_without_its_keys_is_refused():
+  with pytest.raises(ValueError, match="high_freq_factor"):
+    helpers.tiny_config(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 16})
+
+
+def test_llama3_inverse_frequencies_by_hand():
+  # head_dim 4: base inv_freq = theta ** -(0/4, 2/4). original context 32, low 1, high 4:
+  # wavelengths above 32 are slowed by factor 8, below 8 kept, between interpolated.
+  scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=32)
+  c = lambda theta: ModelConfig(model_type="llama", vocab_size=8, embed_dim=8, mlp_dim=8,
+                                num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                                rope_theta=theta, rope_scaling=scaling)
+  # theta 100: inv_freq (1, 0.1), wavelengths (6.28, 62.8): kept, then 0.1 / 8 = 0.0125.
+  np.testing.assert_allclose(c(100.0).rope_inv_frequencies(), [1.0, 0.0125], rtol=1e-6)
+  # theta 16: inv_freq (1, 0.25), wavelength 8 pi = 25.13 is in (8, 32):
+  # smooth = (32 / 25.13 - 1) / (4 - 1) = 0.09104; (1 - smooth) * 0.25 / 8 + smooth * 0.25.
+  smooth = (32 / (8 * math.pi) - 1) / 3
+  want = (1 - smooth) * 0.25 / 8 + smooth * 0.25
+  np.testing.assert_allclose(c(16.0).rope_inv_frequencies(), [1.0, want], rtol=1e-6)
+  np.testing.assert_allclose(want, 0.05118, rtol=1e-3)
+
+
+def test_mistral_sliding_window_policy():
+  # None, or a window no shorter than the longest servable sequence: full attention.
+  assert helpers.tiny_config("mistral", sliding_window=None).max_seq_len == 256
+  assert helpers.tiny_config("mistral", sliding_window=256).max_seq_len == 256
+  with pytest.raises(ValueError, match="sliding_window=64 < max_seq_len=256"):
+    helpers.tiny_config("mistral", sliding_window=64)
+  # Serving at most 64 tokens per sequence makes the window irrelevant.
+  hf = helpers.hf_config_dict("mistral", sliding_window=64)
+  assert ModelConfig.from_hf_dict(hf, max_seq_len=64).max_seq_len == 64
+
+
+def test_qwen2_sliding_window_only_when_enabled():
+  assert helpers.tiny_config("qwen2", use_sliding_window=False, sliding_window=32)
+  with pytest.raises(ValueError, match="sliding_window=32"):
+    helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32)
+
+
+@pytest.mark.parametrize("override, match", [
+    (dict(model_type="gpt2"), "model_type='gpt2'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(num_key_value_heads=3), "num_heads=4 must be a multiple of num_kv_heads=3"),
+    (dict(head_dim=15), "head_dim=15 must be even"),
+    (dict(vocab_size=0), "vocab_size=0"),
+    (dict(num_hidden_layers=None), "num_hidden_layers"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+])
+def test_invalid_configs_are_refused(override, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf_dict({**helpers.hf_config_dict(), **override})
+
+
+def test_from_json(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(helpers.hf_config_dict("qwen2")))
+  assert ModelConfig.from_json(tmp_path).model_type == "qwen2"
+  assert ModelConfig.from_json(tmp_path / "config.json").qkv_bias
+  with pytest.raises(FileNotFoundError, match="nope.json"):
+    ModelConfig.from_json(tmp_path / "nope.json")
+  (tmp_path / "bad.json").write_text("{")
+  with pytest.raises(ValueError, match="not valid JSON"):
+    ModelConfig.from_json(tmp_path / "bad.json")

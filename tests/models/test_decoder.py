@@ -1,0 +1,86 @@
+"""The decoder's paged forward (the contract's ``[T, V]`` form) and its scan over layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from paged_jax import KVCache
+from tests.models import helpers
+
+
+def _rel(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def test_paged_forward_ragged_with_padding_equals_dense():
+  """Two sequences (6 and 3 tokens) + 3 padding rows, one padding metadata row (S=3,
+  num_seqs=2), shuffled blocks, NaN in every page nobody wrote."""
+  model = models.init_random(helpers.tiny_config("qwen2"), seed=1, impl="xla")
+  block_size, num_blocks = 4, 8
+  spec = model.kv_cache_spec(block_size=block_size, num_blocks=num_blocks)
+  nan = jnp.full(KVCache.create(spec).k_pages.shape, jnp.nan, jnp.float32)
+  cache = KVCache(k_pages=nan, v_pages=nan)
+  seqs = ([9, 8, 7, 6, 5, 4], [100, 50, 25])
+  tables = np.array([[5, 2, -1], [7, -1, -1], [-1, -1, -1]], np.int32)
+  # Token j of sequence i goes to slot tables[i, j // 4] * 4 + j % 4.
+  slots = [int(tables[i, j // block_size]) * block_size + j % block_size
+           for i, s in enumerate(seqs) for j in range(len(s))]
+  tokens_T = jnp.asarray(seqs[0] + seqs[1] + [0, 0, 0], jnp.int32)
+  positions_T = jnp.asarray(list(range(6)) + list(range(3)) + [0, 0, 0], jnp.int32)
+  metadata = models.AttentionMetadata(
+      slots_T=jnp.asarray(slots + [-1, -1, -1], jnp.int32),
+      kv_lens_S=jnp.asarray([6, 3, 0], jnp.int32), block_tables_SP=jnp.asarray(tables),
+      cu_q_lens=jnp.asarray([0, 6, 9, 9], jnp.int32), num_seqs=jnp.int32(2))
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda params, *a: nnx.merge(graphdef, params).paged_forward(*a))
+  logits_TV, cache = forward(params, tokens_T, positions_T, cache, metadata)
+  assert logits_TV.shape == (12, helpers.VOCAB)
+  dense_BTV = model(jnp.asarray([seqs[0], seqs[1] + [0, 0, 0]], jnp.int32))
+  assert _rel(logits_TV[:6], dense_BTV[0]) < 1e-5
+  assert _rel(logits_TV[6:9], dense_BTV[1, :3]) < 1e-5
+  assert np.isfinite(np.asarray(logits_TV)).all()
+  # Written slots hold finite K/V; every other slot is still NaN.
+  k_flat = np.asarray(cache.k_pages).reshape(2, 2, num_blocks * block_size, 16)
+  written = np.zeros(num_blocks * block_size, bool)
+  written[slots] = True
+  assert np.isfinite(k_flat[:, :, written]).all()
+  assert np.isnan(k_flat[:, :, ~written]).all()
+
+
+@pytest.mark.parametrize("impl", ["reference"])
+def test_impl_is_a_model_option(impl):
+  model = models.init_random(helpers.tiny_config(), impl=impl)
+  assert model.impl == impl
+  with pytest.raises(ValueError, match="impl='triton'"):
+    models.init_random(helpers.tiny_config(), impl="triton")
+
+
+def _decode_jaxpr_size(num_layers: int) -> tuple[int, int]:
+  """(equations, scans) in the jaxpr of a decode-shaped paged forward at ``num_layers``."""
+  config = helpers.tiny_config(num_hidden_layers=num_layers)
+  abstract = nnx.eval_shape(lambda: models.Decoder(config, impl="xla", rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract)
+  spec = abstract.kv_cache_spec(block_size=4, num_blocks=8)
+  cache = jax.eval_shape(lambda: KVCache.create(spec))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  metadata = models.AttentionMetadata(i32(2), i32(2), i32(2, 4), i32(3), i32())
+
+  def forward(params, tokens, positions, cache, metadata):
+    return nnx.merge(graphdef, params).paged_forward(tokens, positions, cache, metadata)
+
+  jaxpr = jax.make_jaxpr(forward)(params, i32(2), i32(2), cache, metadata).jaxpr
+  scans = sum(e.primitive.name == "scan" for e in jaxpr.eqns)
+  return len(jaxpr.eqns), scans
+
+
+def test_layers_are_scanned_not_unrolled():
+  eqns_2, scans_2 = _decode_jaxpr_size(2)
+  eqns_8, scans_8 = _decode_jaxpr_size(8)
+  assert scans_2 == scans_8 == 1
+  assert eqns_2 == eqns_8  # the program does not grow with depth

@@ -1,0 +1,146 @@
+"""``load_pretrained`` without torch: round trip of numpy-written checkpoints, and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from tests.models import helpers
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+
+def _checkpoint(path, model_type="llama", shards=1, **overrides):
+  hf = helpers.hf_config_dict(model_type, **overrides)
+  tensors = helpers.hf_tensors(models.ModelConfig.from_hf_dict(hf))
+  helpers.write_numpy_checkpoint(path, hf, tensors, shards=shards)
+  return hf, tensors
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_round_trip_places_every_tensor(tmp_path, shards):
+  _, tensors = _checkpoint(tmp_path, "qwen2", shards=shards)
+  model, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  assert config.qkv_bias and not config.o_bias
+  e, h, k, d = 64, 4, 2, 16
+  np.testing.assert_array_equal(model.embed_VE[...], tensors["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(model.lm_head_EV[...], tensors["lm_head.weight"].T)
+  np.testing.assert_array_equal(model.final_norm.scale_E[...], tensors["model.norm.weight"])
+  for layer in range(2):
+    p = f"model.layers.{layer}."
+    np.testing.assert_array_equal(model.layers.attn.k_EKD[...][layer],
+                                  tensors[p + "self_attn.k_proj.weight"].T.reshape(e, k, d))
+    np.testing.assert_array_equal(model.layers.attn.o_HDE[...][layer],
+                                  tensors[p + "self_attn.o_proj.weight"].T.reshape(h, d, e))
+    np.testing.assert_array_equal(model.layers.attn.q_bias_HD[...][layer],
+                                  tensors[p + "self_attn.q_proj.bias"].reshape(h, d))
+    np.testing.assert_array_equal(model.layers.mlp.down_IE[...][layer],
+                                  tensors[p + "mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(model.layers.mlp_norm.scale_E[...][layer],
+                                  tensors[p + "post_attention_layernorm.weight"])
+
+
+def test_bfloat16_target_dtype(tmp_path):
+  _, tensors = _checkpoint(tmp_path)
+  model, _ = models.load_pretrained(tmp_path, dtype=jnp.bfloat16)
+  assert model.layers.attn.q_EHD[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+      np.asarray(model.embed_VE[...]),
+      tensors["model.embed_tokens.weight"].astype(jnp.bfloat16))
+  # The bf16 model runs and tracks the float32 one.
+  model32, _ = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  tokens_BT = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+  logits16, logits32 = model(tokens_BT), model32(tokens_BT)
+  assert logits16.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(logits16, np.float32) - np.asarray(logits32))
+  assert err.max() / np.abs(np.asarray(logits32)).max() < 5e-2
+
+
+def test_sharding_callback_places_each_parameter(tmp_path):
+  _checkpoint(tmp_path)
+  device = jax.devices()[0]
+  seen = []
+
+  def sharding(path, shape):
+    seen.append((path, shape))
+    return jax.sharding.SingleDeviceSharding(device)
+
+  model, _ = models.load_pretrained(tmp_path, dtype=jnp.float32, sharding=sharding)
+  assert (("layers", "attn", "q_EHD"), (2, 64, 4, 16)) in seen
+  assert (("embed_VE",), (helpers.VOCAB, helpers.WIDTH)) in seen
+  assert model.embed_VE[...].sharding == jax.sharding.SingleDeviceSharding(device)
+
+
+def test_missing_directory(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nowhere"):
+    models.load_pretrained(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path):
+  _checkpoint(tmp_path)
+  os.remove(tmp_path / "config.json")
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    models.load_pretrained(tmp_path)
+
+
+def test_missing_safetensors(tmp_path):
+  _checkpoint(tmp_path)
+  os.remove(tmp_path / "model.safetensors")
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    models.load_pretrained(tmp_path)
+
+
+def test_missing_shard(tmp_path):
+  _checkpoint(tmp_path, shards=2)
+  os.remove(tmp_path / "model-00002-of-00002.safetensors")
+  with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+    models.load_pretrained(tmp_path)
+
+
+def test_unsupported_model_type(tmp_path):
+  hf, tensors = _checkpoint(tmp_path)
+  hf["model_type"] = "gpt2"
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(hf, f)
+  with pytest.raises(ValueError, match="model_type='gpt2'"):
+    models.load_pretrained(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+  hf, tensors = _checkpoint(tmp_path)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
+  with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+    models.load_pretrained(tmp_path)
+
+
+def test_missing_lm_head_when_untied(tmp_path):
+  hf, tensors = _checkpoint(tmp_path)
+  del tensors["lm_head.weight"]
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
+  with pytest.raises(ValueError, match=r"lm_head\.weight"):
+    models.load_pretrained(tmp_path)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+  hf, tensors = _checkpoint(tmp_path, shards=2)
+  # k_proj [K * D, E] = [32, 64]; written transposed.
+  name = "model.layers.0.self_attn.k_proj.weight"
+  tensors[name] = np.ascontiguousarray(tensors[name].T)
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors, shards=2)
+  with pytest.raises(ValueError, match=r"self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"):
+    models.load_pretrained(tmp_path)
+
+
+def test_tied_checkpoint_ignores_lm_head(tmp_path):
+  hf, tensors = _checkpoint(tmp_path, tie_word_embeddings=True)
+  tensors["lm_head.weight"] = np.zeros((helpers.VOCAB, helpers.WIDTH), np.float32)
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
+  model, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  assert config.tie_word_embeddings and model.lm_head_EV is None

@@ -1,0 +1,216 @@
+"""The jitted prefill / decode steps against the dense forward.
+
+One module-scoped run (prefill of a ragged batch of three prompts, then decode steps with
+changing active sets and lengths) feeds several tests, so the steps compile once for the
+whole module: every later call has the same shapes.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from models import steps as steps_lib
+from paged_jax import KVCache, allocator
+from tests.models import helpers
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+MAX_SEQS = 3
+BLOCKS_PER_SEQ = 8
+PREFILL_TOKENS = 24
+PROMPTS = ([5, 17, 99, 3, 64], [7, 7, 120, 1, 0, 45, 2, 90, 33], [11, 12, 13])
+ACTIVE = ([1, 1, 1], [1, 0, 1], [1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 0, 0])
+RTOL = 1e-5
+
+
+def _rel(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def _pack(chunks) -> tuple[jax.Array, jax.Array]:
+  """tokens_T (chunks in slot order, zero padded to PREFILL_TOKENS) and num_new_S."""
+  flat = [t for chunk in chunks for t in chunk]
+  assert len(flat) <= PREFILL_TOKENS  # one shape for the whole module: no recompiles
+  tokens_T = jnp.asarray(flat + [0] * (PREFILL_TOKENS - len(flat)), jnp.int32)
+  return tokens_T, jnp.asarray([len(c) for c in chunks], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.init_random(helpers.tiny_config("llama"), seed=0, impl="xla")
+
+
+@pytest.fixture(scope="module")
+def steps(model):
+  return models.Steps(model)
+
+
+def _fresh(model):
+  alloc = allocator.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, BLOCKS_PER_SEQ)
+  cache = KVCache.create(model.kv_cache_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+  return alloc, cache
+
+
+DENSE_SHAPE = (MAX_SEQS, 16)
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+  """``dense(sequences)``: causal logits ``[B, 16, V]``, right padded (padding is never seen).
+
+  Jitted at one shape so the module compiles the dense forward once.
+  """
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda params, tokens_BT: nnx.merge(graphdef, params)(tokens_BT))
+
+  def run(sequences):
+    tokens_BT = np.zeros(DENSE_SHAPE, np.int32)
+    for b, s in enumerate(sequences):
+      tokens_BT[b, :len(s)] = s
+    return np.asarray(forward(params, jnp.asarray(tokens_BT)))
+
+  return run
+
+
+@pytest.fixture(scope="module")
+def run(model, steps):
+  """Prefill PROMPTS, then decode with the ACTIVE masks; the decode step trace-guarded."""
+  rng = np.random.default_rng(3)
+  sequences = [list(p) for p in PROMPTS]
+  alloc, cache = _fresh(model)
+  guarded = chex.assert_max_traces(steps_lib.decode_step, n=1)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(steps_lib, "decode_step", guarded)
+    decode_cache_before = steps_lib._decode_jit._cache_size()
+    prefill_logits, alloc, cache, ok = steps.prefill(alloc, cache, *_pack(PROMPTS))
+    assert bool(ok.all())
+    decode_logits = []  # per step: {seq: logits of its new token}
+    for active in ACTIVE:
+      tokens_S = rng.integers(0, helpers.VOCAB, MAX_SEQS).astype(np.int32)
+      logits_SV, alloc, cache, ok = steps.decode(alloc, cache, jnp.asarray(tokens_S),
+                                                 jnp.asarray(active, bool))
+      assert bool(ok.all())
+      step = {}
+      for s in range(MAX_SEQS):
+        if active[s]:
+          sequences[s].append(int(tokens_S[s]))
+          step[s] = (len(sequences[s]) - 1, np.asarray(logits_SV[s]))
+        else:
+          np.testing.assert_array_equal(np.asarray(logits_SV[s]), 0.0)
+      decode_logits.append(step)
+    decode_compiles = steps_lib._decode_jit._cache_size() - decode_cache_before
+  allocator.validate(alloc)
+  return dict(prefill_logits=np.asarray(prefill_logits), decode_logits=decode_logits,
+              sequences=sequences, alloc=alloc, decode_compiles=decode_compiles)
+
+
+def test_prefill_then_decode_equals_dense(dense, run):
+  want = dense(run["sequences"])
+  for s, prompt in enumerate(PROMPTS):
+    assert _rel(run["prefill_logits"][s], want[s, len(prompt) - 1]) < RTOL
+  checked = 0
+  for step in run["decode_logits"]:
+    for s, (position, logits) in step.items():
+      assert _rel(logits, want[s, position]) < RTOL
+      checked += 1
+  assert checked == sum(map(sum, ACTIVE))
+  np.testing.assert_array_equal(np.asarray(run["alloc"].seq_lens),
+                                [len(s) for s in run["sequences"]])
+
+
+def test_decode_step_traces_once(run):
+  # chex.assert_max_traces(n=1) guarded decode_step during all the steps above (lengths and
+  # active sets changed every step); the jit cache gained at most the one entry.
+  assert run["decode_compiles"] <= 1
+
+
+def test_ragged_batch_equals_each_alone(model, steps, run):
+  for s, prompt in enumerate(PROMPTS):
+    alloc, cache = _fresh(model)
+    chunks = [[] for _ in PROMPTS]
+    chunks[s] = prompt
+    logits_SV, alloc, cache, ok = steps.prefill(alloc, cache, *_pack(chunks))
+    assert bool(ok.all())
+    assert _rel(logits_SV[s], run["prefill_logits"][s]) < RTOL
+    others = [r for r in range(MAX_SEQS) if r != s]
+    np.testing.assert_array_equal(np.asarray(logits_SV[jnp.asarray(others)]), 0.0)
+
+
+def _sequence_kv(cache: KVCache, alloc, seq: int) -> tuple[np.ndarray, np.ndarray]:
+  """K and V of sequence ``seq``, ``[L, K, len, D]``, read through its block table."""
+  length = int(alloc.seq_lens[seq])
+  slots = np.asarray(allocator.slots(alloc, jnp.full(length, seq), jnp.arange(length)))
+  blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+  k = np.asarray(cache.k_pages)[:, :, blocks, offsets]
+  v = np.asarray(cache.v_pages)[:, :, blocks, offsets]
+  return k, v
+
+
+def test_chunked_prefill_equals_single_prefill(model, steps, dense):
+  prompt = [3, 9, 27, 81, 115, 89, 11, 33, 99, 41, 123]  # 11 tokens, chunks of 4, 4, 3
+  seq = 1
+  # Single prefill; another sequence in slot 0 so the blocks differ between the runs.
+  alloc_one, cache_one = _fresh(model)
+  logits_one, alloc_one, cache_one, ok = steps.prefill(alloc_one, cache_one,
+                                                       *_pack([[], prompt, []]))
+  assert bool(ok.all())
+  alloc, cache = _fresh(model)
+  _, alloc, cache, ok = steps.prefill(alloc, cache, *_pack([[1, 2, 3, 4, 5], [], []]))
+  for start, end in ((0, 4), (4, 8), (8, 11)):
+    chunks = [[], prompt[start:end], []]
+    logits, alloc, cache, ok = steps.prefill(alloc, cache, *_pack(chunks))
+    assert bool(ok.all())
+  assert _rel(logits[seq], logits_one[seq]) < RTOL
+  k_one, v_one = _sequence_kv(cache_one, alloc_one, seq)
+  k, v = _sequence_kv(cache, alloc, seq)
+  np.testing.assert_allclose(k, k_one, rtol=RTOL, atol=1e-6)
+  np.testing.assert_allclose(v, v_one, rtol=RTOL, atol=1e-6)
+  # And the next decode token sees the same context.
+  active = jnp.asarray([False, True, False])
+  token_S = jnp.asarray([0, 77, 0], jnp.int32)
+  after_one, *_ = steps.decode(alloc_one, cache_one, token_S, active)
+  # The step donated the pool and the allocator state: updated in place, not copied.
+  assert cache_one.k_pages.is_deleted() and alloc_one.block_tables.is_deleted()
+  after, *_ = steps.decode(alloc, cache, token_S, active)
+  assert _rel(after[seq], after_one[seq]) < RTOL
+  want = dense([prompt + [77]])
+  assert _rel(after[seq], want[0, len(prompt)]) < RTOL
+
+
+def test_failed_allocation_drops_only_that_sequence(model, steps, dense):
+  a, hog, c = [5, 6, 7, 8, 9], list(range(20, 36)), [50, 51, 52]
+  alloc, cache = _fresh(model)
+  _, alloc, cache, ok = steps.prefill(alloc, cache, *_pack([a, hog, c]))
+  assert bool(ok.all())
+  hog_table = np.asarray(alloc.block_tables[1])  # read now: the step donates `alloc`
+  # The hog asks for 17 more tokens: 16 + 17 > P * Z = 32, so its append fails; a and c grow
+  # inside their partial last blocks and their tokens are packed around the dropped ones.
+  logits_SV, alloc, cache, ok = steps.prefill(alloc, cache, *_pack([[60, 61], [1] * 17, [70]]))
+  np.testing.assert_array_equal(np.asarray(ok), [True, False, True])
+  np.testing.assert_array_equal(np.asarray(logits_SV[1]), 0.0)
+  np.testing.assert_array_equal(np.asarray(alloc.seq_lens), [7, 16, 4])
+  np.testing.assert_array_equal(np.asarray(alloc.block_tables[1]), hog_table)
+  allocator.validate(alloc)
+  want = dense([a + [60, 61], c + [70]])
+  assert _rel(logits_SV[0], want[0, 6]) < RTOL
+  assert _rel(logits_SV[2], want[1, 3]) < RTOL
+
+
+def test_tokens_past_the_step_are_refused(model, steps):
+  alloc, cache = _fresh(model)
+  # 20 + 10 > T = 24: the second sequence runs past the step, and so does the third (its
+  # tokens would sit at rows 30..33). Both are refused; nothing is allocated for them.
+  tokens_T = jnp.arange(PREFILL_TOKENS, dtype=jnp.int32)
+  logits_SV, alloc, cache, ok = steps.prefill(alloc, cache, tokens_T,
+                                              jnp.asarray([20, 10, 4], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(ok), [True, False, False])
+  np.testing.assert_array_equal(np.asarray(alloc.seq_lens), [20, 0, 0])
+  np.testing.assert_array_equal(np.asarray(logits_SV[1:]), 0.0)
+  allocator.validate(alloc)
