@@ -15,3 +15,12 @@ def test_attention_cpu_quick(capsys):
       assert math.isfinite(row[key]) and row[key] >= 0, (key, row)
     assert row["xla_max_abs_err"] < 1e-4, row  # the timed paths compute the same thing
   assert "| workload |" in capsys.readouterr().out
+
+
+def test_gpu_accuracy_quick():
+  from benchmarks import gpu_accuracy
+  rows = gpu_accuracy.main(["--quick", "--no-write"])
+  assert [row["dtype"] for row in rows] == ["bfloat16"]
+  for row in rows:
+    assert all(math.isfinite(row[k]) for k in ("ours_abs", "ours_rel", "jax_abs", "jax_rel"))
+    assert row["ours_rel"] < 1e-2, row  # bfloat16 inputs, float32 accumulation

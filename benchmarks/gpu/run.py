@@ -1,0 +1,427 @@
+"""One prepared run on a single GPU (written for an H200, jax 0.11.x, no network).
+
+1. Checks ``pallas_kernels.gpu.ragged_paged_attention`` against the jnp reference on a few
+   realistic shapes (mixed ragged batch, long split-K decode, MQA, D = 256).
+2. Times it (warmed up, median over samples, rotating input sets so a small case does not
+   run from L2) against JAX's built-in Pallas GPU paged attention (decode only), the
+   project's XLA path and a dense XLA attention over a contiguous cache, for decode at
+   batch 1/32/256 x context 1k/8k/32k (Llama-3-8B-like: 32 query heads, 8 KV heads,
+   D = 128, bf16, 16-token blocks) and for a mixed prefill + decode batch.
+   Achieved bandwidth = unique K/V (+ q, out) bytes / time, against the measured
+   device-to-device copy bandwidth.
+
+Every case runs in its own try/except (errors are printed and recorded); a time budget
+skips what is left when it runs out. Writes ``results.json`` and ``results.md`` under $OUT
+(default ./out).
+
+  PYTHONPATH=. python benchmarks/gpu/run.py [--budget-s 270] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DECODE_BATCHES = (1, 32, 256)
+DECODE_CONTEXTS = (1024, 8192, 32768)
+L2_DEFEAT_BYTES = 256 << 20   # rotate input sets until one round reads this much
+MAX_SETS = 16
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(
+      description="Check and time the Pallas GPU ragged paged attention kernel on one GPU.")
+  parser.add_argument("--out", default=os.environ.get("OUT", "./out"),
+                      help="output folder for results.json / results.md (default $OUT or ./out)")
+  parser.add_argument("--budget-s", type=float, default=230.0,
+                      help="stop starting new timings after this many seconds (default 230)")
+  parser.add_argument("--quick", action="store_true",
+                      help="only the smallest decode cases (a smoke test of the script)")
+  parser.add_argument("--sample-s", type=float, default=1.0,
+                      help="seconds of samples per timing (default 1.0)")
+  parser.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+  parser.add_argument("--smoke-cpu", action="store_true",
+                      help="plumbing test without a GPU: tiny shapes, kernels in interpret mode")
+  return parser.parse_args(argv)
+
+
+class Budget:
+
+  def __init__(self, seconds: float):
+    self.start, self.seconds = time.perf_counter(), seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def left(self) -> bool:
+    return self.elapsed() < self.seconds
+
+
+# --- Inputs. ---
+
+_DIRECT_RANDOM_ELEMENTS = 1 << 28
+
+
+def big_normal(key, shape, dtype):
+  """Standard normal of ``shape``; past 2**28 elements a random slab tiled along axis 1
+  (the timing only needs the bytes, and a direct draw would need a temporary of 4 bytes
+  per element)."""
+  if math.prod(shape) <= _DIRECT_RANDOM_ELEMENTS:
+    return jax.random.normal(key, shape, dtype)
+  per_row = math.prod(shape) // shape[1]
+  slab = max(1, _DIRECT_RANDOM_ELEMENTS // per_row)
+  reps = -(-shape[1] // slab)
+
+  @jax.jit
+  def make(key):
+    base = jax.random.normal(key, (shape[0], slab, *shape[2:]), dtype)
+    return jnp.tile(base, (1, reps) + (1,) * (len(shape) - 2))[:, : shape[1]]
+  return make(key)
+
+
+def random_pool(key, num_blocks, dtype, *, nan_from=None):
+  """[K, N, Z, D] pages; blocks at or past ``nan_from`` are NaN (never to be read)."""
+  shape = (NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
+  pool = big_normal(key, shape, dtype)
+  if nan_from is not None:
+    unused = (jnp.arange(num_blocks) >= nan_from)[None, :, None, None]
+    pool = jnp.where(unused, jnp.nan, pool).astype(dtype)
+  return pool
+
+
+def ragged_batch(key, seqs, dtype, *, num_heads=NUM_Q_HEADS, pad_rows=0, nan_unused=True,
+                 block_offset=0, num_blocks=None):
+  """Metadata and q for ``seqs`` = [(q_len, kv_len), ...]; shuffled disjoint tables."""
+  q_lens = np.array([q for q, _ in seqs], np.int32)
+  kv_lens = np.array([kv for _, kv in seqs], np.int32)
+  pages = -(-kv_lens // BLOCK_SIZE)
+  width = int(pages.max())
+  used = int(pages.sum())
+  k_perm, k_q = jax.random.split(key)
+  ids = np.asarray(jax.random.permutation(k_perm, used)) + block_offset
+  tables = np.zeros((len(seqs), width), np.int32)
+  start = 0
+  for i, n in enumerate(pages):
+    tables[i, :n] = ids[start:start + n]
+    # Unused entries point at another sequence's blocks: they must not be read.
+    tables[i, n:] = ids[(start + n) % used]
+    start += n
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  num_tokens = int(cu[-1]) + pad_rows
+  q = jax.random.normal(k_q, (num_tokens, num_heads, HEAD_DIM), dtype)
+  return dict(q=q, kv_lens=jnp.asarray(kv_lens), block_tables=jnp.asarray(tables),
+              cu_q_lens=jnp.asarray(cu), num_seqs=jnp.int32(len(seqs)), used_blocks=used)
+
+
+# --- Implementations under test (all take [K, N, Z, D] pools; L = 1 is a free reshape). ---
+
+INTERPRET = False  # set by --smoke-cpu only
+
+
+def ours_fn(sm_scale):
+  from pallas_kernels import gpu
+
+  @jax.jit
+  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    return gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
+                                      sm_scale=sm_scale, interpret=INTERPRET)
+  return f
+
+
+def xla_fn(sm_scale):
+  from pallas_kernels import xla
+
+  @jax.jit
+  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    return xla.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
+                                      sm_scale=sm_scale)
+  return f
+
+
+def reference_fn(sm_scale):
+  from pallas_kernels.reference import ragged_paged_attention_reference
+
+  @jax.jit
+  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    return ragged_paged_attention_reference(q, k[None], v[None], 0, kv_lens, tables, cu,
+                                            num_seqs, sm_scale=sm_scale)
+  return f
+
+
+def jax_pallas_fn(sm_scale, blocks_per_seq):
+  """JAX's decode kernel; it has no softmax scale, so q is scaled first (in the timing)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+  k_splits = math.gcd(16, blocks_per_seq)
+  pages_per_compute_block = math.gcd(8, blocks_per_seq // k_splits)
+
+  @jax.jit
+  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    del cu, num_seqs
+    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    return jax_paged.paged_attention(q, k, v, tables, kv_lens, k_splits=k_splits,
+                                     pages_per_compute_block=pages_per_compute_block,
+                                     interpret=INTERPRET)
+  return f
+
+
+def dense_fn(sm_scale):
+  """Decode attention over a contiguous cache [B, C, K, D] with a length mask."""
+
+  @jax.jit
+  def f(q_BHD, k_BCKD, v_BCKD, kv_lens_B):
+    batch, ctx = k_BCKD.shape[:2]
+    q_BKGD = q_BHD.reshape(batch, NUM_KV_HEADS, -1, HEAD_DIM)
+    s = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD,
+                   preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(jnp.arange(ctx)[None, None, None, :] < kv_lens_B[:, None, None, None], s,
+                  -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgc,bckd->bkgd", p.astype(v_BCKD.dtype), v_BCKD,
+                   preferred_element_type=jnp.float32)
+    return o.reshape(q_BHD.shape).astype(q_BHD.dtype)
+  return f
+
+
+# --- Timing. ---
+
+def time_fn(fn, arg_sets, sample_s: float):
+  """Median seconds per call: samples of one round over the rotating sets, after warm-up."""
+  jax.block_until_ready(fn(*arg_sets[0]))  # compile
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
+  samples = []
+  start = time.perf_counter()
+  while len(samples) < 5 or (time.perf_counter() - start < sample_s and len(samples) < 200):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for args in arg_sets]
+    jax.block_until_ready(outs)
+    samples.append((time.perf_counter() - t0) / len(arg_sets))
+  return statistics.median(samples), len(samples)
+
+
+def copy_bandwidth(sample_s: float, *, num_elements: int = 1 << 30) -> float:
+  """Device-to-device copy bandwidth (bytes read + written per second), 2 GiB by default."""
+  x = jnp.zeros((num_elements,), jnp.bfloat16)
+  f = jax.jit(lambda x: jnp.copy(x))
+  sec, _ = time_fn(f, [(x,)], sample_s)
+  return 2 * x.nbytes / sec
+
+
+# --- Correctness. ---
+
+CHECKS = [
+    # (name, dtype, seqs, num_q_heads, tolerance)
+    ("llama3_8b_mixed_bf16", jnp.bfloat16,
+     [(1, 1000), (1, 2999), (1, 16), (64, 1500), (200, 200), (0, 77), (1, 4096), (7, 300)],
+     NUM_Q_HEADS, 2e-2),
+    ("long_decode_split_k_f32", jnp.float32, [(1, 8192), (1, 5000), (1, 33)], NUM_Q_HEADS,
+     1e-4),
+    ("mqa_f16", jnp.float16, [(1, 700), (33, 512), (1, 2048)], NUM_KV_HEADS * 4, 2e-2),
+]
+
+
+SMOKE_CHECKS = [("smoke_mixed_bf16", jnp.bfloat16, [(1, 40), (9, 9), (0, 3), (4, 70)],
+                 NUM_Q_HEADS, 2e-2)]
+
+
+def run_checks(results, checks):
+  sm_scale = HEAD_DIM ** -0.5
+  ours, ref = ours_fn(sm_scale), reference_fn(sm_scale)
+  for name, dtype, seqs, num_heads, tol in checks:
+    row = dict(name=name, dtype=jnp.dtype(dtype).name)
+    try:
+      batch = ragged_batch(jax.random.key(1), seqs, dtype, num_heads=num_heads, pad_rows=3)
+      used = batch["used_blocks"]
+      k = random_pool(jax.random.key(2), used + 8, dtype, nan_from=used)
+      v = random_pool(jax.random.key(3), used + 8, dtype, nan_from=used)
+      args = (batch["q"], k, v, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"],
+              batch["num_seqs"])
+      out = np.asarray(ours(*args).astype(jnp.float32))
+      expected = np.asarray(ref(*args).astype(jnp.float32))
+      err = float(np.max(np.abs(out - expected)))
+      close = bool(np.all(np.abs(out - expected) <= tol * (1.0 + np.abs(expected))))
+      row.update(max_abs_err=err, finite=bool(np.all(np.isfinite(out))),
+                 ok=close and bool(np.all(np.isfinite(out))), tolerance=tol)
+    except Exception as e:  # noqa: BLE001 - every case is isolated
+      traceback.print_exc()
+      row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+    print(f"check {name}: {row}", flush=True)
+    results["checks"].append(row)
+
+
+# --- Timing cases. ---
+
+def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, results):
+  sm_scale = HEAD_DIM ** -0.5
+  kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * jnp.dtype(dtype).itemsize
+  qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
+  num_sets = int(max(1, min(MAX_SETS, -(-L2_DEFEAT_BYTES // kv_bytes))))
+  blocks_per_seq = ctx // BLOCK_SIZE
+  blocks_per_set = batch * blocks_per_seq
+  key = jax.random.key(batch * 100003 + ctx)
+  k_pool = random_pool(jax.random.fold_in(key, 1), blocks_per_set * num_sets, dtype)
+  v_pool = random_pool(jax.random.fold_in(key, 2), blocks_per_set * num_sets, dtype)
+  sets = []
+  for s in range(num_sets):
+    b = ragged_batch(jax.random.fold_in(key, 10 + s), [(1, ctx)] * batch, dtype,
+                     block_offset=s * blocks_per_set)
+    sets.append((b["q"], k_pool, v_pool, b["kv_lens"], b["block_tables"], b["cu_q_lens"],
+                 b["num_seqs"]))
+  impls = [("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
+           ("jax pallas paged_attention", lambda: (jax_pallas_fn(sm_scale, blocks_per_seq),
+                                                   sets)),
+           ("xla (ours)", lambda: (xla_fn(sm_scale), sets)),
+           ("dense xla", lambda: dense_inputs(sets, batch, ctx, dtype, sm_scale))]
+  for impl, build in impls:
+    row = dict(case=f"decode B={batch} ctx={ctx}", impl=impl, batch=batch, ctx=ctx,
+               dtype=jnp.dtype(dtype).name, sets=num_sets)
+    if not budget.left():
+      row["error"] = "skipped: time budget spent"
+    else:
+      try:
+        fn, arg_sets = build()
+        sec, n = time_fn(fn, arg_sets, sample_s)
+        bw = (kv_bytes + qo_bytes) / sec
+        row.update(us=sec * 1e6, samples=n, gb_s=bw / 1e9, frac_copy_bw=bw / copy_bw)
+      except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    print(f"{row}", flush=True)
+    results["timings"].append(row)
+
+
+def dense_inputs(sets, batch, ctx, dtype, sm_scale):
+  """Contiguous [B, C, K, D] caches, one per rotating set (only when they are small)."""
+  num_sets = len(sets)
+  dense_sets = []
+  for s, (q, *_rest, kv_lens, _tables, _cu, _n) in enumerate(sets):
+    key = jax.random.key(7 + s)
+    k = big_normal(key, (batch, ctx, NUM_KV_HEADS, HEAD_DIM), dtype)
+    v = big_normal(jax.random.fold_in(key, 1), k.shape, dtype)
+    dense_sets.append((q, k, v, kv_lens))
+    del _rest
+  assert len(dense_sets) == num_sets
+  return dense_fn(sm_scale), dense_sets
+
+
+MIXED_SEQS = [(1024, 1024)] * 4 + [(512, 2560)] + [(1, 4096)] * 64
+SMOKE_MIXED_SEQS = [(20, 20), (8, 40), (1, 64), (1, 33)]
+
+
+def mixed_case(dtype, seqs, *, budget, sample_s, copy_bw, results):
+  """Full prefills, a chunked prefill and decodes in one call (default: 4 prefills of
+  1024, a chunk of 512 onto 2048 cached tokens, 64 decodes at 4096)."""
+  sm_scale = HEAD_DIM ** -0.5
+  kv_tokens = sum(kv for _, kv in seqs)
+  q_rows = sum(q for q, _ in seqs)
+  itemsize = jnp.dtype(dtype).itemsize
+  kv_bytes = kv_tokens * NUM_KV_HEADS * HEAD_DIM * 2 * itemsize
+  qo_bytes = 2 * q_rows * NUM_Q_HEADS * HEAD_DIM * itemsize
+  key = jax.random.key(99)
+  batch = ragged_batch(key, seqs, dtype)
+  used = batch["used_blocks"]
+  k = random_pool(jax.random.fold_in(key, 1), used, dtype)
+  v = random_pool(jax.random.fold_in(key, 2), used, dtype)
+  args = [(batch["q"], k, v, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"],
+           batch["num_seqs"])]
+  for impl, fn in (("pallas_gpu (ours)", ours_fn(sm_scale)), ("xla (ours)", xla_fn(sm_scale))):
+    row = dict(case=f"mixed: {q_rows} q rows, {len(seqs)} seqs", impl=impl,
+               dtype=jnp.dtype(dtype).name, sets=1)
+    if not budget.left():
+      row["error"] = "skipped: time budget spent"
+    else:
+      try:
+        sec, n = time_fn(fn, args, sample_s)
+        bw = (kv_bytes + qo_bytes) / sec
+        row.update(us=sec * 1e6, samples=n, gb_s=bw / 1e9, frac_copy_bw=bw / copy_bw)
+      except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    print(f"{row}", flush=True)
+    results["timings"].append(row)
+
+
+def to_markdown(results) -> str:
+  lines = [f"Device: {results['device']}, jax {results['jax']}; copy bandwidth "
+           f"{results['copy_gb_s']:.0f} GB/s (read + write).", "",
+           "| check | dtype | max abs err | tolerance (atol = rtol) | ok |", "|---|---|---|---|---|"]
+  for c in results["checks"]:
+    lines.append(f"| {c['name']} | {c['dtype']} | {c.get('max_abs_err', float('nan')):.2e} | "
+                 f"{c.get('tolerance', '')} | {c['ok']}{' ' + c['error'] if 'error' in c else ''} |")
+  lines += ["", "| case | impl | us (median) | GB/s | of copy BW | sets |",
+            "|---|---|---|---|---|---|"]
+  for t in results["timings"]:
+    if "error" in t:
+      lines.append(f"| {t['case']} | {t['impl']} | error: {t['error'][:120]} | | | |")
+    else:
+      lines.append(f"| {t['case']} | {t['impl']} | {t['us']:.1f} | {t['gb_s']:.0f} | "
+                   f"{t['frac_copy_bw']:.0%} | {t['sets']} |")
+  lines += ["", f"Total script time {results['elapsed_s']:.0f} s. GB/s counts each K/V "
+            "byte a sequence owns once, plus q and out."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  global INTERPRET
+  args = parse_args(argv)
+  INTERPRET = args.smoke_cpu
+  budget = Budget(args.budget_s)
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  results = dict(device=str(jax.devices()[0]), jax=jax.__version__, checks=[], timings=[],
+                 copy_gb_s=float("nan"))
+  print(results["device"], results["jax"], flush=True)
+  try:
+    copy_bw = copy_bandwidth(args.sample_s,
+                             num_elements=(1 << 20) if args.smoke_cpu else (1 << 30))
+  except Exception:  # noqa: BLE001
+    traceback.print_exc()
+    copy_bw = float("nan")
+  results["copy_gb_s"] = copy_bw / 1e9
+  print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+  if not args.skip_check:
+    run_checks(results, SMOKE_CHECKS if args.smoke_cpu else CHECKS)
+  dtype = jnp.bfloat16
+  if args.smoke_cpu:
+    plan = [("decode", 1, 64), ("decode", 2, 128), ("mixed", SMOKE_MIXED_SEQS, None)]
+  elif args.quick:
+    plan = [("decode", 1, 1024), ("decode", 32, 1024)]
+  else:
+    # Mixed before the 32k contexts, so the budget cuts the largest cases first.
+    plan = [("decode", b, c) for c in DECODE_CONTEXTS[:2] for b in DECODE_BATCHES]
+    plan += [("mixed", MIXED_SEQS, None)]
+    plan += [("decode", b, c) for c in DECODE_CONTEXTS[2:] for b in DECODE_BATCHES]
+  for kind, a, b in plan:
+    try:
+      if kind == "decode":
+        decode_case(a, b, dtype, budget=budget, sample_s=args.sample_s, copy_bw=copy_bw,
+                    results=results)
+      else:
+        mixed_case(dtype, a, budget=budget, sample_s=args.sample_s, copy_bw=copy_bw,
+                   results=results)
+    except Exception as e:  # noqa: BLE001 - input building may fail (memory)
+      traceback.print_exc()
+      results["timings"].append(dict(case=f"{kind} {a} {b}", impl="all",
+                                     error=f"{type(e).__name__}: {e}"[:500]))
+  results["elapsed_s"] = budget.elapsed()
+  (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+  markdown = to_markdown(results)
+  (out_dir / "results.md").write_text(markdown)
+  print(markdown)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

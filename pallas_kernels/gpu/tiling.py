@@ -1,0 +1,117 @@
+"""Static tiling of the GPU ragged kernel: a validated frozen dataclass and its defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The smallest M, N and K of a tensor-core dot the Triton backend accepts.
+MIN_DOT_SIZE = 16
+# Programs worth launching before split-K stops paying off (a few waves of an H100/H200's
+# 132 SMs). A constant, not a device query: the kernel reads no environment.
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 64
+
+
+def _is_pow2(x: int) -> bool:
+  return x >= 1 and (x & (x - 1)) == 0
+
+
+def next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def packed_rows(q_tile: int, group: int) -> int:
+  """M, the rows of one dot: Q query rows times G heads, padded to a power of two >= 16."""
+  return max(MIN_DOT_SIZE, next_pow2(q_tile * group))
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiling:
+  """Static tiling of ``pallas_kernels.gpu.ragged_paged_attention``.
+
+  Attributes:
+    q_tile: Q, query rows per work item. The Q * G (query row, head) pairs of one KV head
+      form the M rows of one dot, padded to a power of two >= 16.
+    pages_per_chunk: R, pages loaded per inner-loop step (J = R * Z KV positions); a power
+      of two with J >= 16.
+    num_splits: split-K factor: each work item's KV range is cut into this many contiguous
+      pieces handled by separate programs and merged by log-sum-exp.
+    num_warps: Triton warps per program (a power of two, at most 32).
+    num_stages: Triton software-pipelining stages of the inner loop.
+  """
+
+  q_tile: int
+  pages_per_chunk: int
+  num_splits: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("q_tile", "pages_per_chunk", "num_splits", "num_warps", "num_stages"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if not _is_pow2(self.pages_per_chunk):
+      raise ValueError(f"pages_per_chunk={self.pages_per_chunk} must be a power of two")
+    if not _is_pow2(self.num_warps) or self.num_warps > 32:
+      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 32")
+
+  def check_shapes(self, *, group: int, block_size: int, head_dim: int) -> None:
+    """Shape-dependent checks; raises ``ValueError`` naming the field or dimension."""
+    if not _is_pow2(block_size):
+      raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a power of "
+                       "two for the Triton backend")
+    if not _is_pow2(head_dim) or head_dim < MIN_DOT_SIZE:
+      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a power of two >= "
+                       f"{MIN_DOT_SIZE} for the Triton backend")
+    chunk = self.pages_per_chunk * block_size
+    if chunk < MIN_DOT_SIZE:
+      raise ValueError(f"pages_per_chunk={self.pages_per_chunk} gives J = R * Z = {chunk} "
+                       f"KV positions per step; must be >= {MIN_DOT_SIZE} (block_size "
+                       f"{block_size})")
+    rows = packed_rows(self.q_tile, group)
+    if rows * head_dim > 256 * 256:
+      raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "
+                       f"head dim {head_dim}; M * D must be <= {256 * 256}")
+
+
+def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, group: int,
+                   block_size: int, head_dim: int, blocks_per_seq: int) -> GpuTiling:
+  """Defaults derived from shapes.
+
+  Q: 1 for a decode batch (one row per sequence: an item per row, M padded to 16). With
+  more rows per sequence on average, at least 16 // G (rows are free up to the minimum dot
+  size), growing towards M = 64 packed rows for prefill.
+  R: J = R * Z near 64 KV positions (32 for D = 256, to bound registers).
+  num_splits: enough programs to fill the GPU when the batch is small (one long sequence),
+  never more than the chunks the longest sequence can have.
+  """
+  rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
+  if rows_per_seq == 1:
+    q_tile = 1  # decode: one item per row, M padded to 16 anyway, no empty items
+  else:
+    q_min = max(1, MIN_DOT_SIZE // group)
+    q_max = max(q_min, 64 // group)
+    q_tile = min(q_max, max(q_min, 1 << (rows_per_seq.bit_length() - 1)))
+  target_chunk = 64 if head_dim <= 128 else 32
+  min_pages = next_pow2(-(-MIN_DOT_SIZE // block_size))  # J >= 16
+  pages_per_chunk = max(min_pages, target_chunk // block_size)
+  pages_per_chunk = max(min_pages, min(pages_per_chunk, next_pow2(blocks_per_seq)))
+  max_chunks = -(-blocks_per_seq // pages_per_chunk)
+  items = num_work_items(num_tokens, num_seq_rows, q_tile)
+  num_splits = -(-TARGET_PROGRAMS // (items * num_kv_heads))
+  num_splits = max(1, min(num_splits, max_chunks, MAX_SPLITS))
+  rows = packed_rows(q_tile, group)
+  num_warps = 8 if rows * head_dim >= 64 * 128 else 4
+  return GpuTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk, num_splits=num_splits,
+                   num_warps=num_warps, num_stages=2)
+
+
+def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
+  """Upper bound W on (query tile, sequence) work items.
+
+  Consecutive sequences share at most one tile, so there are at most the tiles plus one per
+  extra non-empty sequence, and never more than T, since each item holds a row.
+  """
+  num_tiles = -(-num_tokens // q_tile)
+  return max(1, min(num_tokens, num_tiles + min(num_seq_rows, num_tokens) - 1))

@@ -1,0 +1,166 @@
+"""Triton-backend Pallas kernel: split-K attention of packed work items over paged KV.
+
+One program per (work item w, KV head k, split x). The program holds the item's M packed
+query rows of KV head k (Q query rows times G heads), walks its share of the item's KV
+range R pages (J = R * Z positions) at a time through the block table, and keeps an online
+softmax in float32. Split x of an item covers chunks ``[x * c, min((x + 1) * c, n))`` with
+``n = cdiv(horizon, J)`` and ``c = cdiv(n, X)``, so a long decode sequence is spread over X
+programs (flash-decoding) and a short one leaves the extra programs empty. Each program
+writes its normalised partial output and its log-sum-exp; the caller merges them.
+
+Pages are gathered with masked loads: positions at or past the item's horizon (its causal
+reach, never past the sequence's length) are masked off, so pages a sequence does not own,
+or the unwritten tail of its last page, are never read. The layer is an int32 input used in
+the load index, so the [L, K, N, Z, D] pool is never sliced outside the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu.tiling import GpuTiling
+
+# A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
+# that sees nothing keeps max = floor, sum = 0 without any inf - inf.
+_MAX_FLOOR = -1e30
+
+
+def _kernel(
+    # Input
+    layer_ref,      # i32[1]
+    seq_ref,        # i32[W] sequence of each item
+    horizon_ref,    # i32[W] KV positions each item needs
+    tables_ref,     # i32[S, P'] block tables, P' a multiple of R
+    qpos_ref,       # i32[M] (block of [W, M]) query position of each packed row, -1 = none
+    q_ref,          # [M, D] (block of [W, K, M, D])
+    k_pages_ref,    # [L, K, N, Z, D] whole pool, read through masked gathers
+    v_pages_ref,    # [L, K, N, Z, D]
+    # Output
+    out_ref,        # f32[M, D] (block of [X, W, K, M, D]) normalised partial output
+    lse_ref,        # f32[M] (block of [X, W, K, M]) log-sum-exp, -inf where nothing seen
+    *, sm_scale: float, pages_per_chunk: int, num_splits: int, compute_dtype):
+  item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_blocks, block_size, head_dim = k_pages_ref.shape[2:]
+  rows = q_ref.shape[0]
+  chunk = pages_per_chunk * block_size
+
+  layer = layer_ref[0]
+  seq = seq_ref[item]
+  horizon = horizon_ref[item]
+  num_chunks = pl.cdiv(horizon, chunk)
+  per_split = pl.cdiv(num_chunks, num_splits)
+  chunk_begin = jnp.minimum(split * per_split, num_chunks)
+  chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
+
+  q_MD = q_ref[...].astype(compute_dtype)
+  qpos_M = qpos_ref[...]
+
+  dim_1D = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+  def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD):
+    # Every index is an array or a scalar, none a slice: one pointer per element of the
+    # [J, D] tile (row j from page ``page_ids_J[j]``, slot ``offset_J[j]``), a gather that
+    # both the Triton lowering and the interpreter accept.
+    index = (layer, kv_head, page_ids_J[:, None], offset_J[:, None], dim_1D)
+    x_JD = plgpu.load(pages_ref.at[index], mask=valid_JD, other=0.0)
+    return x_JD.astype(compute_dtype)
+
+  def body(c, carry):
+    max_M, sum_M, acc_MD = carry
+    pos_J = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    in_range_J = pos_J < horizon
+    # The table is padded to whole chunks, so this load is in bounds; each entry is read
+    # once per row of its page (from cache).
+    page_ids_J = plgpu.load(tables_ref.at[seq, pos_J // block_size])
+    # A position past the horizon is never dereferenced: its page id is replaced and its
+    # lanes masked, so garbage table entries (NO_BLOCK, other sequences' blocks) and the
+    # unwritten tail of the last page stay unread. An id outside [0, N) (invalid input)
+    # reads nothing rather than being clamped into a real block.
+    read_J = in_range_J & (page_ids_J >= 0) & (page_ids_J < num_blocks)
+    page_ids_J = jnp.where(read_J, page_ids_J, 0)
+    offset_J = pos_J % block_size
+    valid_JD = jnp.broadcast_to(read_J[:, None], (chunk, head_dim))
+    k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD)
+    v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD)
+
+    scores_MJ = plgpu.dot(q_MD, k_JD, trans_b=True, precision=lax.Precision.HIGHEST)
+    scores_MJ = scores_MJ * sm_scale
+    visible_MJ = (pos_J[None, :] <= qpos_M[:, None]) & in_range_J[None, :]
+    scores_MJ = jnp.where(visible_MJ, scores_MJ, -jnp.inf)
+
+    new_max_M = jnp.maximum(max_M, jnp.max(scores_MJ, axis=1))
+    probs_MJ = jnp.exp(scores_MJ - new_max_M[:, None])
+    rescale_M = jnp.exp(max_M - new_max_M)
+    sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
+    acc_MD = acc_MD * rescale_M[:, None] + plgpu.dot(
+        probs_MJ.astype(compute_dtype), v_JD, precision=lax.Precision.HIGHEST)
+    return new_max_M, sum_M, acc_MD
+
+  init = (jnp.full((rows,), _MAX_FLOOR, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, head_dim), jnp.float32))
+  max_M, sum_M, acc_MD = lax.fori_loop(chunk_begin, chunk_end, body, init)
+  seen_M = sum_M > 0.0
+  safe_sum_M = jnp.where(seen_M, sum_M, 1.0)
+  out_ref[...] = acc_MD / safe_sum_M[:, None]
+  lse_ref[...] = jnp.where(seen_M, max_M + jnp.log(safe_sum_M), -jnp.inf)
+
+
+def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, horizon_W,
+                    block_tables_SP, *, sm_scale: float, tiling: GpuTiling,
+                    interpret: bool = False):
+  """Partial attention of every (item, KV head, split); see the module docstring.
+
+  Args:
+    q_WKMD: [W, K, M, D] packed queries (M a power of two >= 16).
+    qpos_WM: i32[W, M] query position of each packed row; -1 for padding rows.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages.
+    layer: i32[] layer index.
+    seq_W, horizon_W: i32[W] item sequence and KV positions needed.
+    block_tables_SP: i32[S, P'] with P' a multiple of ``tiling.pages_per_chunk``.
+
+  Returns:
+    ``(out_XWKMD, lse_XWKM)`` float32, X = ``tiling.num_splits``.
+  """
+  num_items, num_kv_heads, rows, head_dim = q_WKMD.shape
+  num_splits = tiling.num_splits
+  # q arrives in the compute dtype; pages of another dtype are cast after loading.
+  compute_dtype = q_WKMD.dtype
+  kernel = functools.partial(_kernel, sm_scale=sm_scale,
+                             pages_per_chunk=tiling.pages_per_chunk, num_splits=num_splits,
+                             compute_dtype=compute_dtype)
+  whole = lambda shape: pl.BlockSpec(shape, lambda w, k, x: (0,) * len(shape))
+  layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  return pl.pallas_call(
+      kernel,
+      grid=(num_items, num_kv_heads, num_splits),
+      in_specs=[
+          whole(layer_arr.shape),
+          whole(seq_W.shape),
+          whole(horizon_W.shape),
+          whole(block_tables_SP.shape),
+          pl.BlockSpec((None, rows), lambda w, k, x: (w, 0)),
+          pl.BlockSpec((None, None, rows, head_dim), lambda w, k, x: (w, k, 0, 0)),
+          whole(k_pages_LKNZD.shape),
+          whole(v_pages_LKNZD.shape),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, head_dim), lambda w, k, x: (x, w, k, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda w, k, x: (x, w, k, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows, head_dim),
+                               jnp.float32),
+          jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                           num_stages=tiling.num_stages),
+      interpret=interpret,
+      name="ragged_paged_attention_split_k",
+  )(layer_arr, seq_W, horizon_W, block_tables_SP, qpos_WM, q_WKMD, k_pages_LKNZD,
+    v_pages_LKNZD)

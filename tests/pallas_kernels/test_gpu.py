@@ -1,0 +1,406 @@
+"""Pallas GPU ragged paged attention (Triton backend): interpret mode on CPU, CUDA lowering.
+
+Every kernel run here is in interpret mode, which is slow: shapes are tiny and one ragged
+batch per case packs decode, chunked prefill, full prefill, empty sequences and padding
+together. The full product grid is marked slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax
+from pallas_kernels import gpu
+from pallas_kernels.gpu import GpuTiling
+from pallas_kernels.gpu import tiling as tiling_lib
+from pallas_kernels.gpu import work_items
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+NO_BLOCK = -1
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+# (q_len, kv_len) of the live sequences of the standard ragged batch: decode (q_len 1),
+# chunked prefill (q_len < kv_len), full prefill (q_len == kv_len), an empty sequence,
+# and lengths that are and are not multiples of the block sizes 8/16/32.
+MIXED_BATCH = ((1, 21), (5, 32), (0, 9), (11, 11), (1, 1), (3, 17))
+
+
+def make_case(seed, *, dtype=jnp.float32, block_size=8, group=1, head_dim=64,
+              num_kv_heads=2, seqs=MIXED_BATCH, padding_rows=2, padding_seqs=1,
+              num_layers=2, layer=1, spare_blocks=3):
+  """A ragged batch with every hazard the kernel must ignore.
+
+  Pages no live sequence owns are NaN, and so are slots of a sequence's last page past its
+  length; layer ``1 - layer`` is NaN everywhere. Block tables are shuffled; entries past a
+  sequence's pages point at other sequences' blocks or hold ``NO_BLOCK``. Rows past
+  ``cu_q_lens[num_seqs]`` and sequence rows past ``num_seqs`` are padding with garbage.
+  """
+  rng = np.random.default_rng(seed)
+  num_live = len(seqs)
+  q_lens = [q for q, _ in seqs]
+  kv_lens = [kv for _, kv in seqs]
+  pages_needed = [-(-kv // block_size) for kv in kv_lens]
+  blocks_per_seq = max(pages_needed) + 1
+  num_blocks = sum(pages_needed) + spare_blocks
+  ids = rng.permutation(num_blocks)
+  num_seq_rows = num_live + padding_seqs
+  tables = np.full((num_seq_rows, blocks_per_seq), NO_BLOCK, np.int32)
+  owned = []
+  start = 0
+  for i, n in enumerate(pages_needed):
+    tables[i, :n] = ids[start:start + n]
+    owned.append(ids[start:start + n])
+    start += n
+  all_owned = np.concatenate(owned)
+  for i in range(num_seq_rows):
+    for j in range(pages_needed[i] if i < num_live else 0, blocks_per_seq):
+      # Unused entries: another sequence's block (readable, finite data) or NO_BLOCK.
+      if rng.random() < 0.6 and all_owned.size:
+        tables[i, j] = rng.choice(all_owned)
+  shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+  k_pages = np.full(shape, np.nan, np.float32)
+  v_pages = np.full(shape, np.nan, np.float32)
+  for i, kv in enumerate(kv_lens):
+    for j, block in enumerate(owned[i]):
+      used = min(block_size, kv - j * block_size)
+      k_pages[layer, :, block, :used] = rng.standard_normal((num_kv_heads, used, head_dim))
+      v_pages[layer, :, block, :used] = rng.standard_normal((num_kv_heads, used, head_dim))
+  num_q_heads = num_kv_heads * group
+  num_tokens = sum(q_lens) + padding_rows
+  q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
+  cu = np.concatenate([[0], np.cumsum(q_lens), np.full(padding_seqs, sum(q_lens))])
+  kv_lens_rows = np.array(kv_lens + [int(rng.integers(1, 5))] * padding_seqs, np.int32)
+  return dict(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k_pages, dtype),
+              v_pages=jnp.asarray(v_pages, dtype), layer=jnp.int32(layer),
+              kv_lens=jnp.asarray(kv_lens_rows), block_tables=jnp.asarray(tables),
+              cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.int32(num_live))
+
+
+def args_of(case):
+  return (case["q"], case["k_pages"], case["v_pages"], case["layer"], case["kv_lens"],
+          case["block_tables"], case["cu_q_lens"], case["num_seqs"])
+
+
+def oracle_f64(case, sm_scale):
+  """Plain numpy float64 attention, one sequence at a time, from the (rounded) inputs."""
+  q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+  k_pages = np.asarray(case["k_pages"].astype(jnp.float32), np.float64)
+  v_pages = np.asarray(case["v_pages"].astype(jnp.float32), np.float64)
+  layer = int(case["layer"])
+  kv_lens, tables = np.asarray(case["kv_lens"]), np.asarray(case["block_tables"])
+  cu, num_seqs = np.asarray(case["cu_q_lens"]), int(case["num_seqs"])
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, block_size = k_pages.shape[1], k_pages.shape[3]
+  group = num_q_heads // num_kv_heads
+  out = np.zeros_like(q)
+  for i in range(num_seqs):
+    kv_len, q_len = int(kv_lens[i]), int(cu[i + 1] - cu[i])
+    if q_len == 0:
+      continue
+    blocks = tables[i, : -(-kv_len // block_size)]
+    k = k_pages[layer][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+    v = v_pages[layer][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+    for j in range(q_len):
+      t, pos = cu[i] + j, kv_len - q_len + j
+      for h in range(num_q_heads):
+        scores = k[h // group, : pos + 1] @ q[t, h] * sm_scale
+        probs = np.exp(scores - scores.max())
+        out[t, h] = probs @ v[h // group, : pos + 1] / probs.sum()
+  return out
+
+
+def check_close(out, case, *, sm_scale=None, reference=False):
+  """Against the float64 oracle (and the jnp reference if asked: it compiles per shape,
+  which is slow here); padding rows must be exactly 0."""
+  dtype = case["q"].dtype
+  sm_scale = sm_scale if sm_scale is not None else case["q"].shape[-1] ** -0.5
+  assert out.dtype == dtype and out.shape == case["q"].shape
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(out))
+  tol = TOLERANCE[jnp.dtype(dtype).type]
+  np.testing.assert_allclose(out, oracle_f64(case, sm_scale), rtol=tol, atol=tol)
+  if reference:
+    ref = ragged_paged_attention_reference(*args_of(case), sm_scale=sm_scale)
+    np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol)
+  live_rows = int(case["cu_q_lens"][int(case["num_seqs"])])
+  np.testing.assert_array_equal(out[live_rows:], 0.0)
+
+
+def run_gpu(case, **kwargs):
+  sm_scale = kwargs.pop("sm_scale", case["q"].shape[-1] ** -0.5)
+  return gpu.ragged_paged_attention(*args_of(case), sm_scale=sm_scale, interpret=True,
+                                    **kwargs)
+
+
+# --- Hand-computed cases. ---
+
+def test_hand_computed_two_keys():
+  # One sequence, kv_len 2, one query (position 1, sees both keys); D = 16, sm_scale 1.
+  # q = e0, k0 = 0, k1 = ln(3) e0: scores (0, ln 3), softmax (1/4, 3/4).
+  # v0 = 4 * e1, v1 = 8 * e2: out = 1/4 * v0 + 3/4 * v1 = e1 + 6 e2.
+  head_dim, block_size = 16, 8
+  k_pages = np.zeros((1, 1, 2, block_size, head_dim), np.float32)
+  v_pages = np.full((1, 1, 2, block_size, head_dim), np.nan, np.float32)  # unread slots
+  k_pages[0, 0, 1, 1, 0] = np.log(3.0)
+  v_pages[0, 0, 1, :2] = 0.0
+  v_pages[0, 0, 1, 0, 1] = 4.0
+  v_pages[0, 0, 1, 1, 2] = 8.0
+  q = np.zeros((2, 1, head_dim), np.float32)  # row 1 is padding
+  q[0, 0, 0] = 1.0
+  out = gpu.ragged_paged_attention(
+      jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), 0,
+      jnp.array([2], jnp.int32), jnp.array([[1, NO_BLOCK]], jnp.int32),
+      jnp.array([0, 1], jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True)
+  expected = np.zeros((2, 1, head_dim), np.float32)
+  expected[0, 0, 1], expected[0, 0, 2] = 1.0, 6.0
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-6)
+
+
+def test_hand_computed_causal_prefill():
+  # Full prefill of 2 tokens: row 0 (position 0) sees only key 0, so out = v0 exactly,
+  # whatever the scores; row 1 sees keys 0 and 1 with equal scores (k = 0): (v0 + v1) / 2.
+  head_dim, block_size = 16, 16
+  k_pages = np.zeros((1, 1, 1, block_size, head_dim), np.float32)
+  v_pages = np.full((1, 1, 1, block_size, head_dim), np.nan, np.float32)
+  v_pages[0, 0, 0, 0] = 2.0
+  v_pages[0, 0, 0, 1] = 4.0
+  q = np.ones((2, 1, head_dim), np.float32)
+  out = gpu.ragged_paged_attention(
+      jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), 0,
+      jnp.array([2], jnp.int32), jnp.array([[0]], jnp.int32), jnp.array([0, 2], jnp.int32),
+      jnp.int32(1), sm_scale=0.5, interpret=True)
+  np.testing.assert_allclose(np.asarray(out)[:, 0], [[2.0] * head_dim, [3.0] * head_dim],
+                             atol=1e-6)
+
+
+# --- Metadata and merge (jnp, no kernel). ---
+
+def test_work_items_cover_each_live_row_once():
+  case = make_case(19)
+  build = jax.jit(work_items.build_work_items,
+                  static_argnames=("num_tokens", "q_tile", "num_items"))
+  for q_tile in (1, 3):
+    num_tokens = case["q"].shape[0]
+    num_items = tiling_lib.num_work_items(num_tokens, case["kv_lens"].shape[0], q_tile)
+    items = build(case["kv_lens"], case["cu_q_lens"], case["num_seqs"],
+                  num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
+    rows = np.asarray(items.row_WQ)[np.asarray(items.row_live_WQ)]
+    live_rows = int(case["cu_q_lens"][int(case["num_seqs"])])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(live_rows))
+    # Each item reads no further than its last query's position + 1 (and its length).
+    seq_W, horizon_W = np.asarray(items.seq_W), np.asarray(items.horizon_W)
+    qpos_WQ = np.asarray(items.qpos_WQ)
+    np.testing.assert_array_equal(horizon_W, np.maximum(qpos_WQ.max(axis=1) + 1, 0))
+    assert np.all(horizon_W <= np.asarray(case["kv_lens"])[seq_W])
+
+
+def test_combine_splits_by_log_sum_exp():
+  # Piece 0 saw total weight 1 (lse 0) with mean a, piece 1 weight 3 (lse ln 3) with mean
+  # b: the merge is (1 * a + 3 * b) / 4. A row neither piece saw (lse -inf) stays zero.
+  a, b = np.full(4, 2.0, np.float32), np.full(4, 6.0, np.float32)
+  out = np.stack([np.stack([a, np.zeros(4, np.float32)]),
+                  np.stack([b, np.zeros(4, np.float32)])])[:, None, None]  # [X, W, K, M, D]
+  lse = np.array([[0.0, -np.inf], [np.log(3.0), -np.inf]], np.float32)[:, None, None]
+  merged = work_items.combine_splits(jnp.asarray(out), jnp.asarray(lse))
+  np.testing.assert_allclose(np.asarray(merged)[0, 0], [[5.0] * 4, [0.0] * 4], rtol=1e-6)
+
+
+# --- The reference grid, interpret mode. ---
+
+# A covering subset of dtype x block size x GQA ratio x head dim: every value of each axis,
+# every (dtype, block size) and (block size, group) pair; the full product is slow.
+FAST_GRID = (
+    (jnp.float32, 8, 1, 64), (jnp.float32, 16, 4, 128), (jnp.float32, 32, 8, 64),
+    (jnp.bfloat16, 8, 4, 64), (jnp.bfloat16, 16, 8, 64), (jnp.bfloat16, 32, 1, 128),
+    (jnp.float16, 8, 8, 128), (jnp.float16, 16, 1, 64), (jnp.float16, 32, 4, 64),
+)
+FULL_GRID = tuple(itertools.product((jnp.float32, jnp.bfloat16, jnp.float16), (8, 16, 32),
+                                    (1, 4, 8), (64, 128)))
+
+
+def _grid_id(params):
+  dtype, block_size, group, head_dim = params
+  return f"{jnp.dtype(dtype).name}-Z{block_size}-G{group}-D{head_dim}"
+
+
+@pytest.mark.parametrize("params", FAST_GRID, ids=_grid_id)
+def test_matches_reference(params):
+  dtype, block_size, group, head_dim = params
+  case = make_case(zlib.crc32(_grid_id(params).encode()), dtype=dtype, block_size=block_size, group=group,
+                   head_dim=head_dim)
+  check_close(run_gpu(case), case, reference=dtype == jnp.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", FULL_GRID, ids=_grid_id)
+def test_matches_reference_full_grid(params):
+  dtype, block_size, group, head_dim = params
+  case = make_case(7, dtype=dtype, block_size=block_size, group=group, head_dim=head_dim)
+  check_close(run_gpu(case), case, reference=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, block_size, head_dim", [
+    (jnp.bfloat16, 64, 256), (jnp.float32, 128, 64), (jnp.float16, 8, 256)])
+def test_large_head_dim_and_blocks(dtype, block_size, head_dim):
+  case = make_case(8, dtype=dtype, block_size=block_size, group=2, head_dim=head_dim,
+                   seqs=((1, 150), (40, 200), (0, 3), (3, 3)))
+  check_close(run_gpu(case), case, reference=True)
+
+
+# --- Split-K (flash-decoding). ---
+
+def test_split_k_long_sequence_splits_and_matches():
+  # One long decode sequence plus a chunked prefill on it: 300 positions, J = 16, so 19
+  # chunks cut into 4 splits of 5, 5, 5 and 4 chunks.
+  case = make_case(11, seqs=((1, 300), (7, 290)), block_size=8, group=4, num_kv_heads=1)
+  tiling = GpuTiling(q_tile=4, pages_per_chunk=2, num_splits=4)
+  out_split = run_gpu(case, tiling=tiling)
+  check_close(out_split, case)
+  out_single = run_gpu(case, tiling=GpuTiling(q_tile=4, pages_per_chunk=2, num_splits=1))
+  np.testing.assert_allclose(np.asarray(out_split), np.asarray(out_single), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_split_k_default_splits_a_lone_long_sequence():
+  case = make_case(12, seqs=((1, 200),), block_size=16, group=8, num_kv_heads=1,
+                   dtype=jnp.bfloat16, padding_rows=0, padding_seqs=0)
+  tiling = gpu.default_tiling_for(case["q"], case["k_pages"], case["block_tables"])
+  assert tiling.num_splits > 1, tiling
+  check_close(run_gpu(case), case)
+
+
+def test_split_k_more_splits_than_chunks():
+  # 8 splits of sequences with 1 to 3 chunks: most programs see nothing (lse = -inf).
+  case = make_case(13, seqs=((1, 40), (2, 9), (0, 5), (1, 16)), block_size=16)
+  check_close(run_gpu(case, tiling=GpuTiling(q_tile=1, pages_per_chunk=1, num_splits=8)),
+              case)
+
+
+def test_tile_not_a_power_of_two():
+  # Q = 3 (M = 3 * 2 padded to 16): tiles split sequences and span their boundaries. The
+  # defaults cover Q = 1 (split-K tests) and Q = 16 // G (the grid, G = 1 gives 16).
+  case = make_case(14, group=2)
+  check_close(run_gpu(case, tiling=GpuTiling(q_tile=3, pages_per_chunk=2, num_splits=2)),
+              case)
+
+
+# --- Ragged edge cases. ---
+
+def test_no_live_rows_is_zero():
+  case = make_case(15, seqs=((0, 5), (0, 9)), padding_rows=3)
+  out = run_gpu(case)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  case["num_seqs"] = jnp.int32(0)
+  np.testing.assert_array_equal(np.asarray(run_gpu(case)), 0.0)
+
+
+def test_traced_layer_and_mixed_dtypes():
+  # layer traced under an outer jit; q float32 over bfloat16 pages (computed in float32).
+  case = make_case(16, layer=0, num_layers=3, dtype=jnp.bfloat16)
+  case["q"] = case["q"].astype(jnp.float32)
+  f = jax.jit(lambda layer, *rest: gpu.ragged_paged_attention(
+      rest[0], rest[1], rest[2], layer, *rest[3:], sm_scale=0.125, interpret=True))
+  args = args_of(case)
+  out = f(args[3], *args[:3], *args[4:])
+  assert out.dtype == jnp.float32
+  ref = ragged_paged_attention_reference(*args, sm_scale=0.125)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), oracle_f64(case, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_through_paged_attention_entry_point():
+  case = make_case(17, group=4, block_size=16)
+  cache = paged_jax.KVCache(k_pages=case["k_pages"], v_pages=case["v_pages"])
+  out = paged_jax.paged_attention(case["q"], cache, case["layer"], case["kv_lens"],
+                                  case["block_tables"], case["cu_q_lens"],
+                                  case["num_seqs"], impl="pallas_gpu", interpret=True)
+  check_close(out, case, reference=True)
+
+
+# --- Tiling: validation and defaults. ---
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(q_tile=0, pages_per_chunk=2, num_splits=1), "q_tile"),
+    (dict(q_tile=True, pages_per_chunk=2, num_splits=1), "q_tile"),
+    (dict(q_tile=1, pages_per_chunk=3, num_splits=1), "pages_per_chunk"),
+    (dict(q_tile=1, pages_per_chunk=2, num_splits=1.5), "num_splits"),
+    (dict(q_tile=1, pages_per_chunk=2, num_splits=1, num_warps=6), "num_warps"),
+    (dict(q_tile=1, pages_per_chunk=2, num_splits=1, num_stages=0), "num_stages"),
+])
+def test_tiling_rejects_bad_fields(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    GpuTiling(**kwargs)
+
+
+def test_tiling_shape_checks():
+  tiling = GpuTiling(q_tile=1, pages_per_chunk=1, num_splits=1)
+  with pytest.raises(ValueError, match="pages_per_chunk"):
+    tiling.check_shapes(group=1, block_size=8, head_dim=64)  # J = 8 < 16
+  with pytest.raises(ValueError, match="block_size"):
+    tiling.check_shapes(group=1, block_size=12, head_dim=64)
+  with pytest.raises(ValueError, match="head_dim"):
+    tiling.check_shapes(group=1, block_size=16, head_dim=96)
+  with pytest.raises(ValueError, match="q_tile"):
+    GpuTiling(q_tile=512, pages_per_chunk=1, num_splits=1).check_shapes(
+        group=8, block_size=16, head_dim=128)
+  case = make_case(18, block_size=8)
+  with pytest.raises(ValueError, match="pages_per_chunk"):
+    run_gpu(case, tiling=tiling)
+  with pytest.raises(ValueError, match="backend"):
+    run_gpu(case, backend="cuda_graph")
+
+
+@pytest.mark.parametrize("num_tokens, num_seq_rows, group, block_size, head_dim, blocks", [
+    (1, 1, 4, 16, 128, 512), (256, 256, 4, 16, 128, 64), (2048, 4, 8, 8, 64, 256),
+    (64, 64, 32, 32, 256, 16), (5, 3, 1, 64, 128, 2), (1, 1, 6, 8, 64, 1),
+])
+def test_default_tiling_is_valid(num_tokens, num_seq_rows, group, block_size, head_dim,
+                                 blocks):
+  tiling = tiling_lib.default_tiling(
+      num_tokens=num_tokens, num_seq_rows=num_seq_rows, num_kv_heads=8, group=group,
+      block_size=block_size, head_dim=head_dim, blocks_per_seq=blocks)
+  tiling.check_shapes(group=group, block_size=block_size, head_dim=head_dim)
+  assert tiling_lib.packed_rows(tiling.q_tile, group) >= tiling_lib.MIN_DOT_SIZE
+  assert 1 <= tiling.num_splits <= tiling_lib.MAX_SPLITS
+
+
+# --- Lowering for CUDA on CPU: the Triton custom call holds the kernel. ---
+
+LOWERING_GRID = [
+    # (name, T, S, H, K, D, Z, dtype): T query rows over S sequence rows.
+    ("llama3_8b_decode", 32, 32, 32, 8, 128, 16, jnp.bfloat16),
+    ("llama3_8b_mixed_prefill", 96, 4, 32, 8, 128, 16, jnp.bfloat16),
+    ("mqa_decode", 8, 8, 16, 1, 128, 16, jnp.bfloat16),
+    ("mqa_prefill", 64, 2, 16, 1, 64, 32, jnp.float16),
+    ("d64_z8", 16, 4, 8, 2, 64, 8, jnp.float16),
+    ("d256_z32", 8, 8, 8, 8, 256, 32, jnp.bfloat16),
+    ("d256_z16_prefill", 64, 2, 16, 4, 256, 16, jnp.bfloat16),
+    ("d128_z8_f32", 8, 8, 8, 8, 128, 8, jnp.float32),
+    ("d64_z32_gqa6", 16, 2, 12, 2, 64, 32, jnp.bfloat16),
+    ("d128_z64_long", 1, 1, 32, 8, 128, 64, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("name, T, S, H, K, D, Z, dtype", LOWERING_GRID,
+                         ids=[row[0] for row in LOWERING_GRID])
+def test_lowers_for_cuda(name, T, S, H, K, D, Z, dtype):
+  num_blocks, blocks_per_seq, num_layers = 64, 32, 4
+  q = jax.ShapeDtypeStruct((T, H, D), dtype)
+  pages = jax.ShapeDtypeStruct((num_layers, K, num_blocks, Z, D), dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f = lambda *a: gpu.ragged_paged_attention(*a, sm_scale=D ** -0.5)
+  lowered = jax.jit(f).trace(q, pages, pages, i32(), i32(S), i32(S, blocks_per_seq),
+                             i32(S + 1), i32()).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 1, name
+  assert "ragged_paged_attention_split_k" in text
+  # The pool goes to the kernel whole (%arg1, %arg2): no layer is sliced out before it.
+  assert "%arg1, %arg2" in calls[0]
