@@ -29,3 +29,30 @@ def query_positions(t, seq, kv_lens_S, cu_q_lens):
   q_start = cu_q_lens[seq]
   q_len = cu_q_lens[seq + 1] - q_start
   return kv_lens_S[seq] - q_len + (t - q_start)
+
+
+def tile_sequence_items(cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
+                        num_items: int):
+  """Enumerate the work items of a ragged batch: (query tile, sequence) pairs, token order.
+
+  A tile of ``q_tile`` consecutive query rows that spans a sequence boundary yields one item
+  per sequence it touches; empty and padding sequences yield none. Every implementation
+  that tiles queries (the XLA path, the TPU and GPU kernels) shares this enumeration.
+
+  Returns ``(seq_W, tile_W, live_W, q_start_S, q_end_S)``: each item's sequence and tile,
+  whether it is a real item (items past the last are dead; their seq and tile are
+  meaningless), and each sequence's query row range clipped to ``[0, num_tokens]``.
+  """
+  num_seq_rows = cu_q_lens.shape[0] - 1
+  q_start_S = jnp.clip(cu_q_lens[:-1], 0, num_tokens)
+  q_end_S = jnp.clip(cu_q_lens[1:], 0, num_tokens)
+  live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
+  first_tile_S = q_start_S // q_tile
+  tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
+  tiles_end_S = jnp.cumsum(tiles_S)
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"),
+                      num_seq_rows - 1).astype(jnp.int32)
+  live_W = w < tiles_end_S[-1]
+  tile_W = (first_tile_S[seq_W] + w - (tiles_end_S - tiles_S)[seq_W]).astype(jnp.int32)
+  return seq_W, tile_W, live_W, q_start_S, q_end_S

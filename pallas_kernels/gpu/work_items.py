@@ -40,18 +40,8 @@ class WorkItems:
 def build_work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
                      num_items: int) -> WorkItems:
   """The (tile, sequence) items in token order; items past the last one are empty."""
-  num_seq_rows = kv_lens_S.shape[0]
-  q_start_S = jnp.clip(cu_q_lens[:-1], 0, num_tokens)
-  q_end_S = jnp.clip(cu_q_lens[1:], 0, num_tokens)
-  live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
-  first_tile_S = q_start_S // q_tile
-  tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
-  tiles_end_S = jnp.cumsum(tiles_S)
-  w = jnp.arange(num_items, dtype=jnp.int32)
-  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"),
-                      num_seq_rows - 1).astype(jnp.int32)
-  item_live_W = w < tiles_end_S[-1]
-  tile_W = first_tile_S[seq_W] + w - (tiles_end_S - tiles_S)[seq_W]
+  seq_W, tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
+      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
 
   row_WQ = tile_W[:, None] * q_tile + jnp.arange(q_tile, dtype=jnp.int32)[None, :]
   seq_WQ = jnp.broadcast_to(seq_W[:, None], row_WQ.shape)

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import validation
+from pallas_kernels import metadata, validation
 
 _NEG_INF = float("-inf")
 # VMEM the tiling may use; the smallest default scoped limit among TPU generations.
@@ -155,19 +155,10 @@ def _work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
   num_tiles = -(-num_tokens // q_tile)
   num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
 
-  q_start_S = jnp.clip(cu_q_lens[:-1], 0, num_tokens)
-  q_end_S = jnp.clip(cu_q_lens[1:], 0, num_tokens)
-  live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
-  first_tile_S = q_start_S // q_tile
-  tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
-  tiles_end_S = jnp.cumsum(tiles_S)
-  num_live = tiles_end_S[-1]
-
+  seq_W, live_tile_W, live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
+      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
+  num_live = jnp.sum(live_W.astype(jnp.int32))
   w = jnp.arange(num_items, dtype=jnp.int32)
-  live_W = w < num_live
-  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"), num_seq_rows - 1)
-  seq_W = seq_W.astype(jnp.int32)
-  live_tile_W = first_tile_S[seq_W] + w - (tiles_end_S - tiles_S)[seq_W]
 
   # Tiles no live item touches (padding rows only) get the dead items, in order, after the
   # live ones; the remaining dead items repeat the last tile, so each tile's items stay

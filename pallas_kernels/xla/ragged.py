@@ -82,16 +82,8 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   layer = jnp.asarray(layer, jnp.int32)
 
   # --- Work items: which (tile, sequence) pairs exist, in token order. ---
-  q_start_S = jnp.minimum(cu_q_lens[:-1], num_tokens)
-  q_end_S = jnp.minimum(cu_q_lens[1:], num_tokens)
-  live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
-  first_tile_S = q_start_S // q_tile
-  tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
-  tiles_end_S = jnp.cumsum(tiles_S)
-  w = jnp.arange(num_items, dtype=jnp.int32)
-  item_seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"), num_seq_rows - 1)
-  item_live_W = w < tiles_end_S[-1]
-  item_tile_W = first_tile_S[item_seq_W] + w - (tiles_end_S - tiles_S)[item_seq_W]
+  item_seq_W, item_tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
+      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
 
   # --- Rows of each item: token ids, liveness and query positions. ---
   row_WQ = item_tile_W[:, None] * q_tile + jnp.arange(q_tile)[None, :]
