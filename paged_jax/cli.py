@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from paged_jax import planner
+from paged_jax.cli_run import add_run_parser
 from paged_jax.spec import KVCacheSpec
 
 
@@ -52,6 +53,7 @@ def _plan(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__)
   subparsers = parser.add_subparsers(dest="command", required=True)
+  add_run_parser(subparsers)
   _add_plan(subparsers)
   return parser
 

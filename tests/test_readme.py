@@ -17,7 +17,7 @@ def test_readme_has_exactly_two_setup_commands():
   commands = _readme_commands()
   assert len(commands) == 2, commands
   main_job, tests = commands
-  assert main_job.endswith("paged-jax plan") and "pip install -e ." in main_job
+  assert main_job.endswith("paged-jax run") and "pip install -e ." in main_job
   assert "pytest" in tests and "torch==2.13.0" in tests and ".[test]" in tests
 
 

@@ -1,0 +1,679 @@
+"""The serving engine: continuous batching inside ``jit``, preemption by recompute.
+
+Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``generate_stream``, ``stats``;
+``SamplingParams`` lives in ``paged_jax.sampling``.
+
+Scheduling state. Everything the scheduler needs lives in one pytree, ``EngineState``, next
+to the allocator state and the KV cache, with one row per sequence slot (S = ``max_seqs``;
+allocator slot s is engine slot s): the token history ``tokens_SM`` (prompt + generated,
+M = ``max_model_len``), its length ``len_S``, the tokens already in the KV cache (the
+allocator's ``seq_lens``), the slot status (free / running / done / waiting for its fork),
+arrival order, per-request sampling parameters and stop ids.
+
+One device call = ``lax.while_loop`` of up to ``steps_per_call`` steps, stopping early when
+nothing is left to run, or when enough slots came free for the host's next waiting request.
+The call is jitted once (the state is donated) and traces once whatever the batch holds.
+Each step (``_step``), all inside ``jit``:
+
+1. Token budget (``max_tokens_per_step`` = T): every running sequence wants its uncached
+   tokens (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode
+   rows come first, then prefills by arrival; each gets ``min(want, budget left)``, so a
+   long prompt is prefilled in chunks over several steps (chunked prefill).
+2. Blocks. Sequences that already hold KV (decodes, chunked prefills under way) must get
+   their blocks: while their demand exceeds the free blocks, the latest-arrived sequence
+   holding blocks is preempted (``allocator.preempt`` with priority ``-arrival``); its KV is
+   released, its token history kept, so it is re-prefilled later from ``prompt + generated``
+   (recompute; nothing is lost, greedy outputs are unchanged). New sequences (nothing
+   cached yet, preempted ones included) are admitted in arrival order while their first
+   chunk's blocks fit, without preempting anyone.
+3. ONE ragged forward (``models.steps.prefill_step``: ``allocator.append``, slots,
+   ``Decoder.paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
+4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
+   forked (``allocator.fork`` + ``KVCache.copy_blocks``) into the n - 1 waiting slots.
+5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``;
+   key = ``fold_in(fold_in(key(seed), fork index), token index)``), stop checks (EOS unless
+   ``ignore_eos``, ``stop_token_ids``: the stop token is not kept; ``max_tokens`` and
+   ``max_model_len``: "length"), and ``allocator.release`` of finished sequences.
+
+Between device calls the host only admits waiting requests into free slots (one jitted
+merge, host -> device) and reads one small report (status, lengths, the tokens of this call,
+counters): one device -> host transfer per call, counted in ``stats["host_syncs"]``.
+
+Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a request with
+``n > 1`` contributes n consecutive Outputs (``sample_index`` 0 .. n-1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax import allocator
+from paged_jax.kv_cache import KVCache
+from paged_jax.sampling import SamplingParams, request_keys, sample
+from paged_jax.spec import KVCacheSpec
+
+__all__ = ["LLM", "Output", "SamplingParams", "StreamEvent", "EngineState"]
+
+FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
+"""Slot status values of ``EngineState.status_S``."""
+REASONS = {1: "stop", 2: "length"}
+MAX_STOP_IDS = 16
+"""Stop ids per request (EOS ids included), the static width X of ``stop_SX``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """One completion.
+
+  Attributes:
+    prompt_index: index of the prompt in the ``generate`` call.
+    sample_index: completion index within the prompt (0 .. n-1).
+    prompt_token_ids: the prompt's token ids.
+    token_ids: generated ids (the stop / EOS token not included).
+    text: ``token_ids`` decoded when the engine has a tokenizer, else None.
+    finish_reason: "stop" (EOS or a stop id) or "length" (max_tokens or max_model_len).
+    logprobs: log-probability of each generated id (``SamplingParams.logprobs``), else None.
+  """
+
+  prompt_index: int
+  sample_index: int
+  prompt_token_ids: tuple[int, ...]
+  token_ids: tuple[int, ...]
+  text: str | None
+  finish_reason: str
+  logprobs: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+  """One event of ``generate_stream``: a token (``token_id`` set) or the end of a completion
+  (``token_id`` None, ``finish_reason`` set)."""
+
+  prompt_index: int
+  sample_index: int
+  token_id: int | None
+  logprob: float | None = None
+  finish_reason: str | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+  """All device-side engine state (module docstring); S slots, M = max_model_len."""
+
+  alloc: allocator.AllocatorState
+  cache: KVCache
+  tokens_SM: jax.Array  # i32[S, M] token history: prompt, then generated
+  logprobs_SM: jax.Array  # f32[S, M] log-prob of each generated token at its position
+  len_S: jax.Array  # i32[S] history length
+  prompt_len_S: jax.Array  # i32[S] original prompt length
+  max_len_S: jax.Array  # i32[S] finish with "length" when len reaches it
+  status_S: jax.Array  # i32[S] FREE / RUNNING / DONE / FORK_WAIT
+  reason_S: jax.Array  # i32[S] 0 none, 1 stop, 2 length
+  arrival_S: jax.Array  # i32[S] arrival order (smaller = earlier = higher priority)
+  parent_S: jax.Array  # i32[S] slot to fork from (FORK_WAIT slots)
+  fork_S: jax.Array  # i32[S] completion index
+  seed_S: jax.Array  # u32[S]
+  temperature_S: jax.Array  # f32[S]
+  top_k_S: jax.Array  # i32[S]
+  top_p_S: jax.Array  # f32[S]
+  stop_SX: jax.Array  # i32[S, X] stop ids, -1 padding
+  # Counters.
+  steps: jax.Array  # i32[]
+  preemptions: jax.Array  # i32[]
+  generated: jax.Array  # i32[] tokens sampled (stop tokens included)
+  blocks_in_use_sum: jax.Array  # f32[]
+  peak_blocks_in_use: jax.Array  # i32[]
+  utilization_sum: jax.Array  # f32[] sum over busy steps of allocator.utilization
+  busy_steps: jax.Array  # i32[]
+
+
+_ROW_FIELDS = ("tokens_SM", "logprobs_SM", "len_S", "prompt_len_S", "max_len_S", "status_S",
+               "reason_S", "arrival_S", "parent_S", "fork_S", "seed_S", "temperature_S",
+               "top_k_S", "top_p_S", "stop_SX")
+
+
+def _blocks_for(len_S, z):
+  return (len_S + z - 1) // z
+
+
+def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
+  """One scheduling step: budget, blocks (preempting), ragged forward, fork, sample, stop."""
+  # Imported here: models imports paged_jax, and paged_jax must import without models.
+  from models import steps as model_steps
+
+  alloc = st.alloc
+  num_slots, max_len = st.tokens_SM.shape
+  z = alloc.block_size
+  slot_S = jnp.arange(num_slots, dtype=jnp.int32)
+  running_S = st.status_S == RUNNING
+
+  # 1. Token budget: decodes first, then by arrival.
+  cached_S = alloc.seq_lens
+  want_S = jnp.where(running_S, st.len_S - cached_S, 0)
+  decode_S = (cached_S > 0) & (want_S == 1)
+  group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, 1), 2)
+  order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
+  want_o = want_S[order_S]
+  q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
+  q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
+
+  # 2. Blocks: sequences holding KV preempt the latest arrivals; new ones wait for room.
+  demand_S = _blocks_for(cached_S + q_S, z) - _blocks_for(cached_S, z)
+  must_S = (cached_S > 0) & (q_S > 0)
+
+  def short(c):
+    alloc, pre_S = c
+    live_demand = jnp.sum(jnp.where(must_S & ~pre_S, demand_S, 0))
+    holders = jnp.any(alloc.block_tables[:, 0] != allocator.NO_BLOCK)
+    return (live_demand > alloc.num_free) & holders
+
+  def preempt_one(c):
+    alloc, pre_S = c
+    alloc, new_S = allocator.preempt(alloc, -st.arrival_S, alloc.num_free + 1)
+    return alloc, pre_S | new_S
+
+  alloc, pre_S = jax.lax.while_loop(short, preempt_one,
+                                    (alloc, jnp.zeros(num_slots, jnp.bool_)))
+  must_S &= ~pre_S
+  free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
+  new_S = (cached_S == 0) & (q_S > 0)
+  new_demand_o = jnp.where(new_S, demand_S, 0)[order_S]
+  admit_o = new_S[order_S] & (jnp.cumsum(new_demand_o) <= free_left)
+  admit_S = jnp.zeros(num_slots, jnp.bool_).at[order_S].set(admit_o)
+  q_S = jnp.where(must_S | admit_S, q_S, 0)
+
+  # 3. One ragged forward over prefill chunks and decode rows.
+  cached_S = alloc.seq_lens
+  cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_S)])
+  t_T = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
+  pos_T = cached_S[seq_T] + t_T - cu[seq_T]
+  tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
+  logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, st.cache, tokens_T,
+                                                           q_S, impl=impl)
+  done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
+  blocks_in_use = alloc.num_blocks - alloc.num_free
+  utilization = allocator.utilization(alloc)
+
+  # 4. Fork the n - 1 waiting slots of a request whose prompt was just prefilled.
+  parent_S = jnp.clip(st.parent_S, 0, num_slots - 1)
+  child_S = (st.status_S == FORK_WAIT) & done_prefill_S[parent_S]
+  alloc, _, copy_src, copy_dst = allocator.fork(alloc, jnp.where(child_S, parent_S, -1), slot_S)
+  cache = cache.copy_blocks(copy_src, copy_dst)
+  # A fork that got no block simply recomputes the prompt later (its KV is empty).
+  tokens_SM = jnp.where(child_S[:, None], st.tokens_SM[parent_S], st.tokens_SM)
+  logprobs_SM = jnp.where(child_S[:, None], st.logprobs_SM[parent_S], st.logprobs_SM)
+  len_S = jnp.where(child_S, st.len_S[parent_S], st.len_S)
+
+  # 5. Sample, stop, release.
+  draw_S = done_prefill_S | child_S
+  row_S = jnp.where(child_S, parent_S, slot_S)
+  keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
+  tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S)
+  stop_S = draw_S & jnp.any(st.stop_SX == tok_S[:, None], axis=-1)
+  keep_S = draw_S & ~stop_S
+  col_S = jnp.where(keep_S, len_S, max_len)
+  tokens_SM = tokens_SM.at[slot_S, col_S].set(tok_S, mode="drop")
+  logprobs_SM = logprobs_SM.at[slot_S, col_S].set(lp_S, mode="drop")
+  len_S = len_S + keep_S.astype(jnp.int32)
+  length_S = keep_S & (len_S >= st.max_len_S)
+  finished_S = stop_S | length_S
+  alloc = allocator.release(alloc, finished_S)
+  status_S = jnp.where(finished_S, DONE, jnp.where(child_S, RUNNING, st.status_S))
+  reason_S = jnp.where(stop_S, 1, jnp.where(length_S, 2, st.reason_S))
+
+  busy = jnp.any(q_S > 0)
+  return dataclasses.replace(
+      st, alloc=alloc, cache=cache, tokens_SM=tokens_SM, logprobs_SM=logprobs_SM, len_S=len_S,
+      status_S=status_S, reason_S=reason_S,
+      steps=st.steps + 1,
+      preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
+      generated=st.generated + jnp.sum(draw_S, dtype=jnp.int32),
+      blocks_in_use_sum=st.blocks_in_use_sum + blocks_in_use.astype(jnp.float32),
+      peak_blocks_in_use=jnp.maximum(st.peak_blocks_in_use, blocks_in_use),
+      utilization_sum=st.utilization_sum + jnp.where(busy, utilization, 0.0),
+      busy_steps=st.busy_steps + busy.astype(jnp.int32),
+  )
+
+
+def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
+                 num_tokens: int, impl):
+  """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
+
+  The loop stops early when no sequence is left running, or when enough slots have come
+  free for the host's next waiting request (``slots_wanted`` i32[]: its n, 0 if none).
+  """
+  model = nnx.merge(graphdef, params)
+  start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
+
+  def cond(c):
+    _, i, stop = c
+    return (i < steps_per_call) & ~stop
+
+  def body(c):
+    st, i, _ = c
+    st = _step(model, st, num_tokens=num_tokens, impl=impl)
+    active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
+    free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
+    return st, i + 1, ~active | ((slots_wanted > 0) & (free >= slots_wanted))
+
+  st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
+  max_len = st.tokens_SM.shape[1]
+  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(steps_per_call)[None, :], 0, max_len - 1)
+  report = dict(
+      status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
+      tokens_SK=jnp.take_along_axis(st.tokens_SM, idx_SK, axis=1),
+      logprobs_SK=jnp.take_along_axis(st.logprobs_SM, idx_SK, axis=1),
+      steps=st.steps, preemptions=st.preemptions, generated=st.generated,
+      blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
+      utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,
+      num_free=st.alloc.num_free)
+  return st, report
+
+
+_device_call_jit = jax.jit(_device_call,
+                           static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl"),
+                           donate_argnames=("st",))
+
+
+def _admit(st: EngineState, mask_S, rows: dict) -> EngineState:
+  """Overwrite the rows of the slots with ``mask_S`` True by ``rows`` (host -> device)."""
+  updates = {}
+  for name in _ROW_FIELDS:
+    old, new = getattr(st, name), rows[name]
+    m = mask_S.reshape((-1,) + (1,) * (old.ndim - 1))
+    updates[name] = jnp.where(m, new.astype(old.dtype), old)
+  return dataclasses.replace(st, **updates)
+
+
+_admit_jit = jax.jit(_admit, donate_argnums=(0,))
+
+
+@jax.jit
+def _abort_jit(st: EngineState, mask_S) -> EngineState:
+  """Drop the sequences of ``mask_S`` (an abandoned stream): release their blocks, free slots."""
+  return dataclasses.replace(st, alloc=allocator.release(st.alloc, mask_S),
+                             status_S=jnp.where(mask_S, FREE, st.status_S))
+
+
+@dataclasses.dataclass
+class _Request:
+  """Host bookkeeping of one prompt (its n completions)."""
+
+  index: int
+  prompt: tuple[int, ...]
+  params: SamplingParams
+  seed: int
+  stop: tuple[int, ...]
+  arrival: int = -1
+  tokens: list = dataclasses.field(default_factory=list)  # per completion
+  logprobs: list = dataclasses.field(default_factory=list)
+
+
+class LLM:
+  """The serving engine over a ``models.Decoder``.
+
+  Args:
+    model: a ``models.Decoder``.
+    config: its ``models.ModelConfig`` (EOS ids, vocabulary, context length).
+    dtype: KV cache dtype (default: the model's dtype).
+    block_size: Z, tokens per KV block.
+    num_blocks: N, blocks in the pool. Default: from ``kv_budget_bytes`` when given, else
+      enough for ``max_seqs`` sequences of ``min(config.max_seq_len, 2048)`` tokens.
+    kv_budget_bytes: size the pool by memory (``KVCacheSpec.from_budget``); exclusive with
+      ``num_blocks``.
+    max_seqs: S, sequences running at once (slots; a request with ``n`` completions uses n).
+    max_tokens_per_step: T, the token budget of one step (prefill chunks + decode rows).
+    max_model_len: longest sequence (prompt + generated); default
+      ``min(config.max_seq_len, N * Z)`` so that any admitted sequence fits the pool alone.
+    steps_per_call: most scheduling steps per device call.
+    enable_prefix_caching: accepted; prefix caching arrives in a later issue
+      (``stats["prefix_hit_rate"]`` is 0.0).
+    mesh: must be None for now (sharded serving is a later issue).
+    tokenizer: optional ``tokenizers.Tokenizer`` (``from_pretrained`` loads tokenizer.json).
+    seed: seeds the engine's draw of seeds for requests whose ``SamplingParams.seed`` is None.
+    max_traces: when set, the jitted device call is wrapped in ``chex.assert_max_traces``
+      with this many traces (tests).
+  """
+
+  def __init__(self, model, config, *, dtype=None, block_size: int = 16,
+               num_blocks: int | None = None, kv_budget_bytes: int | None = None,
+               max_seqs: int = 16, max_tokens_per_step: int = 256,
+               max_model_len: int | None = None, steps_per_call: int = 16,
+               enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
+               max_traces: int | None = None):
+    from models import Decoder, ModelConfig
+    if not isinstance(model, Decoder):
+      raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"config={type(config).__name__} must be a models.ModelConfig")
+    if mesh is not None:
+      raise NotImplementedError(
+          "mesh is not supported yet: the engine serves on one device (sharded serving over "
+          "a ('data', 'model') mesh is a later issue); pass mesh=None")
+    for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
+                        ("max_tokens_per_step", max_tokens_per_step),
+                        ("steps_per_call", steps_per_call)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if num_blocks is not None and kv_budget_bytes is not None:
+      raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
+    self.model, self.config = model, config
+    self.tokenizer = tokenizer
+    self.enable_prefix_caching = bool(enable_prefix_caching)
+    kv_dtype = model.dtype if dtype is None else jnp.dtype(dtype)
+    if kv_budget_bytes is not None:
+      spec = KVCacheSpec.from_budget(kv_budget_bytes, config.num_layers, config.num_kv_heads,
+                                     config.head_dim, block_size, kv_dtype)
+    else:
+      if num_blocks is None:
+        num_blocks = max_seqs * math.ceil(min(config.max_seq_len, 2048) / block_size)
+      spec = model.kv_cache_spec(block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype)
+    self.spec = spec
+    pool_tokens = spec.num_blocks * spec.block_size
+    if max_model_len is None:
+      max_model_len = min(config.max_seq_len, pool_tokens)
+    if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
+        or not 2 <= max_model_len <= min(config.max_seq_len, pool_tokens)):
+      raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
+                       f"{config.max_seq_len}, num_blocks * block_size={pool_tokens})]")
+    self.max_model_len = int(max_model_len)
+    self.max_seqs = int(max_seqs)
+    self.max_tokens_per_step = int(max_tokens_per_step)
+    self.steps_per_call = int(steps_per_call)
+    self._rng = np.random.default_rng(seed)
+    self._arrivals = 0
+    self._graphdef, self._params = nnx.split(model)
+
+    static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
+                  num_tokens=self.max_tokens_per_step, impl=model.impl)
+    if max_traces is None:
+      # Shared across engines: same model structure and sizes -> one compilation.
+      self._call = lambda params, st, wanted: _device_call_jit(
+          static["graphdef"], params, st, wanted, steps_per_call=static["steps_per_call"],
+          num_tokens=static["num_tokens"], impl=static["impl"])
+    else:
+      def device_call(params, st, slots_wanted):
+        return _device_call(static["graphdef"], params, st, slots_wanted,
+                            steps_per_call=static["steps_per_call"],
+                            num_tokens=static["num_tokens"], impl=static["impl"])
+      self._call = jax.jit(chex.assert_max_traces(device_call, n=max_traces),
+                           donate_argnums=(1,))
+    self._admit = _admit_jit
+    self._state = self._init_state()
+    self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
+    self._last = None
+
+  @classmethod
+  def from_pretrained(cls, path, *, dtype=None, impl: str = "auto", **kwargs) -> "LLM":
+    """An engine over a Hugging Face checkpoint directory (``models.load_pretrained``);
+    ``tokenizer.json`` is loaded when present and the ``tokenizers`` package is installed.
+    ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
+    from models import load_pretrained
+    model, config = load_pretrained(path, dtype=dtype, impl=impl)
+    tokenizer = kwargs.pop("tokenizer", None)
+    tok_path = os.path.join(os.fspath(path), "tokenizer.json")
+    if tokenizer is None and os.path.isfile(tok_path):
+      try:
+        import tokenizers
+      except ImportError:  # optional dependency
+        tokenizers = None
+      if tokenizers is not None:
+        tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    return cls(model, config, tokenizer=tokenizer, **kwargs)
+
+  # --- state ---
+
+  def _init_state(self) -> EngineState:
+    s, m, sp = self.max_seqs, self.max_model_len, self.spec
+    p = math.ceil(m / sp.block_size)
+    zi = lambda: jnp.zeros(s, jnp.int32)
+    zf = lambda: jnp.zeros((), jnp.float32)
+    return EngineState(
+        alloc=allocator.init(sp.num_blocks, sp.block_size, s, p),
+        cache=KVCache.create(sp),
+        tokens_SM=jnp.zeros((s, m), jnp.int32), logprobs_SM=jnp.zeros((s, m), jnp.float32),
+        len_S=zi(), prompt_len_S=zi(), max_len_S=zi(), status_S=zi(), reason_S=zi(),
+        arrival_S=zi(), parent_S=zi(), fork_S=zi(), seed_S=jnp.zeros(s, jnp.uint32),
+        temperature_S=jnp.zeros(s, jnp.float32), top_k_S=zi(),
+        top_p_S=jnp.ones(s, jnp.float32), stop_SX=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32),
+        steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
+        blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
+        busy_steps=jnp.int32(0))
+
+  def reset_stats(self) -> None:
+    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step)."""
+    zf = lambda: jnp.zeros((), jnp.float32)
+    self._state = dataclasses.replace(
+        self._state, steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
+        blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
+        busy_steps=jnp.int32(0))
+    self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
+    self._last = None
+
+  @property
+  def allocator_state(self) -> allocator.AllocatorState:
+    """The allocator state now (for ``allocator.validate``)."""
+    return self._state.alloc
+
+  # --- requests ---
+
+  def _encode(self, i: int, prompt) -> tuple[int, ...]:
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
+                         "checkpoint has no tokenizer.json): pass token ids")
+      ids = self.tokenizer.encode(prompt).ids
+    else:
+      try:
+        ids = [int(t) for t in prompt]
+      except (TypeError, ValueError):
+        raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
+                         "ids") from None
+    if len(ids) == 0:
+      raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+    v = self.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < v]
+    if bad:
+      raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
+                       f"[0, vocab_size={v})")
+    if len(ids) >= self.max_model_len:
+      raise ValueError(
+          f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len={self.max_model_len} "
+          f"(model context {self.config.max_seq_len}, KV pool "
+          f"{self.spec.num_blocks * self.spec.block_size} tokens) to generate anything")
+    return tuple(ids)
+
+  def _requests(self, prompts, params) -> list[_Request]:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+      raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts")
+    if params is None:
+      params = SamplingParams()
+    if isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+      raise ValueError(f"len(params)={len(params)} must equal len(prompts)={len(prompts)}")
+    eos = tuple(self.config.eos_token_ids)
+    out = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+      if not isinstance(p, SamplingParams):
+        raise ValueError(f"params[{i}]={p!r} must be a SamplingParams")
+      ids = self._encode(i, prompt)
+      if p.n > self.max_seqs:
+        raise ValueError(f"params[{i}].n={p.n} must be <= max_seqs={self.max_seqs}")
+      stop = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else eos)))
+      if len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
+                         f"must be <= {MAX_STOP_IDS}")
+      seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2 ** 32))
+      out.append(_Request(index=i, prompt=ids, params=p, seed=seed, stop=stop,
+                          tokens=[[] for _ in range(p.n)], logprobs=[[] for _ in range(p.n)]))
+    return out
+
+  def _rows(self):
+    s, m = self.max_seqs, self.max_model_len
+    return dict(
+        tokens_SM=np.zeros((s, m), np.int32), logprobs_SM=np.zeros((s, m), np.float32),
+        len_S=np.zeros(s, np.int32), prompt_len_S=np.zeros(s, np.int32),
+        max_len_S=np.zeros(s, np.int32), status_S=np.zeros(s, np.int32),
+        reason_S=np.zeros(s, np.int32), arrival_S=np.zeros(s, np.int32),
+        parent_S=np.zeros(s, np.int32), fork_S=np.zeros(s, np.int32),
+        seed_S=np.zeros(s, np.uint32), temperature_S=np.zeros(s, np.float32),
+        top_k_S=np.zeros(s, np.int32), top_p_S=np.ones(s, np.float32),
+        stop_SX=np.full((s, MAX_STOP_IDS), -1, np.int32))
+
+  # --- serving ---
+
+  def generate_stream(self, prompts, params=None) -> Iterator[StreamEvent]:
+    """Serve ``prompts`` and yield ``StreamEvent``s as tokens are decided (after each device
+    call): one per generated token, then one with ``finish_reason`` per completion. All
+    requests are validated (``ValueError`` naming the request) before this returns. Closing
+    the generator early drops the unfinished requests (their blocks are released). One
+    ``generate`` / ``generate_stream`` at a time per engine."""
+    return self._serve(self._requests(prompts, params))
+
+  def _fill_slots(self, waiting: list[_Request], slot_owner) -> None:
+    """Admit waiting requests (FCFS) into free slots; one jitted merge when any."""
+    free = [s for s, o in enumerate(slot_owner) if o is None]
+    mask = np.zeros(self.max_seqs, bool)
+    rows = None
+    while waiting and len(free) >= waiting[0].params.n:
+      req = waiting.pop(0)
+      req.arrival = self._arrivals
+      self._arrivals += 1
+      rows = self._rows() if rows is None else rows
+      p, n_prompt = req.params, len(req.prompt)
+      slots = [free.pop(0) for _ in range(p.n)]
+      for f, s in enumerate(slots):
+        mask[s] = True
+        slot_owner[s] = (req, f)
+        rows["tokens_SM"][s, :n_prompt] = req.prompt
+        rows["len_S"][s] = n_prompt if f == 0 else 0
+        rows["prompt_len_S"][s] = n_prompt
+        rows["max_len_S"][s] = min(n_prompt + p.max_tokens, self.max_model_len)
+        rows["status_S"][s] = RUNNING if f == 0 else FORK_WAIT
+        rows["arrival_S"][s] = req.arrival
+        rows["parent_S"][s] = slots[0]
+        rows["fork_S"][s] = f
+        rows["seed_S"][s] = req.seed
+        rows["temperature_S"][s] = p.temperature
+        rows["top_k_S"][s] = p.top_k
+        rows["top_p_S"][s] = p.top_p
+        rows["stop_SX"][s, :len(req.stop)] = req.stop
+    if rows is not None:
+      self._state = self._admit(self._state, jnp.asarray(mask),
+                                {k: jnp.asarray(v) for k, v in rows.items()})
+
+  def _run_call(self, slots_wanted: int, slot_owner) -> Iterator[StreamEvent]:
+    self._state, report = self._call(self._params, self._state, jnp.int32(slots_wanted))
+    report = jax.device_get(report)  # the one device -> host transfer of this call
+    self._host["host_syncs"] += 1
+    self._host["device_calls"] += 1
+    self._last = report
+    clear = np.zeros(self.max_seqs, bool)
+    events = []
+    for s, owner in enumerate(slot_owner):
+      if owner is None:
+        continue
+      req, f = owner
+      start = int(report["start_S"][s])
+      have = len(req.prompt) + len(req.tokens[f])
+      end = int(report["len_S"][s])
+      for j in range(have, end):
+        tok = int(report["tokens_SK"][s, j - start])
+        lp = float(report["logprobs_SK"][s, j - start])
+        req.tokens[f].append(tok)
+        req.logprobs[f].append(lp)
+        self._host["tokens"] += 1
+        events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None))
+      if report["status_S"][s] == DONE:
+        reason = REASONS[int(report["reason_S"][s])]
+        events.append(StreamEvent(req.index, f, None, None, reason))
+        slot_owner[s] = None
+        clear[s] = True
+    if clear.any():
+      self._state = self._admit(self._state, jnp.asarray(clear),
+                                {k: jnp.asarray(v) for k, v in self._rows().items()})
+    yield from events
+
+  def generate(self, prompts, params=None) -> list[Output]:
+    """Serve ``prompts`` (token-id lists, or strings with a tokenizer) with ``params`` (one
+    ``SamplingParams`` or one per prompt). Returns one ``Output`` per completion in prompt
+    order, n consecutive ones for a prompt with ``n > 1``."""
+    requests = self._requests(prompts, params)
+    tokens = {}
+    logprobs = {}
+    finish = {}
+    for ev in self._serve(requests):
+      key = (ev.prompt_index, ev.sample_index)
+      if ev.token_id is not None:
+        tokens.setdefault(key, []).append(ev.token_id)
+        logprobs.setdefault(key, []).append(ev.logprob)
+      else:
+        finish[key] = ev.finish_reason
+    outputs = []
+    for req in requests:
+      for f in range(req.params.n):
+        ids = tuple(tokens.get((req.index, f), ()))
+        text = None
+        if self.tokenizer is not None:
+          text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        lps = tuple(logprobs.get((req.index, f), ())) if req.params.logprobs else None
+        outputs.append(Output(req.index, f, req.prompt, ids, text, finish[(req.index, f)],
+                              lps))
+    return outputs
+
+  def _serve(self, requests: list[_Request]) -> Iterator[StreamEvent]:
+    waiting = list(requests)
+    slot_owner: list = [None] * self.max_seqs
+    t0 = time.perf_counter()
+    try:
+      while waiting or any(o is not None for o in slot_owner):
+        self._fill_slots(waiting, slot_owner)
+        yield from self._run_call(waiting[0].params.n if waiting else 0, slot_owner)
+    finally:
+      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
+      left = np.array([o is not None for o in slot_owner])
+      if left.any():
+        self._state = _abort_jit(self._state, jnp.asarray(left))
+      self._host["wall_s"] += time.perf_counter() - t0
+      self._host["requests"] += len(requests)
+
+  @property
+  def stats(self) -> dict[str, Any]:
+    """Counters since the engine was built or ``reset_stats`` (tokens_per_s and requests_per_s
+    over the wall time spent inside generate / generate_stream). ``kv_utilization``: tokens
+    stored / token slots of the blocks in use, mean over the steps that ran a batch."""
+    r, h = self._last, self._host
+    num_blocks = self.spec.num_blocks
+    if r is None:
+      steps = busy = preempt = peak = 0
+      mean_blocks, util = 0.0, 1.0
+    else:
+      steps, busy = int(r["steps"]), int(r["busy_steps"])
+      preempt, peak = int(r["preemptions"]), int(r["peak_blocks_in_use"])
+      mean_blocks = float(r["blocks_in_use_sum"]) / max(steps, 1)
+      util = float(r["utilization_sum"]) / busy if busy else 1.0
+    tokens = h["tokens"]
+    free = int(self._state.alloc.num_free)  # read on demand, outside the serving loop
+    return dict(
+        preemptions=preempt, kv_utilization=util, prefix_hit_rate=0.0,
+        tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,
+        requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
+        num_blocks=num_blocks, num_free_blocks=free, host_syncs=h["host_syncs"],
+        host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
+        peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
+        device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],
+        wall_s=h["wall_s"])

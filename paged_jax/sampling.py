@@ -1,0 +1,175 @@
+"""Sampling parameters and the jit-able per-row sampler of the engine.
+
+``SamplingParams`` is the host-side, frozen description of how one request is decoded.
+``sample`` draws one token for every row of a ``[S, V]`` logits batch, each row with its own
+temperature, top-k, top-p and PRNG key; ``request_keys`` derives those keys so that a
+request's draws depend only on ``(seed, fork index, request-local token index)``, never on
+the step number or the batch slot (reproducible whatever else is in the batch).
+
+Semantics (per row):
+- ``temperature == 0``: greedy (argmax of the raw logits); top-k / top-p are ignored.
+- otherwise the logits are divided by the temperature, then top-k keeps the k largest
+  (``top_k == 0``: all), then top-p keeps the smallest set of the largest remaining tokens
+  whose probability (renormalised after top-k) reaches ``top_p`` (tokens tied with the last
+  kept value are kept too), and a token is drawn from what is left.
+- logprobs: ``log_softmax`` of the UNMODIFIED logits (the model's own distribution, no
+  temperature, top-k or top-p), evaluated at the chosen token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingParams", "sample", "request_keys"]
+
+_UINT32_MAX = 2 ** 32 - 1
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request is decoded.
+
+  Attributes:
+    max_tokens: most tokens to generate (>= 1); the request finishes with "length" there
+      (or at the engine's ``max_model_len``).
+    temperature: 0 is greedy; > 0 samples from ``softmax(logits / temperature)``.
+    top_k: keep the k most likely tokens (0: no limit).
+    top_p: nucleus sampling threshold in (0, 1] (1: no limit).
+    seed: None (the engine draws one) or an int in [0, 2**32): the request's PRNG stream,
+      reproducible regardless of batch composition.
+    stop_token_ids: extra ids that finish the request with "stop" (not included in the
+      output), like the checkpoint's EOS ids.
+    ignore_eos: do not stop at the EOS ids (stop_token_ids still stop).
+    logprobs: report the log-probability of each generated token (``Output.logprobs``).
+    n: completions per prompt (>= 1); n > 1 forks the prompt's KV blocks after its prefill
+      and each completion gets its own sampling stream (the fork index is folded in).
+  """
+
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  logprobs: bool = False
+  n: int = 1
+
+  def __post_init__(self):
+    max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
+                                             self.top_p)
+    seed, n = self.seed, self.n
+    if not _is_int(max_tokens) or max_tokens < 1:
+      raise ValueError(f"{max_tokens=} must be an int >= 1")
+    if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+      raise ValueError(f"{temperature=} must be a finite number >= 0")
+    if not _is_int(top_k) or top_k < 0:
+      raise ValueError(f"{top_k=} must be an int >= 0 (0 disables top-k)")
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+      raise ValueError(f"{top_p=} must be a number in (0, 1]")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= _UINT32_MAX):
+      raise ValueError(f"{seed=} must be None or an int in [0, 2**32)")
+    try:
+      stop = tuple(self.stop_token_ids)
+    except TypeError:
+      raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints "
+                       ">= 0") from None
+    if not all(_is_int(t) and t >= 0 for t in stop):
+      raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints "
+                       ">= 0")
+    if not isinstance(self.ignore_eos, (bool, np.bool_)):
+      raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
+    if not isinstance(self.logprobs, (bool, np.bool_)):
+      raise ValueError(f"logprobs={self.logprobs!r} must be a bool")
+    if not _is_int(n) or n < 1:
+      raise ValueError(f"{n=} must be an int >= 1")
+    object.__setattr__(self, "max_tokens", int(max_tokens))
+    object.__setattr__(self, "temperature", float(temperature))
+    object.__setattr__(self, "top_k", int(top_k))
+    object.__setattr__(self, "top_p", float(top_p))
+    object.__setattr__(self, "seed", None if seed is None else int(seed))
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+    object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+    object.__setattr__(self, "logprobs", bool(self.logprobs))
+    object.__setattr__(self, "n", int(n))
+
+
+def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> jax.Array:
+  """PRNG keys ``fold_in(fold_in(key(seed), fork), index)`` per row.
+
+  Args:
+    seed_S: u32[S] each request's seed.
+    fork_S: i32[S] completion index within the request (0 .. n-1).
+    index_S: i32[S] request-local index of the token being drawn (0 = first generated).
+  """
+
+  def one(seed, fork, index):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), fork), index)
+
+  return jax.vmap(one)(seed_S.astype(jnp.uint32), fork_S.astype(jnp.int32),
+                       index_S.astype(jnp.int32))
+
+
+def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
+           top_p_S: jax.Array, key_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One token per row (module docstring for the semantics); jit-able.
+
+  Args:
+    logits_SV: [S, V] raw logits.
+    temperature_S: f32[S] (0: greedy).
+    top_k_S: i32[S] (0: off).
+    top_p_S: f32[S] in (0, 1].
+    key_S: [S] typed PRNG keys (``request_keys``).
+
+  Returns:
+    ``(tokens_S, logprobs_S)``: i32[S] and f32[S], the log-probability of each chosen token
+    under ``log_softmax(logits)``.
+  """
+  if logits_SV.ndim != 2:
+    raise ValueError(f"logits.shape={tuple(logits_SV.shape)} must be [S, V]")
+  num_rows, vocab = logits_SV.shape
+  for name, x in (("temperature", temperature_S), ("top_k", top_k_S), ("top_p", top_p_S),
+                  ("key", key_S)):
+    if x.shape != (num_rows,):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_rows}]")
+  logits_SV = logits_SV.astype(jnp.float32)
+  logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)
+  greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+
+  hot_S = temperature_S > 0
+  scaled_SV = logits_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
+
+  def truncate(scaled_SV):
+    """Top-k then top-p: mask everything below each row's smallest kept value."""
+    sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
+    k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
+    rank_V = jnp.arange(vocab)
+    in_k_SV = rank_V[None, :] < k_S[:, None]
+    sorted_SV = jnp.where(in_k_SV, sorted_SV, -jnp.inf)
+    probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
+    before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
+    num_keep_S = jnp.maximum(jnp.sum((before_SV < top_p_S[:, None]) & in_k_SV, axis=-1), 1)
+    threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, -jnp.inf)
+
+  # The sort over V only runs when some sampled row truncates its distribution.
+  truncating = jnp.any(hot_S & ((top_k_S > 0) | (top_p_S < 1)))
+  masked_SV = jax.lax.cond(truncating, truncate, lambda x: x, scaled_SV)
+  drawn_S = jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
+
+  tokens_S = jnp.where(hot_S, drawn_S, greedy_S)
+  logprob_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
+  return tokens_S, logprob_S

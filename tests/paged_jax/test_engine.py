@@ -1,0 +1,328 @@
+"""The serving engine against a dense greedy oracle, on a tiny random Llama (float32, xla)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random
+from paged_jax import allocator
+from paged_jax.engine import LLM, SamplingParams
+
+EOS = 2
+ORACLE_LEN = 96  # dense oracle pads every sequence to this length (one compilation)
+
+
+@pytest.fixture(scope="module")
+def config():
+  return ModelConfig(model_type="llama", vocab_size=128, embed_dim=64, mlp_dim=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=128,
+                     eos_token_ids=(EOS,))
+
+
+@pytest.fixture(scope="module")
+def model(config):
+  return init_random(config, seed=0, impl="xla")
+
+
+@pytest.fixture(scope="module")
+def dense_greedy(model):
+  """Naive greedy loop: re-run the dense model on the growing sequence, argmax.
+
+  The model is causal, so the logits at position len-1 of a zero-padded [1, ORACLE_LEN]
+  batch are those of the unpadded sequence; one compilation serves every length.
+  Returns (tokens, log_softmax logprobs of each chosen token).
+  """
+  fwd = jax.jit(lambda t: jax.nn.log_softmax(model(t)[0].astype(jnp.float32), axis=-1))
+
+  def run(prompt, max_tokens, stop=()):
+    seq, out, lps = list(prompt), [], []
+    for _ in range(max_tokens):
+      arr = np.zeros((1, ORACLE_LEN), np.int32)
+      arr[0, :len(seq)] = seq
+      logp = np.asarray(fwd(jnp.asarray(arr))[len(seq) - 1])
+      nxt = int(np.argmax(logp))
+      if nxt in stop:
+        break
+      out.append(nxt)
+      lps.append(float(logp[nxt]))
+      seq.append(nxt)
+    return out, lps
+
+  return run
+
+
+@pytest.fixture(scope="module")
+def llm(model, config):
+  # T = 16 < the longer prompts: chunked prefill; max_seqs 3 < requests: continuous batching.
+  return LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
+             steps_per_call=8)
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(3, 128, n)] for n in lengths]
+
+
+def _check_all_free(llm):
+  allocator.validate(llm.allocator_state)
+  assert llm.stats["num_free_blocks"] == llm.stats["num_blocks"]
+  assert int(llm.allocator_state.num_free) == llm.spec.num_blocks
+
+
+LENGTHS = (5, 17, 9, 30, 3, 1)
+
+
+def test_greedy_matches_dense_oracle_with_batching_and_chunked_prefill(llm, dense_greedy):
+  prompts = _prompts(LENGTHS)
+  assert max(LENGTHS) > llm.max_tokens_per_step  # a prompt is prefilled in chunks
+  assert len(prompts) > llm.max_seqs  # requests wait for slots
+  params = SamplingParams(max_tokens=12, ignore_eos=True)
+  outs = llm.generate(prompts, params)
+  assert [o.prompt_index for o in outs] == list(range(len(prompts)))
+  for p, o in zip(prompts, outs):
+    expect, _ = dense_greedy(p, 12)
+    assert list(o.token_ids) == expect
+    assert o.finish_reason == "length" and o.prompt_token_ids == tuple(p) and o.text is None
+    assert o.logprobs is None
+  _check_all_free(llm)
+  s = llm.stats
+  assert 0 < s["host_syncs_per_token"] < 1  # several steps per device call
+  assert s["preemptions"] == 0 and s["prefix_hit_rate"] == 0.0
+  for key in ("kv_utilization", "tokens_per_s", "peak_blocks_in_use", "mean_blocks_in_use",
+              "steps", "host_syncs"):
+    assert key in s
+
+
+def test_batch_after_batch_equals_fresh_engine(llm, model, config):
+  first = llm.generate(_prompts((7, 12), seed=5), SamplingParams(max_tokens=6, ignore_eos=True))
+  del first
+  prompts = _prompts((4, 22, 11), seed=6)
+  params = SamplingParams(max_tokens=8, ignore_eos=True)
+  again = llm.generate(prompts, params)
+  fresh = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
+              steps_per_call=8).generate(prompts, params)
+  assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+
+
+def test_eos_stop_ids_and_max_tokens(llm, dense_greedy):
+  prompt = _prompts((6,), seed=1)[0]
+  free_run, _ = dense_greedy(prompt, 10)
+  stop = free_run[3]
+  first = free_run.index(stop)
+  out, = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True,
+                                               stop_token_ids=(stop,)))
+  assert out.finish_reason == "stop" and list(out.token_ids) == free_run[:first]
+  out, = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+  assert out.finish_reason == "length" and list(out.token_ids) == free_run[:4]
+  # EOS: a prompt whose greedy continuation hits EOS (id 2) stops there unless ignore_eos.
+  for seed in range(200):
+    prompt = _prompts((4,), seed=100 + seed)[0]
+    run, _ = dense_greedy(prompt, 12)
+    if EOS in run:
+      break
+  else:
+    pytest.skip("no greedy continuation reaches EOS")
+  out, ignored = llm.generate([prompt, prompt], [SamplingParams(max_tokens=12),
+                                                 SamplingParams(max_tokens=12, ignore_eos=True)])
+  assert out.finish_reason == "stop" and list(out.token_ids) == run[:run.index(EOS)]
+  assert ignored.finish_reason == "length" and list(ignored.token_ids) == run
+  _check_all_free(llm)
+
+
+def test_logprobs_match_dense_log_softmax(llm, dense_greedy):
+  prompts = _prompts((8, 19), seed=2)
+  outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True))
+  for p, o in zip(prompts, outs):
+    expect, lps = dense_greedy(p, 6)
+    assert list(o.token_ids) == expect
+    got = np.asarray(o.logprobs)
+    assert np.all(np.isfinite(got)) and np.all(got <= 0)
+    np.testing.assert_allclose(got, lps, rtol=1e-4, atol=1e-4)
+
+
+def test_seeds_reproducible_across_batch_composition(llm):
+  target = _prompts((9,), seed=3)[0]
+  hot = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+  alone, = llm.generate([target], hot)
+  others = _prompts((14, 3, 25), seed=4)
+  mixed = llm.generate(others[:2] + [target] + others[2:],
+                       [SamplingParams(max_tokens=7, temperature=1.0, seed=5)] * 2 + [hot]
+                       + [SamplingParams(max_tokens=9)])
+  assert mixed[2].token_ids == alone.token_ids
+  again, = llm.generate([target], hot)
+  assert again.token_ids == alone.token_ids
+  other_seed, = llm.generate([target], SamplingParams(max_tokens=10, temperature=0.9,
+                                                      top_p=0.95, seed=99, ignore_eos=True))
+  assert other_seed.token_ids != alone.token_ids
+
+
+def test_top_k_one_equals_greedy(llm):
+  prompts = _prompts((5, 13), seed=7)
+  greedy = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+  top1 = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.5,
+                                              top_k=1, seed=3))
+  assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+def test_n_completions_through_fork(llm, dense_greedy):
+  prompt = _prompts((10,), seed=8)[0]  # 10 tokens, Z=4: a partial tail block is copied
+  outs = llm.generate([prompt], SamplingParams(max_tokens=6, n=3, ignore_eos=True))
+  expect, _ = dense_greedy(prompt, 6)
+  assert [o.sample_index for o in outs] == [0, 1, 2]
+  assert all(list(o.token_ids) == expect for o in outs)
+  hot = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=11, ignore_eos=True)
+  a = llm.generate([prompt, _prompts((4,), seed=9)[0]], [hot, SamplingParams(max_tokens=3)])
+  b = llm.generate([prompt], hot)
+  assert len(a) == 4 and [o.prompt_index for o in a] == [0, 0, 0, 1]
+  assert [o.token_ids for o in a[:3]] == [o.token_ids for o in b]
+  assert len({o.token_ids for o in b}) > 1
+  _check_all_free(llm)
+
+
+def test_streaming_yields_the_generated_tokens(llm):
+  prompts = _prompts((6, 18, 3, 11), seed=10)
+  params = SamplingParams(max_tokens=9, ignore_eos=True)
+  outs = llm.generate(prompts, params)
+  got, finished = {}, {}
+  for ev in llm.generate_stream(prompts, params):
+    if ev.token_id is None:
+      finished[ev.prompt_index] = ev.finish_reason
+    else:
+      assert ev.prompt_index not in finished
+      got.setdefault(ev.prompt_index, []).append(ev.token_id)
+  assert [tuple(got[i]) for i in range(len(prompts))] == [o.token_ids for o in outs]
+  assert finished == {i: "length" for i in range(len(prompts))}
+
+
+def test_abandoned_stream_releases_its_blocks(llm, dense_greedy):
+  stream = llm.generate_stream(_prompts((6, 18, 3, 11), seed=15),
+                               SamplingParams(max_tokens=20, ignore_eos=True))
+  next(stream)
+  stream.close()
+  _check_all_free(llm)
+  good = _prompts((7,), seed=16)[0]
+  out, = llm.generate([good], SamplingParams(max_tokens=6, ignore_eos=True))
+  assert list(out.token_ids) == dense_greedy(good, 6)[0]
+
+
+def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
+  good = _prompts((5,), seed=12)[0]
+  for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
+                     ("text", "tokenizer")):
+    with pytest.raises(ValueError, match=match):
+      llm.generate([good, bad], SamplingParams(max_tokens=4))
+  with pytest.raises(ValueError, match="n="):
+    llm.generate([good], SamplingParams(n=4))  # max_seqs is 3
+  with pytest.raises(ValueError, match="len"):
+    llm.generate([good, good], [SamplingParams()])
+  out, = llm.generate([good], SamplingParams(max_tokens=5, ignore_eos=True))
+  assert list(out.token_ids) == dense_greedy(good, 5)[0]
+  _check_all_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-3), "seed"),
+    (dict(stop_token_ids=(-1,)), "stop_token_ids"), (dict(n=0), "n"),
+    (dict(max_tokens=2.5), "max_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_sampling_params_validation(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_frozen():
+  p = SamplingParams()
+  assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop_token_ids, p.n) == (
+      16, 0.0, 0, 1.0, None, (), 1)
+  with pytest.raises(Exception):
+    p.max_tokens = 3  # frozen
+  assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
+
+
+def test_engine_options_validation(model, config):
+  with pytest.raises(NotImplementedError, match="mesh"):
+    LLM(model, config, num_blocks=8, mesh=object())
+  with pytest.raises(ValueError, match="num_blocks"):
+    LLM(model, config, num_blocks=8, kv_budget_bytes=1 << 20)
+  with pytest.raises(ValueError, match="max_seqs"):
+    LLM(model, config, num_blocks=8, max_seqs=0)
+  spec_llm = LLM(model, config, block_size=4, kv_budget_bytes=64 * 2 * 2 * 4 * 2 * 16 * 4,
+                 max_seqs=2)
+  assert spec_llm.spec.num_blocks == 64
+
+
+def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_greedy):
+  # 12 blocks of 4 tokens: three sequences of ~26 tokens cannot all stay resident.
+  llm = LLM(model, config, block_size=4, num_blocks=12, max_seqs=3, max_tokens_per_step=16,
+            steps_per_call=8)
+  prompts = _prompts((10, 14, 8, 12, 6), seed=13)
+  outs = llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True))
+  assert llm.stats["preemptions"] > 0
+  for p, o in zip(prompts, outs):
+    assert list(o.token_ids) == dense_greedy(p, 14)[0]
+  _check_all_free(llm)
+  # A random mix with forks (n = 2) under the same pressure: forks, preemptions of forks,
+  # recompute of forks that got no block, all equal the oracle.
+  rng = np.random.default_rng(17)
+  prompts = _prompts(rng.integers(1, 24, 6), seed=18)
+  params = [SamplingParams(max_tokens=int(m), n=int(n), ignore_eos=True)
+            for m, n in zip(rng.integers(1, 16, 6), rng.integers(1, 3, 6))]
+  before = llm.stats["preemptions"]
+  outs = iter(llm.generate(prompts, params))
+  for p, sp in zip(prompts, params):
+    expect = dense_greedy(p, sp.max_tokens)[0][:llm.max_model_len - len(p)]
+    for f in range(sp.n):
+      o = next(outs)
+      assert (o.sample_index, list(o.token_ids)) == (f, expect)
+  assert llm.stats["preemptions"] > before
+  _check_all_free(llm)
+  # A request longer than the whole pool (48 tokens) is refused; others still served.
+  with pytest.raises(ValueError, match="KV pool"):
+    llm.generate([prompts[0], [5] * 60], SamplingParams(max_tokens=2))
+  out, = llm.generate([prompts[1]], SamplingParams(max_tokens=3, ignore_eos=True))
+  assert list(out.token_ids) == dense_greedy(prompts[1], 3)[0]
+  # max_model_len caps generation: 40-token prompt + up to 8 more tokens in a 48-token pool.
+  long = _prompts((40,), seed=14)[0]
+  out, = llm.generate([long], SamplingParams(max_tokens=30, ignore_eos=True))
+  assert out.finish_reason == "length" and len(out.token_ids) == 48 - 40
+  _check_all_free(llm)
+
+
+def test_engine_step_traces_once(model, config):
+  # max_traces=1 wraps the jitted device call in chex.assert_max_traces(n=1).
+  llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
+            steps_per_call=8, max_traces=1)
+  for lengths, n in (((3,), 1), ((12, 5, 30, 2), 1), ((7,), 3), ((4, 9), 2)):
+    llm.generate(_prompts(lengths, seed=len(lengths)),
+                 SamplingParams(max_tokens=5, n=n, temperature=0.5, seed=1))
+  _check_all_free(llm)
+
+
+def _run_args(*argv):
+  import argparse
+  from paged_jax import cli_run
+  parser = argparse.ArgumentParser()
+  cli_run.add_run_parser(parser.add_subparsers())
+  return parser.parse_args(["run", *argv])
+
+
+def test_cli_run_prints_report(capsys):
+  args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
+                   "--steps-per-call", "8")
+  assert args.func(args) == 0
+  captured = capsys.readouterr()
+  for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
+              "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests"):
+    assert key in captured.out
+  assert "6/6 completions" in captured.err  # the progress bar
+
+
+def test_cli_run_prompt_needs_a_tokenizer():
+  args = _run_args("--prompt", "hello")
+  with pytest.raises(ValueError, match="tokenizer"):
+    args.func(args)

@@ -1,0 +1,90 @@
+"""The engine's sampler: greedy, temperature, top-k, top-p, logprobs, per-request keys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.sampling import request_keys, sample
+
+ROWS = 4000
+
+
+def _draw(logits_V, *, temperature=1.0, top_k=0, top_p=1.0, rows=ROWS, seed=0):
+  logits_SV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (rows, len(logits_V)))
+  keys = request_keys(jnp.full(rows, seed, jnp.uint32), jnp.zeros(rows, jnp.int32),
+                      jnp.arange(rows, dtype=jnp.int32))
+  full = lambda v, dt: jnp.full(rows, v, dt)
+  tokens, lps = jax.jit(sample)(logits_SV, full(temperature, jnp.float32),
+                                full(top_k, jnp.int32), full(top_p, jnp.float32), keys)
+  return np.asarray(tokens), np.asarray(lps)
+
+
+# probabilities 0.5, 0.3, 0.15, 0.05 (log of them as logits)
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+LOGITS = np.log(PROBS)
+
+
+def _freq(tokens, vocab):
+  return np.bincount(tokens, minlength=vocab) / len(tokens)
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
+  tokens, lps = _draw(LOGITS, temperature=0.0, top_k=2, top_p=0.1)
+  assert np.all(tokens == 0)
+  np.testing.assert_allclose(lps, np.log(0.5), rtol=1e-6)
+
+
+def test_temperature_one_matches_the_distribution():
+  tokens, lps = _draw(LOGITS)
+  np.testing.assert_allclose(_freq(tokens, 4), PROBS, atol=0.03)
+  np.testing.assert_allclose(lps, np.log(PROBS)[tokens], rtol=1e-5)  # raw, not tempered
+
+
+def test_temperature_flattens():
+  # T = 2: p ~ sqrt(PROBS), renormalised.
+  want = np.sqrt(PROBS) / np.sqrt(PROBS).sum()
+  tokens, _ = _draw(LOGITS, temperature=2.0)
+  np.testing.assert_allclose(_freq(tokens, 4), want, atol=0.03)
+
+
+def test_top_k_keeps_the_k_largest():
+  # k = 2: {0, 1} renormalised -> 0.625, 0.375.
+  tokens, _ = _draw(LOGITS, top_k=2)
+  np.testing.assert_allclose(_freq(tokens, 4), [0.625, 0.375, 0, 0], atol=0.03)
+  tokens, _ = _draw(LOGITS, top_k=1)
+  assert np.all(tokens == 0)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+  # top_p 0.7: cumulative before each token 0, 0.5, 0.8, ... -> keep {0, 1}.
+  tokens, _ = _draw(LOGITS, top_p=0.7)
+  np.testing.assert_allclose(_freq(tokens, 4), [0.625, 0.375, 0, 0], atol=0.03)
+  # top_p 0.9: before = 0, 0.5, 0.8, 0.95 -> keep {0, 1, 2}: 0.5/0.95, 0.3/0.95, 0.15/0.95.
+  tokens, _ = _draw(LOGITS, top_p=0.9)
+  np.testing.assert_allclose(_freq(tokens, 4), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                             atol=0.03)
+
+
+def test_top_k_then_top_p():
+  # k = 3 renormalises to 0.526, 0.316, 0.158; top_p 0.6 keeps {0, 1} (before: 0, 0.526).
+  tokens, _ = _draw(LOGITS, top_k=3, top_p=0.6)
+  assert set(np.unique(tokens)) == {0, 1}
+
+
+def test_keys_depend_only_on_seed_fork_and_index():
+  a = request_keys(jnp.array([7, 7, 8], jnp.uint32), jnp.array([0, 1, 0]), jnp.array([3, 3, 3]))
+  b = request_keys(jnp.array([8, 7], jnp.uint32), jnp.array([0, 0]), jnp.array([3, 3]))
+  data = lambda k: np.asarray(jax.random.key_data(k))
+  assert np.array_equal(data(a)[0], data(b)[1]) and np.array_equal(data(a)[2], data(b)[0])
+  assert not np.array_equal(data(a)[0], data(a)[1])
+
+
+def test_shape_validation():
+  keys = request_keys(jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match="top_k"):
+    sample(jnp.zeros((2, 4)), jnp.zeros(2), jnp.zeros(3, jnp.int32), jnp.ones(2), keys)
+  with pytest.raises(ValueError, match="logits"):
+    sample(jnp.zeros(4), jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys)
