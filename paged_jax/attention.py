@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import functools
 from typing import Callable
 
 import jax
@@ -41,7 +42,7 @@ def resolve_impl(impl: str) -> str:
 
 def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                     sm_scale: float | None = None, impl: str = "auto",
-                    interpret: bool = False):
+                    interpret: bool = False, debug: bool = False):
   """Causal attention of a ragged batch of queries over the paged KV cache.
 
   One call serves prefill, chunked prefill and decode together.
@@ -59,6 +60,11 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     sm_scale: softmax scale, default ``D ** -0.5``.
     impl: "auto", "reference", "xla", "pallas_tpu" or "pallas_gpu".
     interpret: run a Pallas impl in its interpret mode (on CPU).
+    debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
+      consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in
+      ``checkify.checkify`` and ``throw`` the error (or use ``checked_paged_attention``);
+      without ``debug`` nothing is checked at run time and a bad block id reads as an empty
+      block (zeros), never as a clamped real block.
 
   Returns:
     [T, H, D] in q's dtype; padding rows (past ``cu_q_lens[num_seqs]``) are zero.
@@ -71,10 +77,17 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
   validation.static_validate_inputs(q, cache.k_pages, cache.v_pages, layer, kv_lens,
                                     block_tables, cu_q_lens, num_seqs)
+  if not isinstance(debug, bool):
+    raise ValueError(f"{debug=} must be a bool")
+  if debug:
+    validation.checkify_validate_inputs(q, cache.k_pages, layer, kv_lens, block_tables,
+                                        cu_q_lens, num_seqs)
   if sm_scale is None:
     sm_scale = float(q.shape[-1]) ** -0.5
   args = (q, cache.k_pages, cache.v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   chosen = resolve_impl(impl)
+  if q.shape[0] == 0:  # no query rows (T = 0): nothing to attend (the reference divides by T)
+    return jnp.zeros_like(q)
   if chosen == "reference":
     return ragged_paged_attention_reference(*args, sm_scale=float(sm_scale))
   if chosen == "xla":
@@ -92,3 +105,35 @@ def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, c
                                     block_tables, cu_q_lens, num_seqs)
   validation.dynamic_validate_inputs(q, cache.k_pages, layer, kv_lens, block_tables,
                                      cu_q_lens, num_seqs)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
+def _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, impl,
+             interpret):
+  from jax.experimental import checkify
+
+  def attend(*args):
+    return paged_attention(*args, sm_scale=sm_scale, impl=impl, interpret=interpret,
+                           debug=True)
+
+  return checkify.checkify(attend)(q, cache, layer, kv_lens, block_tables, cu_q_lens,
+                                   num_seqs)
+
+
+def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
+                            num_seqs, *, sm_scale: float | None = None, impl: str = "auto",
+                            interpret: bool = False):
+  """``paged_attention`` in debug mode, jitted, its value checks run on the device.
+
+  Same arguments and result; raises ``ValueError`` naming the argument (an out-of-range
+  block id a live sequence reads, inconsistent ``kv_lens`` / ``cu_q_lens``, ``num_seqs`` or
+  ``layer`` out of range) after the call, instead of returning a silently masked result.
+  """
+  if sm_scale is not None:
+    sm_scale = float(sm_scale)
+  err, out = _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs,
+                      sm_scale=sm_scale, impl=impl, interpret=interpret)
+  message = err.get()
+  if message is not None:
+    raise ValueError(message.split(" (`check` failed)")[0])
+  return out

@@ -46,6 +46,7 @@ Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -147,7 +148,22 @@ def _blocks_for(len_S, z):
   return (len_S + z - 1) // z
 
 
-def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
+def _scrub_freed(cache: KVCache, before: allocator.AllocatorState,
+                 after: allocator.AllocatorState) -> KVCache:
+  """Zero every block that was in use in ``before`` and is free in ``after`` (scrub on
+  release). A ``lax.cond`` skips the pass over the pool when nothing came free."""
+  freed_N = (before.ref_counts > 0) & (after.ref_counts == 0)
+
+  def scrub(cache):
+    m = freed_N[None, None, :, None, None]
+    return KVCache(k_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.k_pages),
+                   v_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.v_pages))
+
+  return jax.lax.cond(jnp.any(freed_N), scrub, lambda cache: cache, cache)
+
+
+def _step(model, st: EngineState, *, num_tokens: int, impl,
+          scrub_on_release: bool = False) -> EngineState:
   """One scheduling step: budget, blocks (preempting), ragged forward, fork, sample, stop."""
   # Imported here: models imports paged_jax, and paged_jax must import without models.
   from models import steps as model_steps
@@ -185,6 +201,9 @@ def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
 
   alloc, pre_S = jax.lax.while_loop(short, preempt_one,
                                     (alloc, jnp.zeros(num_slots, jnp.bool_)))
+  cache = st.cache
+  if scrub_on_release:  # before anything is appended: a preempted block may be reused now
+    cache = _scrub_freed(cache, st.alloc, alloc)
   must_S &= ~pre_S
   free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
   new_S = (cached_S == 0) & (q_S > 0)
@@ -200,7 +219,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
   seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
   pos_T = cached_S[seq_T] + t_T - cu[seq_T]
   tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
-  logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, st.cache, tokens_T,
+  logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, cache, tokens_T,
                                                            q_S, impl=impl)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free
@@ -229,7 +248,10 @@ def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
   len_S = len_S + keep_S.astype(jnp.int32)
   length_S = keep_S & (len_S >= st.max_len_S)
   finished_S = stop_S | length_S
+  before_release = alloc
   alloc = allocator.release(alloc, finished_S)
+  if scrub_on_release:
+    cache = _scrub_freed(cache, before_release, alloc)
   status_S = jnp.where(finished_S, DONE, jnp.where(child_S, RUNNING, st.status_S))
   reason_S = jnp.where(stop_S, 1, jnp.where(length_S, 2, st.reason_S))
 
@@ -248,7 +270,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl) -> EngineState:
 
 
 def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
-                 num_tokens: int, impl):
+                 num_tokens: int, impl, scrub_on_release: bool = False):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
@@ -263,7 +285,8 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
 
   def body(c):
     st, i, _ = c
-    st = _step(model, st, num_tokens=num_tokens, impl=impl)
+    st = _step(model, st, num_tokens=num_tokens, impl=impl,
+               scrub_on_release=scrub_on_release)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     return st, i + 1, ~active | ((slots_wanted > 0) & (free >= slots_wanted))
@@ -283,7 +306,8 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
 
 
 _device_call_jit = jax.jit(_device_call,
-                           static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl"),
+                           static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl",
+                                            "scrub_on_release"),
                            donate_argnames=("st",))
 
 
@@ -300,10 +324,12 @@ def _admit(st: EngineState, mask_S, rows: dict) -> EngineState:
 _admit_jit = jax.jit(_admit, donate_argnums=(0,))
 
 
-@jax.jit
-def _abort_jit(st: EngineState, mask_S) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("scrub_on_release",))
+def _abort_jit(st: EngineState, mask_S, *, scrub_on_release: bool = False) -> EngineState:
   """Drop the sequences of ``mask_S`` (an abandoned stream): release their blocks, free slots."""
-  return dataclasses.replace(st, alloc=allocator.release(st.alloc, mask_S),
+  alloc = allocator.release(st.alloc, mask_S)
+  cache = _scrub_freed(st.cache, st.alloc, alloc) if scrub_on_release else st.cache
+  return dataclasses.replace(st, alloc=alloc, cache=cache,
                              status_S=jnp.where(mask_S, FREE, st.status_S))
 
 
@@ -345,6 +371,10 @@ class LLM:
     seed: seeds the engine's draw of seeds for requests whose ``SamplingParams.seed`` is None.
     max_traces: when set, the jitted device call is wrapped in ``chex.assert_max_traces``
       with this many traces (tests).
+    scrub_on_release: zero every KV block inside the step that frees it (finish, preemption,
+      abandoned stream), so no freed page keeps another request's K/V. Reads never depend on
+      it (attention masks every position a sequence does not own); it is defence in depth,
+      at the cost of one masked pass over the pool in each step that frees a block.
   """
 
   def __init__(self, model, config, *, dtype=None, block_size: int = 16,
@@ -352,7 +382,7 @@ class LLM:
                max_seqs: int = 16, max_tokens_per_step: int = 256,
                max_model_len: int | None = None, steps_per_call: int = 16,
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
-               max_traces: int | None = None):
+               max_traces: int | None = None, scrub_on_release: bool = False):
     from models import Decoder, ModelConfig
     if not isinstance(model, Decoder):
       raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
@@ -392,22 +422,28 @@ class LLM:
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)
+    if not isinstance(scrub_on_release, (bool, np.bool_)):
+      raise ValueError(f"{scrub_on_release=} must be a bool")
+    self.scrub_on_release = bool(scrub_on_release)
     self._rng = np.random.default_rng(seed)
     self._arrivals = 0
     self._graphdef, self._params = nnx.split(model)
 
     static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
-                  num_tokens=self.max_tokens_per_step, impl=model.impl)
+                  num_tokens=self.max_tokens_per_step, impl=model.impl,
+                  scrub_on_release=self.scrub_on_release)
     if max_traces is None:
       # Shared across engines: same model structure and sizes -> one compilation.
       self._call = lambda params, st, wanted: _device_call_jit(
           static["graphdef"], params, st, wanted, steps_per_call=static["steps_per_call"],
-          num_tokens=static["num_tokens"], impl=static["impl"])
+          num_tokens=static["num_tokens"], impl=static["impl"],
+          scrub_on_release=static["scrub_on_release"])
     else:
       def device_call(params, st, slots_wanted):
         return _device_call(static["graphdef"], params, st, slots_wanted,
                             steps_per_call=static["steps_per_call"],
-                            num_tokens=static["num_tokens"], impl=static["impl"])
+                            num_tokens=static["num_tokens"], impl=static["impl"],
+                            scrub_on_release=static["scrub_on_release"])
       self._call = jax.jit(chex.assert_max_traces(device_call, n=max_traces),
                            donate_argnums=(1,))
     self._admit = _admit_jit
@@ -647,7 +683,8 @@ class LLM:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       left = np.array([o is not None for o in slot_owner])
       if left.any():
-        self._state = _abort_jit(self._state, jnp.asarray(left))
+        self._state = _abort_jit(self._state, jnp.asarray(left),
+                                 scrub_on_release=self.scrub_on_release)
       self._host["wall_s"] += time.perf_counter() - t0
       self._host["requests"] += len(requests)
 

@@ -48,7 +48,10 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
   # N, which the "fill" gather turns into zeros without touching memory.
   owned_TP = (jnp.arange(blocks_per_seq)[None, :] * block_size < kv_len_T[:, None])
   owned_TP &= live_T[:, None]
-  block_ids_TP = jnp.where(owned_TP, block_tables_SP[seq_T], num_blocks)
+  ids_TP = block_tables_SP[seq_T]
+  # An id outside [0, N) must not wrap (jnp normalises negative indices before "fill").
+  owned_TP &= (ids_TP >= 0) & (ids_TP < num_blocks)
+  block_ids_TP = jnp.where(owned_TP, ids_TP, num_blocks)
   k_TPKZD = k_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   v_TPKZD = v_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   # Advanced indices split by a slice go first: [T, P, K, Z, D] -> [T, K, P * Z, D].

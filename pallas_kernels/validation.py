@@ -114,3 +114,46 @@ def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables
       j = int(np.argmax(bad))
       raise ValueError(f"block_tables[{i}, {j}]={used[j]} must be a block id in "
                        f"[0, N={dims['N']}) (sequence {i} reads it)")
+
+
+def checkify_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                             cu_q_lens, num_seqs) -> None:
+  """The checks of ``dynamic_validate_inputs`` as ``jax.experimental.checkify`` checks.
+
+  Traceable: under ``jit`` they only take effect inside ``checkify.checkify`` (the debug mode
+  of ``paged_attention``); the error names the argument and the offending entry. Inputs are
+  assumed to have passed ``static_validate_inputs``.
+  """
+  from jax.experimental import checkify
+
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  num_tokens = q_THD.shape[0]
+  num_rows, blocks_per_seq = block_tables_SP.shape
+  capacity = blocks_per_seq * dims["Z"]
+  n = jnp.asarray(num_seqs, jnp.int32)
+  layer = jnp.asarray(layer, jnp.int32)
+  checkify.check((layer >= 0) & (layer < dims["L"]),
+                 f"layer={{}} must be in [0, L={dims['L']})", layer)
+  checkify.check((n >= 0) & (n <= num_rows), f"num_seqs={{}} must be in [0, S={num_rows}]", n)
+  checkify.check(cu_q_lens[0] == 0, "cu_q_lens[0]={} must be 0", cu_q_lens[0])
+  row_S = jnp.arange(num_rows, dtype=jnp.int32)
+  live_S = row_S < n
+  q_len_S = cu_q_lens[1:] - cu_q_lens[:-1]
+  bad_S = live_S & (q_len_S < 0)
+  i = jnp.argmax(bad_S)
+  checkify.check(~jnp.any(bad_S), "cu_q_lens must be non-decreasing over the first num_seqs "
+                 "+ 1 entries: cu_q_lens[{}]={} > cu_q_lens[{} + 1]={}", i, cu_q_lens[i], i,
+                 cu_q_lens[i + 1])
+  end = cu_q_lens[jnp.clip(n, 0, num_rows)]
+  checkify.check(end <= num_tokens, f"cu_q_lens[num_seqs]={{}} must be <= T={num_tokens}", end)
+  bad_S = live_S & ((kv_lens_S < q_len_S) | (kv_lens_S > capacity))
+  i = jnp.argmax(bad_S)
+  checkify.check(~jnp.any(bad_S), f"kv_lens[{{}}]={{}} must be in [q_len={{}}, P * Z={capacity}]",
+                 i, kv_lens_S[i], q_len_S[i])
+  read_SP = live_S[:, None] & (
+      jnp.arange(blocks_per_seq, dtype=jnp.int32)[None, :] * dims["Z"] < kv_lens_S[:, None])
+  bad_SP = read_SP & ((block_tables_SP < 0) | (block_tables_SP >= dims["N"]))
+  flat = jnp.argmax(bad_SP.reshape(-1))
+  i, j = flat // blocks_per_seq, flat % blocks_per_seq
+  checkify.check(~jnp.any(bad_SP), f"block_tables[{{}}, {{}}]={{}} must be a block id in "
+                 f"[0, N={dims['N']}) (sequence {{}} reads it)", i, j, block_tables_SP[i, j], i)

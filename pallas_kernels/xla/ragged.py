@@ -107,8 +107,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     row_max_WKM, denom_WKM, acc_WKMD = carry
     page_R = chunk * pages_per_chunk + jnp.arange(pages_per_chunk)
     owned_WR = (page_R[None, :] * block_size < horizon_W[:, None]) & (page_R < blocks_per_seq)
-    block_ids_WR = jnp.where(
-        owned_WR, tables_WP.at[:, page_R].get(mode="fill", fill_value=num_blocks), num_blocks)
+    ids_WR = tables_WP.at[:, page_R].get(mode="fill", fill_value=num_blocks)
+    # An id outside [0, N) must not wrap (jnp normalises negative indices before "fill").
+    owned_WR &= (ids_WR >= 0) & (ids_WR < num_blocks)
+    block_ids_WR = jnp.where(owned_WR, ids_WR, num_blocks)
     # [W, R, K, Z, D] (advanced indices first) -> [W, K, J, D].
     def gather(pages):
       chunk_WRKZD = pages.at[layer, :, block_ids_WR].get(mode="fill", fill_value=0)
