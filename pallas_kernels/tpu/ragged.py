@@ -229,6 +229,7 @@ def _ragged_kernel(
   w = pl.program_id(1)
   layer = layer_ref[0]
   chunk_len = pages_per_chunk * block_size
+  num_blocks = k_pages_hbm_ref.shape[2]
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
   def item(field, index):
@@ -241,9 +242,11 @@ def _ragged_kernel(
     pages_needed = lax.div(item(_HORIZON, index) + (block_size - 1), block_size)
     for r in range(pages_per_chunk):
       page = chunk * pages_per_chunk + r
-      needed = jnp.logical_and(when, page < pages_needed)
       entry = seq * blocks_per_seq + jnp.minimum(page, blocks_per_seq - 1)
-      block = jnp.where(needed, block_tables_ref[entry], 0)
+      block = block_tables_ref[entry]
+      # An id outside [0, N) (invalid input) is never copied: that page reads as zeros.
+      needed = when & (page < pages_needed) & (block >= 0) & (block < num_blocks)
+      block = jnp.where(needed, block, 0)
       rows = pl.ds(r * block_size, block_size)
       copies = (
           pltpu.make_async_copy(k_pages_hbm_ref.at[layer, kv_head, block],
@@ -286,7 +289,19 @@ def _ragged_kernel(
     for_each_page(jnp.where(last, next_w, w), jnp.where(last, 0, chunk + 1), 1 - slot,
                   "start", when=jnp.logical_not(last) | next_has_chunks)
     for_each_page(w, chunk, slot, "wait")
+    # Rows of a page whose id is outside [0, N) were not copied: they read as zeros (as in
+    # the reference), never as a stale or clamped block.
+    row_J1 = lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
+    copied_J1 = jnp.zeros((chunk_len, 1), jnp.bool_)
+    for r in range(pages_per_chunk):
+      entry = item(_SEQ, w) * blocks_per_seq + jnp.minimum(chunk * pages_per_chunk + r,
+                                                           blocks_per_seq - 1)
+      block = block_tables_ref[entry]
+      page_ok = (block >= 0) & (block < num_blocks)
+      in_page_J1 = (row_J1 >= r * block_size) & (row_J1 < (r + 1) * block_size)
+      copied_J1 |= in_page_J1 & page_ok
     k_JD = k_buf_ref[slot].astype(compute_dtype)
+    k_JD = jnp.where(copied_J1, k_JD, jnp.zeros_like(k_JD))
     v_JD = v_buf_ref[slot].astype(compute_dtype)
 
     kv_pos_1J = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1)
@@ -303,7 +318,7 @@ def _ragged_kernel(
     # Rows this chunk did not fill (stale or uninitialised) and rows past the sequence's
     # length may hold anything, NaN included: select zeros, never multiply by zero.
     kv_pos_J1 = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
-    v_JD = jnp.where(kv_pos_J1 < horizon, v_JD, jnp.zeros_like(v_JD))
+    v_JD = jnp.where((kv_pos_J1 < horizon) & copied_J1, v_JD, jnp.zeros_like(v_JD))
     pv_MD = lax.dot_general(probs_MJ.astype(compute_dtype), v_JD, (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32, precision=precision)
     acc_ref[...] = rescale_M1 * acc_ref[...] + pv_MD
