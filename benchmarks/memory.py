@@ -1,0 +1,269 @@
+"""KV memory at equal budget: paged blocks vs contiguous reservations, on a long-tailed load.
+
+Workload (``LONG_TAIL`` below; quick mode is smaller): ``num_requests`` requests, all queued
+at t = 0 so that memory, never arrivals, bounds the batch. Prompt and output lengths are
+independent log-normals, ``round(median * exp(sigma * N(0, 1)))`` clipped to ``[1, max]``
+(``paged_jax.workload``'s distribution, numpy seed 0): prompts median 256, sigma 1.0, at most
+1024; outputs median 128, sigma 1.0, at most 1024. The declared maximum length of a request
+is ``max_prompt_len + max_output_len`` = 2048 (what a server must assume when it does not
+know the output length). KV budget: N = 2048 blocks of Z = 16 tokens (32768 token slots).
+
+Time advances in decode steps. A request is admitted (FCFS, its prompt prefilled at once)
+when it fits; then each running request grows by one token per step until it reaches its
+final length ``prompt + output`` and finishes, freeing its memory. Three policies, same
+queue, same steps:
+
+- paged: the functional allocator (``paged_jax.allocator``), one jitted
+  ``release`` + ``append`` per step over S = ``max_seqs`` slots; a request is admitted while
+  its prompt's blocks leave one free block per running sequence (a watermark). A sequence
+  whose growth is refused stalls a step; if every one does, the latest-admitted is preempted
+  (released and requeued, recompute).
+- contiguous (max): each running request reserves the declared maximum length.
+- contiguous (oracle): each reserves exactly its true final length (no server knows it).
+
+Reported: KV utilisation = live tokens / reserved slots (blocks in use * Z for paged),
+averaged over steps; budget holding tokens = live tokens / all budget slots, averaged (the
+vLLM paper's 20.4%-38.2% figure); peak and mean concurrent sequences; steps to drain the
+queue. matplotlib (if importable) plots blocks in use and utilisation over time into
+``memory_blocks.png`` beside RESULTS.md.
+
+    python benchmarks/memory.py            # full; writes memory_RESULTS_section.md (+ PNG)
+    python benchmarks/memory.py --quick    # seconds; never writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import allocator
+
+HERE = pathlib.Path(__file__).parent
+RESULTS_PATH = HERE / "memory_RESULTS_section.md"
+PLOT_PATH = HERE / "memory_blocks.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryWorkload:
+  num_requests: int
+  prompt_median: int
+  prompt_sigma: float
+  max_prompt_len: int
+  output_median: int
+  output_sigma: float
+  max_output_len: int
+  block_size: int  # Z
+  num_blocks: int  # N, the KV budget in blocks
+  max_seqs: int  # S, allocator slots (above what the budget can hold)
+  seed: int = 0
+
+  @property
+  def max_len(self) -> int:
+    return self.max_prompt_len + self.max_output_len
+
+
+LONG_TAIL = MemoryWorkload(num_requests=400, prompt_median=256, prompt_sigma=1.0,
+                           max_prompt_len=1024, output_median=128, output_sigma=1.0,
+                           max_output_len=1024, block_size=16, num_blocks=2048, max_seqs=160)
+QUICK = MemoryWorkload(num_requests=48, prompt_median=64, prompt_sigma=1.0, max_prompt_len=256,
+                       output_median=32, output_sigma=1.0, max_output_len=256, block_size=16,
+                       num_blocks=256, max_seqs=48)
+
+
+def lengths(w: MemoryWorkload) -> tuple[np.ndarray, np.ndarray]:
+  """Prompt and output lengths (``paged_jax.workload``'s log-normal draw)."""
+  rng = np.random.default_rng(w.seed)
+
+  def draw(median, sigma, max_len):
+    return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(w.num_requests))),
+                   1, max_len).astype(np.int64)
+
+  return (draw(w.prompt_median, w.prompt_sigma, w.max_prompt_len),
+          draw(w.output_median, w.output_sigma, w.max_output_len))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _paged_step(state, release_S, num_new_S):
+  state = allocator.release(state, release_S)
+  state, ok_S = allocator.append(state, num_new_S)
+  return state, ok_S, state.num_free, jnp.sum(state.seq_lens)
+
+
+def simulate_paged(w: MemoryWorkload, prompt_R, output_R) -> dict:
+  """The allocator serving the queue; per-step blocks in use, live tokens, running count."""
+  z, n, s = w.block_size, w.num_blocks, w.max_seqs
+  p = -(-w.max_len // z)
+  state = allocator.init(n, z, s, p)
+  final_R = prompt_R + output_R
+  queue = list(range(w.num_requests))
+  owner_S = np.full(s, -1)  # request in each slot
+  len_S = np.zeros(s, np.int64)  # tokens held (host mirror of seq_lens)
+  admitted_at_S = np.zeros(s, np.int64)
+  num_free = n
+  release_S = np.zeros(s, bool)
+  blocks_t, live_t, running_t = [], [], []
+  preemptions = step = 0
+  while queue or (owner_S >= 0).any():
+    num_new_S = np.where(owner_S >= 0, 1, 0)
+    # Admission: FCFS while the prompt's blocks leave one block per running sequence.
+    free_after = num_free + int(sum(-(-len_S[i] // z) for i in np.flatnonzero(release_S)))
+    running = int((owner_S >= 0).sum())
+    while queue:
+      r = queue[0]
+      need = -(-int(prompt_R[r]) // z)
+      slots = np.flatnonzero((owner_S < 0) & ~release_S)
+      if not slots.size or free_after - need < running + 1:
+        break
+      queue.pop(0)
+      slot = slots[0]
+      owner_S[slot], num_new_S[slot], admitted_at_S[slot] = r, prompt_R[r], step
+      free_after -= need
+      running += 1
+    state, ok_S, nf, live = _paged_step(state, jnp.asarray(release_S),
+                                        jnp.asarray(num_new_S, jnp.int32))
+    ok_S, num_free, live = np.asarray(ok_S), int(nf), int(live)
+    release_S = np.zeros(s, bool)
+    grew_S = ok_S & (num_new_S > 0)
+    len_S = np.where(grew_S, len_S + num_new_S, len_S)
+    failed_S = (num_new_S > 0) & ~ok_S
+    new_admit_failed_S = failed_S & (len_S == 0)
+    for slot in np.flatnonzero(new_admit_failed_S):  # back to the queue front
+      queue.insert(0, int(owner_S[slot]))
+      owner_S[slot] = -1
+    if failed_S.any() and not grew_S.any():  # nobody progressed: preempt the latest
+      live_slots = np.flatnonzero(owner_S >= 0)
+      victim = live_slots[np.argmax(admitted_at_S[live_slots])]
+      queue.insert(0, int(owner_S[victim]))
+      owner_S[victim] = -1
+      release_S[victim] = True
+      len_S[victim] = 0
+      preemptions += 1
+    done_S = (owner_S >= 0) & (len_S >= final_R[np.maximum(owner_S, 0)])
+    release_S |= done_S
+    owner_S = np.where(done_S, -1, owner_S)
+    blocks_t.append(n - num_free)
+    live_t.append(live)
+    running_t.append(int(((owner_S >= 0) | done_S).sum()))
+    len_S = np.where(done_S, 0, len_S)
+    step += 1
+  blocks_t, live_t = np.asarray(blocks_t), np.asarray(live_t)
+  return dict(reserved_t=blocks_t * z, live_t=live_t, running_t=np.asarray(running_t),
+              steps=step, preemptions=preemptions)
+
+
+def simulate_contiguous(w: MemoryWorkload, prompt_R, output_R, *, oracle: bool) -> dict:
+  """Each running request reserves max_len (or, oracle, its final length) slots."""
+  budget = w.num_blocks * w.block_size
+  final_R = prompt_R + output_R
+  reserve_R = final_R if oracle else np.full(w.num_requests, w.max_len)
+  queue = list(range(w.num_requests))
+  running: dict[int, int] = {}  # request -> tokens held
+  reserved = 0
+  reserved_t, live_t, running_t = [], [], []
+  while queue or running:
+    while queue and len(running) < w.max_seqs and reserved + reserve_R[queue[0]] <= budget:
+      r = queue.pop(0)
+      running[r] = int(prompt_R[r]) - 1  # +1 below: the prompt lands with this step
+      reserved += int(reserve_R[r])
+    for r in running:
+      running[r] += 1
+    reserved_t.append(reserved)
+    live_t.append(sum(running.values()))
+    running_t.append(len(running))
+    for r in [r for r, n in running.items() if n >= final_R[r]]:
+      del running[r]
+      reserved -= int(reserve_R[r])
+  return dict(reserved_t=np.asarray(reserved_t), live_t=np.asarray(live_t),
+              running_t=np.asarray(running_t), steps=len(reserved_t), preemptions=0)
+
+
+def summarise(name: str, sim: dict, budget_slots: int) -> dict:
+  res, live = sim["reserved_t"].astype(float), sim["live_t"].astype(float)
+  busy = res > 0
+  return dict(policy=name, kv_utilization=float(np.mean(live[busy] / res[busy])),
+              budget_holding_tokens=float(np.mean(live / budget_slots)),
+              peak_concurrent=int(sim["running_t"].max()),
+              mean_concurrent=float(np.mean(sim["running_t"])), steps=int(sim["steps"]),
+              preemptions=int(sim["preemptions"]))
+
+
+def plot(sims: dict, w: MemoryWorkload, path: pathlib.Path) -> str:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib is not importable here: no plot written"
+  fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  for name, sim in sims.items():
+    ax0.plot(sim["reserved_t"] / w.block_size, label=name)
+    res = np.maximum(sim["reserved_t"], 1)
+    ax1.plot(sim["live_t"] / res, label=name)
+  ax0.set_ylabel("blocks in use / reserved")
+  ax1.set_ylabel("KV utilisation")
+  ax1.set_xlabel("decode step")
+  ax0.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  return f"plot written to {path}"
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="small workload, seconds; no files")
+  args = parser.parse_args(argv)
+  w = QUICK if args.quick else LONG_TAIL
+  prompt_R, output_R = lengths(w)
+  budget_slots = w.num_blocks * w.block_size
+  start = time.perf_counter()
+  sims = {"paged": simulate_paged(w, prompt_R, output_R),
+          "contiguous (max length)": simulate_contiguous(w, prompt_R, output_R, oracle=False),
+          "contiguous (oracle length)": simulate_contiguous(w, prompt_R, output_R, oracle=True)}
+  rows = [summarise(name, sim, budget_slots) for name, sim in sims.items()]
+  base = rows[1]["peak_concurrent"]
+  for row in rows:
+    row["concurrent_vs_max"] = row["peak_concurrent"] / base
+  lines = ["| policy | KV utilisation | budget holding tokens | peak concurrent | mean concurrent "
+           "| concurrent / max-length | steps to drain | preemptions |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['policy']} | {100 * r['kv_utilization']:.1f}% | "
+                 f"{100 * r['budget_holding_tokens']:.1f}% | {r['peak_concurrent']} | "
+                 f"{r['mean_concurrent']:.1f} | {r['concurrent_vs_max']:.2f}x | {r['steps']} | "
+                 f"{r['preemptions']} |")
+  table = "\n".join(lines)
+  final_R = prompt_R + output_R
+  desc = (f"{w.num_requests} requests queued at t=0; prompts log-normal median "
+          f"{w.prompt_median} sigma {w.prompt_sigma} max {w.max_prompt_len}; outputs median "
+          f"{w.output_median} sigma {w.output_sigma} max {w.max_output_len}; declared max "
+          f"length {w.max_len}; final lengths mean {final_R.mean():.0f}, p50 "
+          f"{np.median(final_R):.0f}, p99 {np.percentile(final_R, 99):.0f}; budget N="
+          f"{w.num_blocks} blocks x Z={w.block_size} = {budget_slots} token slots; S="
+          f"{w.max_seqs} slots; seed {w.seed}")
+  print(table)
+  print(f"\n{desc}; {time.perf_counter() - start:.1f} s")
+  if not args.quick:
+    note = plot(sims, w, PLOT_PATH)
+    print(note)
+    machine = (f"{platform.machine()} CPU, {os.cpu_count()} cores visible (shared), jax "
+               f"{jax.__version__}, backend {jax.default_backend()}")
+    RESULTS_PATH.write_text(
+        "## KV memory: paged vs contiguous reservation (`benchmarks/memory.py`)\n\n"
+        f"Command: `python benchmarks/memory.py`\n\nMachine: {machine}.\n\n{desc}.\n\n"
+        f"{table}\n\n{note}.\n")
+  return rows
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() else 1)
