@@ -79,6 +79,11 @@ class Decoder(nnx.Module):
       ``benchmarks/compile_time.py``).
     rngs: initialisation randomness (``load_pretrained`` builds the model abstractly and
       fills in checkpoint weights instead).
+
+  Attribute ``model_axis`` (static, default None): the mesh axis name over which this
+  model's heads and MLP columns are split when its paged forward runs inside a
+  ``jax.shard_map`` (``with_model_axis``; ``paged_jax.sharding`` builds such a copy with
+  each device's slice of the weights and of the KV cache).
   """
 
   def __init__(self, config: ModelConfig, *, dtype=jnp.float32, impl: str = "auto",
@@ -92,6 +97,7 @@ class Decoder(nnx.Module):
     self.impl = impl
     self.interpret = interpret
     self.scan_unroll = scan_unroll
+    self.model_axis = None
     self.embed_VE = nnx.Param(
         jax.random.normal(rngs.params(), (config.vocab_size, config.embed_dim)).astype(dtype))
     self.layers = _stacked_layers(config, dtype, rngs)
@@ -100,6 +106,22 @@ class Decoder(nnx.Module):
         layers._normal(rngs, (config.embed_dim, config.vocab_size), config.embed_dim, dtype))
 
   # --- helpers ---
+
+  def with_model_axis(self, model_axis: str | None) -> "Decoder":
+    """A copy sharing these parameters whose layers reduce over ``model_axis``.
+
+    Inside a ``jax.shard_map`` over a mesh with that axis, each device runs the copy with
+    its slice of the heads (q/k/v/o, biases), of the MLP columns (gate/up/down) and of the
+    KV cache's heads; the attention output projection and the MLP down projection are
+    then ``psum``-ed over the axis (Megatron-style). Embedding, norms and LM head stay
+    whole. Outside such a ``shard_map`` the copy's forwards fail (unbound axis name).
+    """
+    if model_axis is not None and not isinstance(model_axis, str):
+      raise ValueError(f"{model_axis=} must be None or a mesh axis name (str)")
+    graphdef, state = nnx.split(self)
+    copy = nnx.merge(graphdef, state)
+    copy.model_axis = model_axis
+    return copy
 
   def kv_cache_spec(self, *, block_size: int, num_blocks: int, dtype=None) -> KVCacheSpec:
     """The ``KVCacheSpec`` this model's paged forward needs (dtype defaults to the model's)."""
@@ -128,7 +150,8 @@ class Decoder(nnx.Module):
       params, layer = xs
       block = nnx.merge(graphdef, params)
       x_TE, carry = block(x_TE, cos_TD, sin_TD,
-                          lambda q, k, v: attend(q, k, v, layer, carry))
+                          lambda q, k, v: attend(q, k, v, layer, carry),
+                          model_axis=self.model_axis)
       return (x_TE, carry), None
 
     layer_L = jnp.arange(self.config.num_layers, dtype=jnp.int32)
@@ -162,7 +185,10 @@ class Decoder(nnx.Module):
                        f"{tuple(positions_T.shape)} must both be [T]")
     if not isinstance(cache, KVCache):
       raise ValueError(f"cache={type(cache).__name__} must be a paged_jax.KVCache")
-    expected = (c.num_layers, c.num_kv_heads, c.head_dim)
+    # Under a model axis the cache holds this device's KV heads, as the k weights do.
+    kv_heads = (c.num_kv_heads if self.model_axis is None
+                else self.layers.attn.k_EKD[...].shape[-2])
+    expected = (c.num_layers, kv_heads, c.head_dim)
     got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
     if got != expected:
       raise ValueError(f"cache (L, K, D)={got} must match the model's {expected}")

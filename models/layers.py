@@ -65,7 +65,11 @@ class Attention(nnx.Module):
     self.v_bias_KD = bias((k, d)) if qkv_bias else None
     self.o_bias_E = bias((e,)) if o_bias else None
 
-  def __call__(self, x_TE, cos_TD, sin_TD, attend: Callable):
+  def __call__(self, x_TE, cos_TD, sin_TD, attend: Callable, *,
+               model_axis: str | None = None):
+    """``model_axis``: inside a ``shard_map`` whose mesh axis of that name splits the heads
+    (this module then holds its device's heads), the output projection's partial sums are
+    ``psum``-ed over it, and the output bias is added once, after the sum."""
     q_THD = jnp.einsum("TE,EHD->THD", x_TE, self.q_EHD[...])
     k_TKD = jnp.einsum("TE,EKD->TKD", x_TE, self.k_EKD[...])
     v_TKD = jnp.einsum("TE,EKD->TKD", x_TE, self.v_EKD[...])
@@ -77,6 +81,8 @@ class Attention(nnx.Module):
     k_TKD = apply_rope(k_TKD, cos_TD, sin_TD)
     out_THD, aux = attend(q_THD, k_TKD, v_TKD)
     out_TE = jnp.einsum("THD,HDE->TE", out_THD.astype(x_TE.dtype), self.o_HDE[...])
+    if model_axis is not None:
+      out_TE = jax.lax.psum(out_TE, model_axis)
     if self.o_bias_E is not None:
       out_TE = out_TE + self.o_bias_E[...]
     return out_TE, aux
@@ -90,10 +96,15 @@ class SwiGLU(nnx.Module):
     self.up_EI = nnx.Param(_normal(rngs, (embed_dim, mlp_dim), embed_dim, dtype))
     self.down_IE = nnx.Param(_normal(rngs, (mlp_dim, embed_dim), mlp_dim, dtype))
 
-  def __call__(self, x_TE):
+  def __call__(self, x_TE, *, model_axis: str | None = None):
+    """``model_axis``: as ``Attention``; this module holds its device's columns of I and
+    the down projection's partial sums are ``psum``-ed over that axis."""
     gate_TI = jnp.einsum("TE,EI->TI", x_TE, self.gate_EI[...])
     up_TI = jnp.einsum("TE,EI->TI", x_TE, self.up_EI[...])
-    return jnp.einsum("TI,IE->TE", jax.nn.silu(gate_TI) * up_TI, self.down_IE[...])
+    out_TE = jnp.einsum("TI,IE->TE", jax.nn.silu(gate_TI) * up_TI, self.down_IE[...])
+    if model_axis is not None:
+      out_TE = jax.lax.psum(out_TE, model_axis)
+    return out_TE
 
 
 class DecoderLayer(nnx.Module):
@@ -109,11 +120,17 @@ class DecoderLayer(nnx.Module):
     self.mlp_norm = RMSNorm(embed_dim, eps=rms_norm_eps, dtype=dtype)
     self.mlp = SwiGLU(embed_dim=embed_dim, mlp_dim=mlp_dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_TE, cos_TD, sin_TD, attend: Callable):
-    """Returns ``(x_TE, aux)``: ``attend(q_THD, k_TKD, v_TKD) -> (out_THD, aux)``."""
-    attn_TE, aux = self.attn(self.attn_norm(x_TE), cos_TD, sin_TD, attend)
+  def __call__(self, x_TE, cos_TD, sin_TD, attend: Callable, *,
+               model_axis: str | None = None):
+    """Returns ``(x_TE, aux)``: ``attend(q_THD, k_TKD, v_TKD) -> (out_THD, aux)``.
+
+    ``model_axis``: None, or the ``shard_map`` mesh axis splitting heads and MLP columns
+    (Megatron-style tensor parallelism: one ``psum`` after attention, one after the MLP).
+    """
+    attn_TE, aux = self.attn(self.attn_norm(x_TE), cos_TD, sin_TD, attend,
+                             model_axis=model_axis)
     x_TE = x_TE + attn_TE
-    return x_TE + self.mlp(self.mlp_norm(x_TE)), aux
+    return x_TE + self.mlp(self.mlp_norm(x_TE), model_axis=model_axis), aux
 
 
 def dense_causal_attention(q_BTHD, k_BTKD, v_BTKD, *, sm_scale: float) -> jax.Array:
