@@ -45,6 +45,7 @@ Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -59,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import allocator
+from paged_jax import sharding as mesh_sharding
 from paged_jax.kv_cache import KVCache
 from paged_jax.sampling import SamplingParams, request_keys, sample
 from paged_jax.spec import KVCacheSpec
@@ -366,7 +368,12 @@ class LLM:
     steps_per_call: most scheduling steps per device call.
     enable_prefix_caching: accepted; prefix caching arrives in a later issue
       (``stats["prefix_hit_rate"]`` is 0.0).
-    mesh: must be None for now (sharded serving is a later issue).
+    mesh: None (one device), or a ``jax.sharding.Mesh`` with axes ("data", "model")
+      (``paged_jax.sharding``): weights and KV heads split over "model", sequences over
+      "data", each data shard with its own slots and block pool; ``max_seqs`` and
+      ``num_blocks`` are totals over the data shards and must be multiples of their
+      number (a ``kv_budget_bytes`` pool is rounded down to one), ``n`` at most the slots
+      of one shard, and ``allocator_state`` carries a leading data axis.
     tokenizer: optional ``tokenizers.Tokenizer`` (``from_pretrained`` loads tokenizer.json).
     seed: seeds the engine's draw of seeds for requests whose ``SamplingParams.seed`` is None.
     max_traces: when set, the jitted device call is wrapped in ``chex.assert_max_traces``
@@ -388,10 +395,10 @@ class LLM:
       raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config={type(config).__name__} must be a models.ModelConfig")
-    if mesh is not None:
-      raise NotImplementedError(
-          "mesh is not supported yet: the engine serves on one device (sharded serving over "
-          "a ('data', 'model') mesh is a later issue); pass mesh=None")
+    self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
+        mesh, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        mlp_dim=config.mlp_dim)
+    shards = 1 if self._plan is None else self._plan.data_size
     for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
                         ("max_tokens_per_step", max_tokens_per_step),
                         ("steps_per_call", steps_per_call)):
@@ -410,14 +417,23 @@ class LLM:
       if num_blocks is None:
         num_blocks = max_seqs * math.ceil(min(config.max_seq_len, 2048) / block_size)
       spec = model.kv_cache_spec(block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype)
+    # With a mesh each data shard owns max_seqs / d slots and num_blocks / d blocks.
+    if shards > 1 and kv_budget_bytes is not None and spec.num_blocks >= shards:
+      spec = dataclasses.replace(spec, num_blocks=spec.num_blocks - spec.num_blocks % shards)
+    for name, value in (("max_seqs", max_seqs), ("num_blocks", spec.num_blocks)):
+      if value % shards:
+        raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
+                         f"(each data shard owns {name} / {shards})")
     self.spec = spec
-    pool_tokens = spec.num_blocks * spec.block_size
+    pool_tokens = spec.num_blocks // shards * spec.block_size
+    per_shard = "" if shards == 1 else f" / {shards} data shards"
     if max_model_len is None:
       max_model_len = min(config.max_seq_len, pool_tokens)
     if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
         or not 2 <= max_model_len <= min(config.max_seq_len, pool_tokens)):
       raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
-                       f"{config.max_seq_len}, num_blocks * block_size={pool_tokens})]")
+                       f"{config.max_seq_len}, num_blocks * block_size{per_shard}="
+                       f"{pool_tokens})]")
     self.max_model_len = int(max_model_len)
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
@@ -427,7 +443,8 @@ class LLM:
     self.scrub_on_release = bool(scrub_on_release)
     self._rng = np.random.default_rng(seed)
     self._arrivals = 0
-    self._graphdef, self._params = nnx.split(model)
+    self._graphdef, self._params = (nnx.split(model) if self._plan is None
+                                    else self._plan.shard_model(model))
 
     static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
                   num_tokens=self.max_tokens_per_step, impl=model.impl,
@@ -447,7 +464,19 @@ class LLM:
       self._call = jax.jit(chex.assert_max_traces(device_call, n=max_traces),
                            donate_argnums=(1,))
     self._admit = _admit_jit
-    self._state = self._init_state()
+    self._abort = functools.partial(_abort_jit, scrub_on_release=self.scrub_on_release)
+    self._slots_per_shard = self.max_seqs // shards
+    if self._plan is not None:  # one shard_map over the mesh; state with a data axis
+      call = self._plan.device_call(lambda params, st, wanted: _device_call(
+          static["graphdef"], params, st, wanted,
+          **{k: v for k, v in static.items() if k != "graphdef"}))
+      if max_traces is not None:
+        call = chex.assert_max_traces(call, n=max_traces)
+      self._call = jax.jit(call, donate_argnums=(1,))
+      self._admit = self._plan.per_shard(_admit)
+      self._abort = self._plan.per_shard(functools.partial(
+          _abort_jit, scrub_on_release=self.scrub_on_release))
+    self._state = self._init_state() if self._plan is None else self._init_shards()
     self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
     self._last = None
 
@@ -488,19 +517,33 @@ class LLM:
         blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
         busy_steps=jnp.int32(0))
 
+  def _init_shards(self) -> EngineState:
+    """The state of every data shard, built in place on the mesh: ``_init_state`` of a
+    shallow copy of this engine sized as one shard (S/d slots, N/d blocks), so whatever
+    it reads from the engine, it reads one shard's sizes."""
+    shard = copy.copy(self)
+    shard.max_seqs = self._slots_per_shard
+    shard.spec = dataclasses.replace(
+        self.spec, num_blocks=self.spec.num_blocks // self._plan.data_size)
+    return self._plan.init_state(shard._init_state)
+
   def reset_stats(self) -> None:
     """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step)."""
     zf = lambda: jnp.zeros((), jnp.float32)
+    old = self._state
     self._state = dataclasses.replace(
         self._state, steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
         blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
         busy_steps=jnp.int32(0))
+    if self._plan is not None:  # counters per data shard
+      self._state = self._plan.match_state(self._state, old)
     self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
     self._last = None
 
   @property
   def allocator_state(self) -> allocator.AllocatorState:
-    """The allocator state now (for ``allocator.validate``)."""
+    """The allocator state now (for ``allocator.validate``); with a mesh, every leaf has
+    a leading data-shard axis (validate ``tree_map(lambda x: x[i], ...)`` per shard)."""
     return self._state.alloc
 
   # --- requests ---
@@ -547,8 +590,10 @@ class LLM:
       if not isinstance(p, SamplingParams):
         raise ValueError(f"params[{i}]={p!r} must be a SamplingParams")
       ids = self._encode(i, prompt)
-      if p.n > self.max_seqs:
-        raise ValueError(f"params[{i}].n={p.n} must be <= max_seqs={self.max_seqs}")
+      if p.n > self._slots_per_shard:  # a request's slots are in one data shard
+        per_shard = "" if self._plan is None else f" / {self._plan.data_size} data shards"
+        raise ValueError(f"params[{i}].n={p.n} must be <= max_seqs={self.max_seqs}"
+                         f"{per_shard}")
       stop = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else eos)))
       if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
@@ -585,13 +630,15 @@ class LLM:
     free = [s for s, o in enumerate(slot_owner) if o is None]
     mask = np.zeros(self.max_seqs, bool)
     rows = None
-    while waiting and len(free) >= waiting[0].params.n:
+    # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
+    while waiting and (slots := mesh_sharding.pick_slots(
+        free, waiting[0].params.n, self._slots_per_shard)) is not None:
       req = waiting.pop(0)
       req.arrival = self._arrivals
       self._arrivals += 1
       rows = self._rows() if rows is None else rows
       p, n_prompt = req.params, len(req.prompt)
-      slots = [free.pop(0) for _ in range(p.n)]
+      free = [s for s in free if s not in slots]
       for f, s in enumerate(slots):
         mask[s] = True
         slot_owner[s] = (req, f)
@@ -601,7 +648,7 @@ class LLM:
         rows["max_len_S"][s] = min(n_prompt + p.max_tokens, self.max_model_len)
         rows["status_S"][s] = RUNNING if f == 0 else FORK_WAIT
         rows["arrival_S"][s] = req.arrival
-        rows["parent_S"][s] = slots[0]
+        rows["parent_S"][s] = slots[0] % self._slots_per_shard  # slot within its shard
         rows["fork_S"][s] = f
         rows["seed_S"][s] = req.seed
         rows["temperature_S"][s] = p.temperature
@@ -683,8 +730,7 @@ class LLM:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       left = np.array([o is not None for o in slot_owner])
       if left.any():
-        self._state = _abort_jit(self._state, jnp.asarray(left),
-                                 scrub_on_release=self.scrub_on_release)
+        self._state = self._abort(self._state, jnp.asarray(left))
       self._host["wall_s"] += time.perf_counter() - t0
       self._host["requests"] += len(requests)
 
@@ -704,7 +750,8 @@ class LLM:
       mean_blocks = float(r["blocks_in_use_sum"]) / max(steps, 1)
       util = float(r["utilization_sum"]) / busy if busy else 1.0
     tokens = h["tokens"]
-    free = int(self._state.alloc.num_free)  # read on demand, outside the serving loop
+    free = self._state.alloc.num_free  # read on demand, outside the serving loop
+    free = int(free if self._plan is None else self._plan.fetch(free).sum())
     return dict(
         preemptions=preempt, kv_utilization=util, prefix_hit_rate=0.0,
         tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,

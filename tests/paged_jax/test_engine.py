@@ -245,7 +245,7 @@ def test_sampling_params_defaults_and_frozen():
 
 
 def test_engine_options_validation(model, config):
-  with pytest.raises(NotImplementedError, match="mesh"):
+  with pytest.raises(ValueError, match="mesh=object must be a jax.sharding.Mesh"):
     LLM(model, config, num_blocks=8, mesh=object())
   with pytest.raises(ValueError, match="num_blocks"):
     LLM(model, config, num_blocks=8, kv_budget_bytes=1 << 20)

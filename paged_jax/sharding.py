@@ -1,0 +1,354 @@
+"""Serving over a device mesh with JAX's own SPMD: tensor parallel over heads, data parallel
+over sequences.
+
+A mesh (``jax.sharding.Mesh``) has exactly the axes ``"data"`` and ``"model"``; call their
+sizes d and m. ``LLM(..., mesh=mesh)`` then runs its whole device call (the ``while_loop``
+of scheduling steps: allocator, ragged forward, sampling) under ONE ``jax.shard_map`` over
+both axes. Nothing is gathered onto one device: each device sees
+
+- its data shard's engine state: every leaf of the engine state carries a leading data
+  axis of size d (``P("data")``), so each data shard owns S/d sequence slots, its own
+  allocator and its own pool of N/d blocks;
+- its model slice of the KV cache: pages ``[d, L, K', N/d, Z, D]`` sharded
+  ``P("data", None, "model")``, i.e. its KV heads' pages of every block. The block tables
+  are the same on the m devices of a data shard (every device runs the same allocator on
+  the same inputs), so no table is ever exchanged;
+- its model slice of the weights, Megatron-style: query heads H/m, KV heads, MLP columns
+  I/m (``q_EHD``, ``k_EKD``, ``v_EKD``, ``o_HDE``, biases, ``gate_EI``, ``up_EI``,
+  ``down_IE``). The decoder (``Decoder.with_model_axis("model")``) ``psum``-s over "model"
+  after the attention output projection and after the MLP down projection, so the logits,
+  the sampled tokens and the allocator are identical on the m devices of a data shard.
+  Embedding, norms and LM head are replicated (V x E twice per device; vocab sharding is
+  not done).
+
+Which parameter axis is split is read from its name's glossary letters (``q_EHD``: H):
+H, K and I over "model", every other axis (and the stacked L axis) whole.
+
+KV heads fewer than the model axis (K < m). Each KV head is then stored m/K times: the
+pool holds K' = m "head slots", one per device, slot j holding KV head ``j // (m/K)``, and
+device j gets the query heads of that KV head (its H/m query heads all belong to it). This
+needs m % K == 0 and H % m == 0 (``ValueError`` otherwise). Memory cost: the physical cache
+is ``max(1, m / K)`` times the logical one; each device holds
+``total_bytes / (d * min(m, K))`` of a pool whose logical size is ``total_bytes`` (K x N
+blocks): with K >= m that is ``1 / (d m)`` of it, with K < m ``1 / (d K)``, the same as
+with m = K. The k/v projection weights are replicated the same way.
+
+Multi-host (a TPU pod slice, several GPU hosts): every process runs the same program,
+calling ``jax.distributed.initialize()`` first, builds the mesh over the global
+``jax.devices()`` (put "model" inside a host, where the ``psum``s ride the fast
+interconnect, and "data" across hosts), and calls ``generate`` with the same prompts. The
+host scheduler is deterministic (requests are balanced over data shards the same way on
+every process), inputs go in through ``jax.device_put`` of host arrays with global
+shardings, and the one small report of each device call is replicated on every device, so
+every process reads it locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pallas_kernels import layout
+from paged_jax.kv_cache import KVCache
+
+__all__ = ["DATA", "MODEL", "ShardingPlan", "kv_bytes_by_device", "pick_slots"]
+
+DATA, MODEL = "data", "model"
+"""The mesh axis names ``LLM(mesh=...)`` requires."""
+
+_MODEL_LETTERS = frozenset("HKI")
+"""Parameter axes split over "model": query heads, KV heads, MLP columns."""
+
+_REPORT_MAX = frozenset({"steps"})
+"""Report counters combined over data shards by max (they ran side by side); others sum."""
+
+_PAGES_K_AXIS = layout.PAGES_AXES.index("K")
+
+
+def _shard_map(f, *, mesh, in_specs, out_specs):
+  """``jax.shard_map`` (public since JAX 0.7; 0.10 and 0.11 both have it), replication
+  checks off: the engine's loops and Pallas calls carry per-device values whose
+  replication over "model" holds by construction (the ``psum``s), not by type."""
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
+
+
+def _axis_letters(name: str) -> str | None:
+  """The glossary letters of a parameter name (``"q_EHD"`` -> ``"EHD"``), or None."""
+  suffix = name.rsplit("_", 1)[-1]
+  return suffix if "_" in name and suffix.isalpha() and suffix.isupper() else None
+
+
+def _leaf_name(path) -> str:
+  """The last string key of a pytree path (the parameter's name in an ``nnx.State``)."""
+  names = [getattr(k, "key", None) for k in path]
+  names = [n for n in names if isinstance(n, str)]
+  return names[-1] if names else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+  """How one model is laid out over a ("data", "model") mesh; built by ``create``.
+
+  Attributes:
+    mesh: the mesh.
+    num_heads: H query heads of the model.
+    num_kv_heads: K KV heads.
+    mlp_dim: I, the MLP width.
+  """
+
+  mesh: Mesh
+  num_heads: int
+  num_kv_heads: int
+  mlp_dim: int
+
+  @classmethod
+  def create(cls, mesh, *, num_heads: int, num_kv_heads: int, mlp_dim: int
+             ) -> "ShardingPlan":
+    """Validate ``mesh`` against the model's head counts and MLP width."""
+    if not isinstance(mesh, Mesh):
+      raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh with axes "
+                       f"{(DATA, MODEL)}")
+    if sorted(mesh.axis_names) != sorted((DATA, MODEL)):
+      raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be "
+                       f"{(DATA, MODEL)} (e.g. Mesh(devices.reshape(d, m), {(DATA, MODEL)}))")
+    m = int(mesh.shape[MODEL])
+    h, k = int(num_heads), int(num_kv_heads)
+    if h % m:
+      raise ValueError(f"mesh.shape['model']={m} must divide num_heads={h} (query heads are "
+                       "split over the model axis)")
+    if k % m and m % k:
+      raise ValueError(f"mesh.shape['model']={m} must divide num_kv_heads={k}, or be a "
+                       "multiple of it (each KV head is then stored m / K times)")
+    if mlp_dim % m:
+      raise ValueError(f"mesh.shape['model']={m} must divide mlp_dim={mlp_dim} (MLP columns "
+                       "are split over the model axis)")
+    return cls(mesh=mesh, num_heads=h, num_kv_heads=k, mlp_dim=int(mlp_dim))
+
+  # --- sizes ---
+
+  @property
+  def data_size(self) -> int:
+    """d, data shards."""
+    return int(self.mesh.shape[DATA])
+
+  @property
+  def model_size(self) -> int:
+    """m, devices splitting each data shard's heads."""
+    return int(self.mesh.shape[MODEL])
+
+  @property
+  def replication(self) -> int:
+    """How many times each KV head is stored: ``max(1, m / K)``."""
+    return max(1, self.model_size // self.num_kv_heads)
+
+  @property
+  def kv_head_slots(self) -> int:
+    """K', the head axis of the physical pool: ``K * replication`` (= m when K < m)."""
+    return self.num_kv_heads * self.replication
+
+  def kv_bytes_per_device(self, total_bytes: int) -> int:
+    """KV bytes each device holds for a pool whose logical size (K heads, every data
+    shard's blocks) is ``total_bytes``: ``total_bytes / (d * min(m, K))``."""
+    return total_bytes // (self.data_size * min(self.model_size, self.num_kv_heads))
+
+  def _sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  # --- weights ---
+
+  def param_spec(self, name: str, ndim: int) -> P:
+    """Partition spec of a parameter from its name's letters; leading axes (the stacked
+    L) and names without letters stay whole."""
+    letters = _axis_letters(name)
+    if letters is None or len(letters) > ndim:
+      return P()
+    lead = (None,) * (ndim - len(letters))
+    return P(*lead, *(MODEL if c in _MODEL_LETTERS else None for c in letters))
+
+  def param_specs(self, params) -> Any:
+    """A pytree of ``PartitionSpec``s matching ``params`` (an ``nnx.State``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: self.param_spec(_leaf_name(path), jnp.ndim(x)), params)
+
+  def _expand_kv(self, name: str, x, xp):
+    """Replicate the K axis of a parameter ``replication`` times (KV head j -> slots
+    ``j * r .. j * r + r - 1``)."""
+    letters = _axis_letters(name)
+    if self.replication == 1 or letters is None or "K" not in letters:
+      return x
+    axis = x.ndim - len(letters) + letters.index("K")
+    return xp.repeat(x, self.replication, axis=axis)
+
+  def shard_params(self, params):
+    """``params`` (an ``nnx.State`` of the unsharded model) with KV heads replicated as
+    needed and every leaf placed with its ``NamedSharding`` over the mesh."""
+    multihost = jax.process_count() > 1
+
+    def place(path, x):
+      name = _leaf_name(path)
+      if multihost:  # each process puts its addressable part of the same host array
+        x = np.asarray(x)
+      x = self._expand_kv(name, x, np if multihost else jnp)
+      return jax.device_put(x, self._sharding(self.param_spec(name, x.ndim)))
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+  def shard_model(self, model):
+    """``(graphdef, params)`` of ``model.with_model_axis("model")``, params sharded."""
+    from flax import nnx  # paged_jax itself does not need flax
+    graphdef, params = nnx.split(model.with_model_axis(MODEL))
+    return graphdef, self.shard_params(params)
+
+  # --- engine state ---
+
+  def state_specs(self, state) -> Any:
+    """Specs of an engine state with a leading data axis on every leaf: ``P("data")``,
+    and the KV cache's pages also split over "model" on their head axis. Generic over
+    the state's fields (any ``KVCache`` inside is recognised)."""
+    pages = [None] * len(layout.PAGES_AXES)
+    pages[_PAGES_K_AXIS] = MODEL
+    pages_spec = P(DATA, *pages)
+
+    def spec(x):
+      if isinstance(x, KVCache):
+        return KVCache(k_pages=pages_spec, v_pages=pages_spec)
+      return P(DATA)
+
+    return jax.tree_util.tree_map(spec, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+  def state_shardings(self, state) -> Any:
+    return jax.tree_util.tree_map(self._sharding, self.state_specs(state))
+
+  def _constrain(self, state):
+    return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+
+  def _expand_cache(self, state):
+    """Every ``KVCache`` in ``state`` with its head axis replicated to ``kv_head_slots``."""
+    def expand(x):
+      if not isinstance(x, KVCache) or self.replication == 1:
+        return x
+      rep = lambda pages: jnp.repeat(pages, self.replication, axis=_PAGES_K_AXIS)
+      return KVCache(k_pages=rep(x.k_pages), v_pages=rep(x.v_pages))
+
+    return jax.tree_util.tree_map(expand, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+  def init_state(self, init_shard: Callable[[], Any]):
+    """The engine state of d data shards, built directly in place on the mesh.
+
+    ``init_shard()`` builds ONE data shard's state (S/d slots, N/d blocks, the logical K
+    heads); it is traced once, its cache's heads replicated to ``kv_head_slots`` and every
+    leaf broadcast along a new leading data axis, inside one ``jit`` whose output
+    shardings make each device create only its own slice.
+    """
+    d = self.data_size
+
+    def stacked():
+      one = self._expand_cache(init_shard())
+      return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one)
+
+    shapes = jax.eval_shape(stacked)
+    return jax.jit(stacked, out_shardings=self.state_shardings(shapes))()
+
+  def match_state(self, state, like):
+    """``state`` with each leaf whose shape differs from ``like``'s (a per-shard value
+    such as a reset counter) broadcast along the data axis and placed like it."""
+    def fix(x, ref):
+      if jnp.shape(x) == ref.shape:
+        return x
+      return jax.device_put(np.broadcast_to(np.asarray(x), ref.shape), ref.sharding)
+
+    return jax.tree_util.tree_map(fix, state, like)
+
+  # --- device calls ---
+
+  def device_call(self, call_shard: Callable):
+    """Run ``call_shard(params, state, slots_wanted) -> (state, report)`` (one data
+    shard's state, no leading axis; a dict report of per-slot ``[S/d, ...]`` arrays and
+    scalar counters) on every device under one ``shard_map``.
+
+    Returns ``call(params, state, slots_wanted) -> (state, report)`` to ``jit`` (donate
+    the state): the report comes back merged (slot arrays ``[S, ...]``, slot
+    ``shard * S/d + s``; counters summed over shards, ``steps`` the max) and replicated.
+    """
+    d = self.data_size
+
+    def local(params, st, wanted):
+      st = jax.tree_util.tree_map(lambda x: x[0], st)
+      st, report = call_shard(params, st, wanted[0])
+      return jax.tree_util.tree_map(lambda x: x[None], (st, report))
+
+    def call(params, st, slots_wanted):
+      specs = self.state_specs(st)
+      wanted = jnp.broadcast_to(jnp.asarray(slots_wanted, jnp.int32), (d,))
+      st, report = _shard_map(local, mesh=self.mesh,
+                              in_specs=(self.param_specs(params), specs, P(DATA)),
+                              out_specs=(specs, P(DATA)))(params, st, wanted)
+      report = {key: _merge(key, x) for key, x in report.items()}
+      return st, jax.lax.with_sharding_constraint(report, self._sharding(P()))
+
+    return call
+
+  def per_shard(self, fn: Callable, **jit_kwargs):
+    """``fn(state, *rows)`` of one data shard (``rows``: pytrees of ``[S/d, ...]``
+    arrays) as ``call(state, *rows)`` over all shards, taking host rows ``[S, ...]``
+    (slot ``shard * S/d + s``); vmapped, jitted, the state donated and kept in place."""
+    d = self.data_size
+
+    def run(st, *rows):
+      return self._constrain(jax.vmap(fn)(st, *rows))
+
+    jitted = jax.jit(run, donate_argnums=(0,), **jit_kwargs)
+
+    def call(st, *rows):
+      place = lambda x: jax.device_put(
+          np.asarray(x).reshape((d, -1) + np.shape(x)[1:]), self._sharding(P(DATA)))
+      return jitted(st, *jax.tree_util.tree_map(place, rows))
+
+    return call
+
+  def fetch(self, x) -> np.ndarray:
+    """``x`` on the host, on every process (replicated first when not addressable)."""
+    if x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    x = jax.jit(lambda y: y, out_shardings=self._sharding(P()))(x)
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def _merge(key: str, x):
+  """A report leaf ``[d, ...]`` of every data shard as the whole engine's."""
+  if x.ndim >= 2:  # per-slot rows [d, S/d, ...] -> [S, ...]
+    return x.reshape((-1,) + x.shape[2:])
+  return jnp.max(x, axis=0) if key in _REPORT_MAX else jnp.sum(x, axis=0)
+
+
+def pick_slots(free: Sequence[int], n: int, slots_per_shard: int) -> list[int] | None:
+  """Slots for a request of ``n`` completions, all in one data shard (forks stay inside
+  one allocator), or None when no shard has ``n`` free.
+
+  ``free``: free global slot ids ascending (slot s is in shard ``s // slots_per_shard``).
+  The shard with the most free slots wins (ties: the lowest), which balances requests
+  over shards; with one shard this is ``free[:n]``.
+  """
+  by_shard: dict[int, list[int]] = {}
+  for s in free:
+    by_shard.setdefault(s // slots_per_shard, []).append(s)
+  best = max(by_shard.items(), key=lambda kv: (len(kv[1]), -kv[0]), default=None)
+  if best is None or len(best[1]) < n:
+    return None
+  return best[1][:n]
+
+
+def kv_bytes_by_device(cache: KVCache) -> dict[Any, int]:
+  """Bytes of K and V pages each device holds (its addressable shards)."""
+  out: dict[Any, int] = {}
+  for pages in (cache.k_pages, cache.v_pages):
+    for shard in pages.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out

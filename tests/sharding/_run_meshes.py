@@ -1,0 +1,220 @@
+"""Runs on 8 CPU devices (``python -m tests.sharding._run_meshes OUT.json``): the engine over
+several ("data", "model") meshes against the unsharded engine, the sharded paged forward
+against the unsharded one, per-device KV bytes, the mesh validation errors. Writes one JSON
+file that ``test_sharding.py`` (the parent pytest process, one device) checks.
+
+XLA_FLAGS must carry ``--xla_force_host_platform_device_count=8`` before JAX starts; the
+parent passes it in the environment and this module adds it when missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from models import ModelConfig, init_random, steps as model_steps  # noqa: E402
+from paged_jax import KVCache, allocator, sharding  # noqa: E402
+from paged_jax.engine import LLM, SamplingParams  # noqa: E402
+
+EOS = 2
+VOCAB = 128
+MESHES = ((1, 1), (2, 4), (1, 8), (8, 1))
+COLLECTIVES_MESH = (2, 4)  # compiled once more to read its collectives
+ENGINE = dict(block_size=4, num_blocks=128, max_seqs=16, max_tokens_per_step=16,
+              steps_per_call=8, max_model_len=64)
+
+
+def config(num_kv_heads=4, num_heads=8, mlp_dim=96):
+  return ModelConfig(model_type="llama", vocab_size=VOCAB, embed_dim=64, mlp_dim=mlp_dim,
+                     num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=16, max_seq_len=128, eos_token_ids=(EOS,))
+
+
+def mesh_of(shape):
+  d, m = shape
+  return Mesh(np.array(jax.devices()[:d * m]).reshape(d, m), (sharding.DATA, sharding.MODEL))
+
+
+def workload():
+  """Ragged prompts (some longer than T = 16: chunked prefill), a fork (n = 2), a stop id,
+  greedy with logprobs; 21 completions for 16 slots (continuous batching)."""
+  rng = np.random.default_rng(0)
+  lengths = (5, 17, 9, 30, 3, 1, 12, 7, 2, 22, 4, 8, 15, 6, 11, 3, 19, 5, 9, 1)
+  prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
+  params = [SamplingParams(max_tokens=8, logprobs=True, ignore_eos=True)] * len(prompts)
+  params[2] = SamplingParams(max_tokens=10, n=2, logprobs=True, ignore_eos=True)
+  params[5] = SamplingParams(max_tokens=12, stop_token_ids=(87,), logprobs=True,
+                             ignore_eos=True)
+  return prompts, params
+
+
+def summary(outs):
+  return dict(tokens=[list(o.token_ids) for o in outs],
+              reasons=[o.finish_reason for o in outs],
+              logprobs=[list(o.logprobs) for o in outs])
+
+
+def collective_sizes(llm) -> list[int]:
+  """Element counts of every collective's result in the compiled device call."""
+  wanted = jnp.int32(0)
+  hlo = llm._call.lower(llm._params, llm._state, wanted).compile().as_text()
+  sizes = []
+  for line in hlo.splitlines():
+    if any(op in line for op in (" all-gather(", " all-to-all(", " all-reduce(",
+                                 " collective-permute(", " reduce-scatter(",
+                                 " all-gather-start(", " all-reduce-start(")):
+      shape = line.split("=", 1)[1].split("{")[0] if "=" in line else ""
+      dims = shape[shape.find("[") + 1:shape.find("]")] if "[" in shape else ""
+      sizes.append(int(np.prod([int(x) for x in dims.split(",") if x.strip()] or [1])))
+  return sizes
+
+
+def run_engines(model, cfg):
+  prompts, params = workload()
+  t0 = time.perf_counter()
+  base = LLM(model, cfg, **ENGINE)
+  result = dict(unsharded=summary(base.generate(prompts, params)))
+  result["unsharded_s"] = time.perf_counter() - t0
+  for shape in MESHES:
+    t0 = time.perf_counter()
+    llm = LLM(model, cfg, mesh=mesh_of(shape), **ENGINE)
+    out = summary(llm.generate(prompts, params))
+    plan = llm._plan
+    per_device = sharding.kv_bytes_by_device(llm._state.cache)
+    alloc = llm.allocator_state
+    for i in range(plan.data_size):
+      allocator.validate(jax.tree_util.tree_map(lambda x, i=i: np.asarray(x)[i], alloc))
+    stats = llm.stats
+    llm.reset_stats()
+    out.update(
+        seconds=time.perf_counter() - t0,
+        kv_bytes_per_device=sorted(set(per_device.values())),
+        num_devices_holding_kv=len(per_device),
+        kv_total_bytes=llm.spec.total_bytes,
+        kv_expected_per_device=plan.kv_bytes_per_device(llm.spec.total_bytes),
+        replication=plan.replication,
+        cache_shape=list(llm._state.cache.k_pages.shape),
+        local_cache_shape=list(llm._state.cache.k_pages.addressable_shards[0].data.shape),
+        num_free_blocks=stats["num_free_blocks"], num_blocks=stats["num_blocks"],
+        generated_tokens=stats["generated_tokens"], steps=stats["steps"],
+        stats_after_reset=llm.stats["steps"],
+        local_pages_elems=int(np.prod(llm._state.cache.k_pages.addressable_shards[0]
+                                      .data.shape)))
+    if shape == COLLECTIVES_MESH:
+      out["max_collective_elems"] = max(collective_sizes(llm), default=0)
+    result[f"{shape[0]}x{shape[1]}"] = out
+  return result
+
+
+def forward_equality(model, cfg, model_sizes):
+  """One ragged prefill step (two sequences, 7 and 13 tokens) through the model unsharded
+  and under ``shard_map`` over a (1, m) mesh for each m: max |logits diff| / max |logits|
+  and the same for the cache (each KV head compared with its first replica)."""
+  spec = model.kv_cache_spec(block_size=4, num_blocks=16)
+  alloc = allocator.init(16, 4, 4, 8)
+  rng = np.random.default_rng(1)
+  tokens_T = jnp.asarray(rng.integers(3, VOCAB, 24), jnp.int32)
+  num_new_S = jnp.asarray([7, 13, 0, 0], jnp.int32)
+  step = jax.jit(lambda mdl, a, c: model_steps.prefill_step(mdl, a, c, tokens_T, num_new_S))
+  logits_ref, _, cache_ref, _ = step(model, alloc, KVCache.create(spec))
+  return {str(m): _sharded_forward(model, cfg, m, spec, alloc, tokens_T, num_new_S,
+                                   logits_ref, cache_ref) for m in model_sizes}
+
+
+def _sharded_forward(model, cfg, m, spec, alloc, tokens_T, num_new_S, logits_ref, cache_ref):
+  plan = sharding.ShardingPlan.create(mesh_of((1, m)), num_heads=cfg.num_heads,
+                                      num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_dim)
+
+  graphdef, params = plan.shard_model(model)
+  pages = [None] * 5
+  pages[1] = sharding.MODEL
+  cache_spec = KVCache(k_pages=P(*pages), v_pages=P(*pages))
+  cache = KVCache.create(dataclasses.replace(spec, num_kv_heads=plan.kv_head_slots),
+                         sharding=NamedSharding(plan.mesh, P(*pages)))
+
+  def local(params, a, c):
+    from flax import nnx
+    logits, a, c, ok = model_steps.prefill_step(nnx.merge(graphdef, params), a, c, tokens_T,
+                                                num_new_S)
+    return logits, c
+
+  fn = jax.jit(jax.shard_map(local, mesh=plan.mesh,
+                             in_specs=(plan.param_specs(params), P(), cache_spec),
+                             out_specs=(P(), cache_spec), check_vma=False))
+  logits, cache = fn(params, alloc, cache)
+  logits, logits_ref = np.asarray(logits), np.asarray(logits_ref)
+  k, k_ref = np.asarray(cache.k_pages), np.asarray(cache_ref.k_pages)
+  v, v_ref = np.asarray(cache.v_pages), np.asarray(cache_ref.v_pages)
+  r = plan.replication
+  rel = lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+  replicas_equal = all(np.array_equal(k[:, j * r + i], k[:, j * r])
+                       for j in range(cfg.num_kv_heads) for i in range(r))
+  return dict(logits_rel=rel(logits, logits_ref), k_rel=rel(k[:, ::r], k_ref),
+              v_rel=rel(v[:, ::r], v_ref), replicas_equal=replicas_equal,
+              local_heads=int(cache.k_pages.addressable_shards[0].data.shape[1]))
+
+
+def errors(model, cfg):
+  """Messages of the ValueErrors a bad mesh or bad sizes raise."""
+  out = {}
+
+  def catch(name, fn):
+    try:
+      fn()
+      out[name] = None
+    except ValueError as e:
+      out[name] = str(e)
+
+  devices = np.array(jax.devices()[:8])
+  catch("axis_names", lambda: LLM(model, cfg, mesh=Mesh(devices.reshape(2, 4), ("x", "y")),
+                                  **ENGINE))
+  catch("heads", lambda: LLM(model, cfg, mesh=Mesh(devices[:3].reshape(1, 3),
+                                                   ("data", "model")), **ENGINE))
+  catch("kv_heads", lambda: sharding.ShardingPlan.create(
+      mesh_of((1, 4)), num_heads=12, num_kv_heads=6, mlp_dim=96))
+  catch("mlp", lambda: sharding.ShardingPlan.create(
+      mesh_of((1, 4)), num_heads=8, num_kv_heads=4, mlp_dim=90))
+  catch("not_a_mesh", lambda: LLM(model, cfg, mesh="8 devices", **ENGINE))
+  catch("max_seqs", lambda: LLM(model, cfg, mesh=mesh_of((2, 4)),
+                                **{**ENGINE, "max_seqs": 15}))
+  catch("num_blocks", lambda: LLM(model, cfg, mesh=mesh_of((8, 1)),
+                                  **{**ENGINE, "num_blocks": 100}))
+  llm = LLM(model, cfg, mesh=mesh_of((8, 1)), **ENGINE)
+  catch("n", lambda: llm.generate([[5, 6]], SamplingParams(n=3)))
+  return out
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  cfg = config()
+  model = init_random(cfg, seed=0, impl="xla")
+  result = dict(num_devices=jax.device_count())
+  t0 = time.perf_counter()
+  result["engines"] = run_engines(model, cfg)
+  result["engines_s"] = time.perf_counter() - t0
+  result["forward"] = forward_equality(model, cfg, (4, 8))
+  cfg1 = config(num_kv_heads=1)  # MQA: one KV head stored 8 times on a model axis of 8
+  mqa = forward_equality(init_random(cfg1, seed=1, impl="xla"), cfg1, (8,))
+  result["forward"]["8_mqa"] = mqa["8"]
+  result["forward_s"] = time.perf_counter() - t0 - result["engines_s"]
+  result["errors"] = errors(model, cfg)
+  result["seconds"] = time.perf_counter() - t0
+  with open(argv[0], "w") as f:
+    json.dump(result, f)
+
+
+if __name__ == "__main__":
+  main()
