@@ -22,13 +22,33 @@ recently freed first, then the lowest id (``_free_order_N``, one stable sort). A
 needs ``k`` blocks takes the first ``k`` of that order, and each requester receives a
 contiguous range of it (exclusive cumsum of the grants).
 
-How prefix caching plugs in (a later issue): add ``block_hash_N`` (the hash of the token
-prefix a full block holds, or "none") to the state. ``release`` keeps the hash of a freed
-block, so it is free (counted in ``num_free``, ref count 0) but still *cached*. The free order
-key becomes ``(is_cached, last_used, id)``: uncached free blocks are taken first, then cached
-ones in LRU order, taking one evicts its hash. A prefix hit revives a cached free block by
-raising its ref count 0 -> 1 (``num_free`` - 1), and shares a live one (ref count + 1) like
-``fork`` does. Only the sort key and one extra field change; no op is rewritten.
+Prefix cache. A FULL block whose K/V are written can be *registered*: it then records the
+content it holds so that later sequences whose token prefix matches can share it instead of
+recomputing it (``lookup`` + ``attach``). Extra state, per block:
+
+    block_hash_N     u32[N]     chained hash of the prefix the block ends (``chain_hashes``)
+    depth_N          i32[N]     logical index of the block in its chain; -1 = not registered
+    parent_N         i32[N]     physical block of the previous link (NO_BLOCK at depth 0)
+    parent_gen_N     i32[N]     generation of that parent when this block was registered
+    salt_N           i32[N]     cache salt of the registering sequence (tenants never mix)
+    generation_N     i32[N]     bumped each time the block is handed out fresh
+    block_tokens_NZ  i32[N, Z]  the token ids the registered block holds
+
+The hash table is the registered (``block_hash_N``, block) pairs: a lookup sorts them by
+hash once and binary-searches every query block at once. A hash only *proposes* a block; a
+hit is confirmed by the block's stored tokens, depth and salt, and by its parent link: the
+parent must be the block confirmed one level up, with an unchanged generation (a parent that
+was evicted and reused since carries a new generation). A hash collision therefore costs a
+miss, never a wrong reuse. Registration is canonical: a sequence's new full blocks chain off
+the registered blocks its own prefix matches, and of several sequences registering the same
+new block in one call only the first (slot order) does, so each prefix has one entry.
+
+Freed registered blocks stay registered: free (ref count 0, counted in ``num_free``) but
+*cached*, and ``attach`` can revive them (ref count 0 -> 1). The free order key is
+``(registered, last_used, -depth, id)``: unregistered free blocks are handed out first; then
+cached ones, least recently used first and, among blocks freed together, the deepest first,
+so a chain shrinks from its tail. Handing a block out (``append``, ``fork``'s tail) evicts
+it: it is unregistered and its generation bumped.
 
 Policies (deterministic):
 - ``append``: sequences needing new blocks are served in slot order while the running sum of
@@ -67,7 +87,8 @@ PAD_SLOT = -1
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 __all__ = ["NO_BLOCK", "PAD_SLOT", "AllocatorState", "init", "append", "slots", "release", "fork",
-           "preempt", "utilization", "validate"]
+           "preempt", "utilization", "validate", "chain_hashes", "lookup", "attach", "register",
+           "num_cached"]
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +102,14 @@ class AllocatorState:
   num_free: jax.Array  # i32[]
   last_used: jax.Array  # i32[N]
   clock: jax.Array  # i32[]
+  # Prefix cache (module docstring).
+  block_hash_N: jax.Array  # u32[N]
+  depth_N: jax.Array  # i32[N]
+  parent_N: jax.Array  # i32[N]
+  parent_gen_N: jax.Array  # i32[N]
+  salt_N: jax.Array  # i32[N]
+  generation_N: jax.Array  # i32[N]
+  block_tokens_NZ: jax.Array  # i32[N, Z]
   block_size: int = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -132,9 +161,21 @@ def _count_N(blocks, mask, num_blocks: int) -> jax.Array:
 
 
 def _free_order_N(state: AllocatorState) -> jax.Array:
-  """i32[N] block ids: free blocks first, least recently used first, then by id."""
-  key_N = jnp.where(state.ref_counts > 0, _INT32_MAX, state.last_used)
-  return jnp.argsort(key_N, stable=True).astype(jnp.int32)
+  """i32[N] block ids: free blocks first; among them unregistered ones, then cached ones;
+  each group least recently used first, then the deepest chain link, then by id."""
+  in_use_N = (state.ref_counts > 0).astype(jnp.int32)
+  cached_N = (state.depth_N >= 0).astype(jnp.int32)
+  ids_N = jnp.arange(state.num_blocks, dtype=jnp.int32)
+  # lexsort: the last key is the primary one.
+  return jnp.lexsort((ids_N, -state.depth_N, state.last_used, cached_N,
+                      in_use_N)).astype(jnp.int32)
+
+
+def _evict(state: AllocatorState, taken_N: jax.Array) -> dict:
+  """Fields of a state whose blocks ``taken_N`` are handed out fresh: unregistered, a new
+  generation (so no registered child can confirm them as its parent any more)."""
+  return dict(depth_N=jnp.where(taken_N, -1, state.depth_N),
+              generation_N=state.generation_N + taken_N.astype(jnp.int32))
 
 
 def _first_of_order_N(order_N: jax.Array, count) -> jax.Array:
@@ -172,6 +213,13 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
       num_free=jnp.int32(num_blocks),
       last_used=jnp.zeros(num_blocks, jnp.int32),
       clock=jnp.int32(0),
+      block_hash_N=jnp.zeros(num_blocks, jnp.uint32),
+      depth_N=jnp.full(num_blocks, -1, jnp.int32),
+      parent_N=jnp.full(num_blocks, NO_BLOCK, jnp.int32),
+      parent_gen_N=jnp.zeros(num_blocks, jnp.int32),
+      salt_N=jnp.zeros(num_blocks, jnp.int32),
+      generation_N=jnp.zeros(num_blocks, jnp.int32),
+      block_tokens_NZ=jnp.zeros((num_blocks, block_size), jnp.int32),
       block_size=block_size,
   )
 
@@ -212,6 +260,7 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
       num_free=state.num_free - total,
       last_used=jnp.where(taken_N, state.clock, state.last_used),
       clock=state.clock + 1,
+      **_evict(state, taken_N),
   )
   return new_state, ok_S
 
@@ -309,6 +358,7 @@ def fork(state: AllocatorState, src,
       num_free=state.num_free - total,
       last_used=jnp.where(taken_N, state.clock, state.last_used),
       clock=state.clock + 1,
+      **_evict(state, taken_N),
   )
   tail_src_F = jnp.take_along_axis(row_FP, jnp.clip(full_F, 0, p - 1)[:, None], axis=1)[:, 0]
   copy_src_F = jnp.where(copy_F, tail_src_F, NO_BLOCK)
@@ -362,6 +412,250 @@ def utilization(state: AllocatorState) -> jax.Array:
   waste = jnp.sum((-state.seq_lens) % z)
   capacity = (used * z).astype(jnp.float32)
   return jnp.where(used > 0, 1.0 - waste / jnp.maximum(capacity, 1.0), 1.0).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- prefix cache
+
+_HASH_SEED = 0x5BD1E995
+_CHAIN_MULT = 0x2545F491  # odd, so invertible modulo 2**32
+_U32_MAX = 0xFFFFFFFF
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+  """A 32-bit avalanche finaliser (xor-shift-multiply), uint32 in and out."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _powers_u32(base: int, count: int) -> np.ndarray:
+  out, x = [], 1
+  for _ in range(count):
+    out.append(x)
+    x = x * base % 2**32
+  return np.asarray(out, np.uint32)
+
+
+def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
+  """u32[S, P]: the chained hash of every block of every sequence (the default ``hash_fn``).
+
+  Block j's hash covers its parent's and its own tokens: with ``c_j`` a hash of block j's Z
+  tokens (each mixed with its offset) and ``h_-1`` one of the salt,
+  ``h_j = R * h_{j-1} + c_j (mod 2**32)``, and the key is ``fmix(h_j)``. Unrolled,
+  ``h_j = R**j * (R * h_-1 + sum_{i <= j} R**-i * c_i)`` (R is odd, so ``R**-1`` exists
+  modulo 2**32): one cumsum computes every level at once, no loop over blocks. Any function
+  with this signature can replace it (``lookup``/``register``'s ``hash_fn``); hits never
+  trust it alone (module docstring), so a weak or even constant hash costs hits, not safety.
+  """
+  _, p, z = tokens_SPZ.shape
+  tok_SPZ = tokens_SPZ.astype(jnp.uint32)
+  offset_Z = (jnp.arange(z, dtype=jnp.uint32) + 1) * jnp.uint32(0x632BE5AB)
+  c_SP = _fmix32(jnp.sum(_fmix32(tok_SPZ * jnp.uint32(0x9E3779B9) + offset_Z), axis=-1,
+                         dtype=jnp.uint32))
+  root_S = _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED))
+  r_pow_P = jnp.asarray(_powers_u32(_CHAIN_MULT, p))
+  r_inv_pow_P = jnp.asarray(_powers_u32(pow(_CHAIN_MULT, -1, 2**32), p))
+  acc_SP = (jnp.cumsum(c_SP * r_inv_pow_P, axis=1, dtype=jnp.uint32)
+            + jnp.uint32(_CHAIN_MULT) * root_S[:, None])
+  return _fmix32(acc_SP * r_pow_P)
+
+
+def _token_blocks(state: AllocatorState, tokens) -> jax.Array:
+  """``tokens`` i32[S, X] (each sequence's tokens from position 0) as i32[S, P, Z]."""
+  x = jnp.asarray(tokens)
+  s, p, z = state.max_seqs, state.max_blocks_per_seq, state.block_size
+  if x.ndim != 2 or x.shape[0] != s:
+    raise ValueError(f"tokens.shape={tuple(x.shape)} must be [S, X]=[{s}, X]")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"tokens.dtype={x.dtype} must be an integer dtype")
+  x = x.astype(jnp.int32)[:, :p * z]
+  x = jnp.pad(x, ((0, 0), (0, p * z - x.shape[1])))
+  return x.reshape(s, p, z)
+
+
+def _salt(state: AllocatorState, salt) -> jax.Array:
+  if salt is None:
+    return jnp.zeros(state.max_seqs, jnp.int32)
+  return _check_vector("salt", salt, state.max_seqs, "int")
+
+
+def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
+  """Match every sequence's blocks ``j < limit_S`` against the registered ones.
+
+  Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes,
+  the confirmed leading run of levels (bool) and its length.
+  """
+  s, p = tokens_SPZ.shape[:2]
+  n = state.num_blocks
+  key_SP = jnp.asarray(hash_fn(tokens_SPZ, salt_S))
+  if key_SP.shape != (s, p):
+    raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]={(s, p)}")
+  key_SP = key_SP.astype(jnp.uint32)
+  reg_N = state.depth_N >= 0
+  ids_N = jnp.arange(n, dtype=jnp.int32)
+  # The table: registered blocks sorted by hash (then id), unregistered ones after them.
+  order_N = jnp.lexsort((ids_N, state.block_hash_N, ~reg_N)).astype(jnp.int32)
+  sorted_N = jnp.where(reg_N[order_N], state.block_hash_N[order_N], jnp.uint32(_U32_MAX))
+  pos_SP = jnp.searchsorted(sorted_N, key_SP, side="left", method="sort")
+  cand_SP = order_N[jnp.clip(pos_SP, 0, n - 1)]
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  ok_SP = ((pos_SP < n) & reg_N[cand_SP] & (state.block_hash_N[cand_SP] == key_SP)
+           & (state.depth_N[cand_SP] == j_P) & (state.salt_N[cand_SP] == salt_S[:, None])
+           & jnp.all(state.block_tokens_NZ[cand_SP] == tokens_SPZ, axis=-1))
+  prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), cand_SP[:, :-1]], axis=1)
+  linked_SP = jnp.where(
+      j_P == 0, state.parent_N[cand_SP] == NO_BLOCK,
+      (state.parent_N[cand_SP] == prev_SP)
+      & (state.parent_gen_N[cand_SP] == state.generation_N[jnp.clip(prev_SP, 0, n - 1)]))
+  ok_SP &= linked_SP & (j_P < limit_S[:, None])
+  hit_SP = jnp.cumprod(ok_SP.astype(jnp.int32), axis=1).astype(jnp.bool_)
+  return key_SP, cand_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
+
+
+def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
+           hash_fn=chain_hashes) -> tuple[jax.Array, jax.Array]:
+  """The longest cached prefix of every sequence's tokens; reads the state only.
+
+  Args:
+    tokens: i32[S, X] each sequence's token ids from position 0 (X is cut or padded to P * Z).
+    num_tokens: i32[S] how many leading tokens of each row may be matched: only full blocks
+      inside them are (pass ``len - 1`` to leave at least one token to compute).
+    salt: i32[S] cache salt of each sequence (default 0): only blocks registered under the
+      same salt match.
+    hash_fn: the block hash (``chain_hashes``'s signature).
+
+  Returns:
+    ``(blocks_SP, num_hit_S)``: the matched blocks (``NO_BLOCK`` past ``num_hit_S``), ready
+    for ``attach``.
+  """
+  tokens_SPZ = _token_blocks(state, tokens)
+  limit_S = _check_vector("num_tokens", num_tokens, state.max_seqs, "int") // state.block_size
+  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, _salt(state, salt), limit_S,
+                                        hash_fn)
+  return jnp.where(hit_SP, cand_SP, NO_BLOCK), num_hit_S
+
+
+def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
+  """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks
+  ``blocks[s, :k]`` (i32[S, P], e.g. from ``lookup``) as its first k blocks: ``seq_lens``
+  becomes ``k * Z``, each block's ref count + 1 (a cached free block is revived: 0 -> 1,
+  ``num_free`` - 1) and its ``last_used`` the clock (a hit refreshes its LRU stamp).
+
+  Returns ``(state, ok_S)``. A sequence is refused (ok False, nothing changes for it) unless
+  it is empty (seq_len 0, no block), ``k <= P`` and its blocks form one registered chain
+  (depths 0..k-1, each linked to the previous one, one salt). ``k == 0`` is always ok.
+  """
+  s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
+  b_SP = jnp.asarray(blocks)
+  if b_SP.shape != (s, p):
+    raise ValueError(f"blocks.shape={tuple(b_SP.shape)} must be [S, P]={(s, p)}")
+  if not jnp.issubdtype(b_SP.dtype, jnp.integer):
+    raise ValueError(f"blocks.dtype={b_SP.dtype} must be an integer dtype")
+  b_SP = b_SP.astype(jnp.int32)
+  k_S = _check_vector("num_blocks", num_blocks, s, "int")
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  use_SP = j_P < k_S[:, None]
+  bc_SP = jnp.clip(b_SP, 0, n - 1)
+  prev_SP = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), bc_SP[:, :-1]], axis=1)
+  chain_SP = ((b_SP >= 0) & (b_SP < n) & (state.depth_N[bc_SP] == j_P)
+              & (state.salt_N[bc_SP] == state.salt_N[bc_SP[:, :1]])
+              & jnp.where(j_P == 0, state.parent_N[bc_SP] == NO_BLOCK,
+                          (state.parent_N[bc_SP] == b_SP[:, jnp.maximum(j_P - 1, 0)])
+                          & (state.parent_gen_N[bc_SP] == state.generation_N[prev_SP])))
+  empty_S = (state.seq_lens == 0) & (state.block_tables[:, 0] == NO_BLOCK)
+  grant_S = ((k_S > 0) & (k_S <= p) & empty_S
+             & jnp.all(jnp.where(use_SP, chain_SP, True), axis=1))
+  give_SP = grant_S[:, None] & use_SP
+  count_N = _count_N(b_SP, give_SP, n)
+  revived_N = (state.ref_counts == 0) & (count_N > 0)
+  new_state = dataclasses.replace(
+      state,
+      block_tables=jnp.where(give_SP, b_SP, state.block_tables),
+      seq_lens=jnp.where(grant_S, k_S * z, state.seq_lens),
+      ref_counts=state.ref_counts + count_N,
+      num_free=state.num_free - jnp.sum(revived_N, dtype=jnp.int32),
+      last_used=jnp.where(count_N > 0, state.clock, state.last_used),
+      clock=state.clock + 1,
+  )
+  return new_state, grant_S | (k_S == 0)
+
+
+def register(state: AllocatorState, tokens, salt=None, *,
+             hash_fn=chain_hashes) -> AllocatorState:
+  """Register every full block of every sequence that the cache does not hold yet.
+
+  Call it once the K/V of those blocks are written (after the forward that filled them).
+  ``tokens`` i32[S, X]: each sequence's tokens from position 0, as for ``lookup``; ``salt``
+  i32[S] (default 0). Per sequence, the blocks its own prefix already matches are skipped;
+  the next full blocks are registered as one chain hanging off the matched prefix, stopping
+  at a block that is already registered. When several sequences would register the same
+  block (same tokens after the same prefix, same salt) in one call, only the first in slot
+  order does (so a prefix has one entry; the others find it next time). Changes nothing
+  else.
+  """
+  tokens_SPZ = _token_blocks(state, tokens)
+  salt_S = _salt(state, salt)
+  s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
+  full_S = state.seq_lens // z
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  b_SP = state.block_tables
+  bc_SP = jnp.clip(b_SP, 0, n - 1)
+  own_reg_SP = (b_SP != NO_BLOCK) & (state.depth_N[bc_SP] >= 0)
+  pending = jnp.any((j_P < full_S[:, None]) & ~own_reg_SP)
+
+  def do_register(state):
+    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
+    stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | (j_P >= full_S[:, None]))
+    stop_S = jnp.where(jnp.any(stop_SP, axis=1), jnp.argmax(stop_SP, axis=1), p)
+    has_new_S = stop_S > hit_S
+    first_S = jnp.clip(hit_S, 0, p - 1)
+    first_key_S = jnp.take_along_axis(key_SP, first_S[:, None], axis=1)[:, 0]
+    root_parent_S = jnp.where(
+        hit_S > 0,
+        jnp.take_along_axis(cand_SP, jnp.clip(hit_S - 1, 0, p - 1)[:, None], axis=1)[:, 0],
+        NO_BLOCK)
+    # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
+    # earlier in slot order.
+    first_tokens_SZ = jnp.take_along_axis(tokens_SPZ, first_S[:, None, None], axis=1)[:, 0]
+    same_SS = ((first_key_S[:, None] == first_key_S[None, :]) & (hit_S[:, None] == hit_S)
+               & (root_parent_S[:, None] == root_parent_S) & (salt_S[:, None] == salt_S)
+               & jnp.all(first_tokens_SZ[:, None] == first_tokens_SZ[None, :], axis=-1)
+               & has_new_S[None, :])
+    earlier_SS = jnp.arange(s)[None, :] < jnp.arange(s)[:, None]
+    dup_S = jnp.any(same_SS & earlier_SS, axis=1)
+    new_SP = ((has_new_S & ~dup_S)[:, None] & (j_P >= hit_S[:, None])
+              & (j_P < stop_S[:, None]))
+    # A block held by several sequences (forks) is registered once, by its first holder.
+    flat_SP = jnp.arange(s * p, dtype=jnp.int32).reshape(s, p)
+    first_N = jnp.full(n, s * p, jnp.int32).at[jnp.where(new_SP, b_SP, n)].min(
+        flat_SP, mode="drop")
+    new_SP &= first_N[bc_SP] == flat_SP
+    parent_SP = jnp.where(j_P == hit_S[:, None], root_parent_S[:, None],
+                          jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32),
+                                           b_SP[:, :-1]], axis=1))
+    parent_gen_SP = jnp.where(parent_SP >= 0,
+                              state.generation_N[jnp.clip(parent_SP, 0, n - 1)], 0)
+    dest_SP = jnp.where(new_SP, b_SP, n)  # n: dropped by the scatters
+    put = lambda field, value: field.at[dest_SP].set(value, mode="drop")
+    return dataclasses.replace(
+        state,
+        block_hash_N=put(state.block_hash_N, key_SP),
+        depth_N=put(state.depth_N, jnp.broadcast_to(j_P, (s, p))),
+        parent_N=put(state.parent_N, parent_SP),
+        parent_gen_N=put(state.parent_gen_N, parent_gen_SP),
+        salt_N=put(state.salt_N, jnp.broadcast_to(salt_S[:, None], (s, p))),
+        block_tokens_NZ=put(state.block_tokens_NZ, tokens_SPZ),
+    )
+
+  state = jax.lax.cond(pending, do_register, lambda state: state, state)
+  return dataclasses.replace(state, clock=state.clock + 1)
+
+
+def num_cached(state: AllocatorState) -> jax.Array:
+  """i32[]: free blocks that still hold a registered prefix (reusable until evicted)."""
+  return jnp.sum((state.ref_counts == 0) & (state.depth_N >= 0), dtype=jnp.int32)
 
 
 # ----------------------------------------------------------------------------- host checks
@@ -435,3 +729,32 @@ def validate(state: AllocatorState) -> None:
   if bad.size:
     b = bad[0]
     raise ValueError(f"last_used[{b}]={last_used_N[b]} must be in [0, clock={clock}]")
+
+  # Prefix cache: a registered block sits at its depth in every table holding it, full.
+  depth_N = np.asarray(state.depth_N)
+  parent_N = np.asarray(state.parent_N)
+  for name, x, shape in (("depth_N", depth_N, (n,)), ("parent_N", parent_N, (n,)),
+                         ("block_tokens_NZ", np.asarray(state.block_tokens_NZ), (n, z))):
+    if x.shape != shape:
+      raise ValueError(f"{name}.shape={x.shape} must be {shape}")
+  bad = np.flatnonzero((depth_N < -1) | (depth_N >= p))
+  if bad.size:
+    b = bad[0]
+    raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1 (not registered) or in [0, P={p})")
+  reg_N = depth_N >= 0
+  bad = np.flatnonzero(reg_N & ((depth_N == 0) != (parent_N == NO_BLOCK)))
+  if bad.size:
+    b = bad[0]
+    raise ValueError(f"parent_N[{b}]={parent_N[b]} with depth_N[{b}]={depth_N[b]}: only a "
+                     f"depth-0 block has parent NO_BLOCK")
+  bad = np.flatnonzero(reg_N & (depth_N > 0) & ((parent_N < 0) | (parent_N >= n)))
+  if bad.size:
+    b = bad[0]
+    raise ValueError(f"parent_N[{b}]={parent_N[b]} must be in [0, num_blocks={n})")
+  full_SP = np.arange(p)[None, :] < (len_S // z)[:, None]
+  held = np.argwhere(real_SP)
+  for i, j in held:
+    b = tables_SP[i, j]
+    if reg_N[b] and (depth_N[b] != j or not full_SP[i, j]):
+      raise ValueError(f"registered block {b} (depth_N={depth_N[b]}) is held by sequence {i} "
+                       f"at logical block {j}, which must be full and at that depth")

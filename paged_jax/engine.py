@@ -15,6 +15,13 @@ nothing is left to run, or when enough slots came free for the host's next waiti
 The call is jitted once (the state is donated) and traces once whatever the batch holds.
 Each step (``_step``), all inside ``jit``:
 
+0. Prefix cache (``enable_prefix_caching``). Every running sequence with no KV yet looks up
+   the longest cached prefix of its history (``allocator.lookup``: full blocks only, and
+   never the last token, so its logits are computed); when admitted it attaches those
+   blocks (``allocator.attach``) and prefills only the rest. After the forward, the blocks
+   it filled are registered (``allocator.register``). Lookups are confined to the request's
+   ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
+   recompute is cheap while they survive.
 1. Token budget (``max_tokens_per_step`` = T): every running sequence wants its uncached
    tokens (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode
    rows come first, then prefills by arrival; each gets ``min(want, budget left)``, so a
@@ -25,7 +32,9 @@ Each step (``_step``), all inside ``jit``:
    released, its token history kept, so it is re-prefilled later from ``prompt + generated``
    (recompute; nothing is lost, greedy outputs are unchanged). New sequences (nothing
    cached yet, preempted ones included) are admitted in arrival order while their first
-   chunk's blocks fit, without preempting anyone.
+   chunk's blocks (and the cached free blocks their hits revive) fit, without preempting
+   anyone. Fresh blocks come from the allocator's free order: never-cached blocks first,
+   then cached ones least recently used first (evicting them).
 3. ONE ragged forward (``models.steps.prefill_step``: ``allocator.append``, slots,
    ``Decoder.paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
@@ -131,6 +140,8 @@ class EngineState:
   top_k_S: jax.Array  # i32[S]
   top_p_S: jax.Array  # f32[S]
   stop_SX: jax.Array  # i32[S, X] stop ids, -1 padding
+  salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
+  fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
   # Counters.
   steps: jax.Array  # i32[]
   preemptions: jax.Array  # i32[]
@@ -139,34 +150,47 @@ class EngineState:
   peak_blocks_in_use: jax.Array  # i32[]
   utilization_sum: jax.Array  # f32[] sum over busy steps of allocator.utilization
   busy_steps: jax.Array  # i32[]
+  prompt_tokens: jax.Array  # i32[] prompt tokens of first admissions
+  cached_prompt_tokens: jax.Array  # i32[] of those, found in the prefix cache
 
 
 _ROW_FIELDS = ("tokens_SM", "logprobs_SM", "len_S", "prompt_len_S", "max_len_S", "status_S",
                "reason_S", "arrival_S", "parent_S", "fork_S", "seed_S", "temperature_S",
-               "top_k_S", "top_p_S", "stop_SX")
+               "top_k_S", "top_p_S", "stop_SX", "salt_S", "fresh_S")
 
 
 def _blocks_for(len_S, z):
   return (len_S + z - 1) // z
 
 
-def _scrub_freed(cache: KVCache, before: allocator.AllocatorState,
-                 after: allocator.AllocatorState) -> KVCache:
-  """Zero every block that was in use in ``before`` and is free in ``after`` (scrub on
-  release). A ``lax.cond`` skips the pass over the pool when nothing came free."""
-  freed_N = (before.ref_counts > 0) & (after.ref_counts == 0)
+def _zero_blocks(cache: KVCache, mask_N: jax.Array) -> KVCache:
+  """Zero the blocks with ``mask_N`` True in every layer; a ``lax.cond`` skips the pass over
+  the pool when there are none."""
 
   def scrub(cache):
-    m = freed_N[None, None, :, None, None]
+    m = mask_N[None, None, :, None, None]
     return KVCache(k_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.k_pages),
                    v_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.v_pages))
 
-  return jax.lax.cond(jnp.any(freed_N), scrub, lambda cache: cache, cache)
+  return jax.lax.cond(jnp.any(mask_N), scrub, lambda cache: cache, cache)
 
 
-def _step(model, st: EngineState, *, num_tokens: int, impl,
-          scrub_on_release: bool = False) -> EngineState:
-  """One scheduling step: budget, blocks (preempting), ragged forward, fork, sample, stop."""
+def _unowned_N(alloc: allocator.AllocatorState) -> jax.Array:
+  """bool[N]: blocks whose K/V nobody may read: free and not a prefix-cache entry."""
+  return (alloc.ref_counts == 0) & (alloc.depth_N < 0)
+
+
+def _scrub_freed(cache: KVCache, before: allocator.AllocatorState,
+                 after: allocator.AllocatorState) -> KVCache:
+  """Zero every block that nobody may read in ``after`` but could in ``before`` (scrub on
+  release). A freed block that stays in the prefix cache keeps its K/V until evicted."""
+  return _zero_blocks(cache, _unowned_N(after) & ~_unowned_N(before))
+
+
+def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bool = False,
+          prefix_caching: bool = False, hash_fn=allocator.chain_hashes) -> EngineState:
+  """One scheduling step: prefix hits, budget, blocks (preempting), ragged forward, prefix
+  registration, fork, sample, stop."""
   # Imported here: models imports paged_jax, and paged_jax must import without models.
   from models import steps as model_steps
 
@@ -176,9 +200,19 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
   slot_S = jnp.arange(num_slots, dtype=jnp.int32)
   running_S = st.status_S == RUNNING
 
-  # 1. Token budget: decodes first, then by arrival.
+  # 0. Prefix cache: the longest cached prefix of each running sequence with no KV yet,
+  #    all but its last token at most (that one is computed, so its logits exist).
   cached_S = alloc.seq_lens
-  want_S = jnp.where(running_S, st.len_S - cached_S, 0)
+  if prefix_caching:
+    empty_S = running_S & (cached_S == 0)
+    hit_SP, hit_S = allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
+                                     st.salt_S, hash_fn=hash_fn)
+  else:
+    hit_S = jnp.zeros(num_slots, jnp.int32)
+  base_S = cached_S + hit_S * z  # tokens with K/V once the hits are attached
+
+  # 1. Token budget: decodes first, then by arrival.
+  want_S = jnp.where(running_S, st.len_S - base_S, 0)
   decode_S = (cached_S > 0) & (want_S == 1)
   group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, 1), 2)
   order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
@@ -187,7 +221,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
   q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
 
   # 2. Blocks: sequences holding KV preempt the latest arrivals; new ones wait for room.
-  demand_S = _blocks_for(cached_S + q_S, z) - _blocks_for(cached_S, z)
+  demand_S = _blocks_for(base_S + q_S, z) - _blocks_for(base_S, z)
   must_S = (cached_S > 0) & (q_S > 0)
 
   def short(c):
@@ -209,10 +243,21 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
   must_S &= ~pre_S
   free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
   new_S = (cached_S == 0) & (q_S > 0)
+  if prefix_caching:  # reviving a cached free block takes it from the free count as well
+    revive_S = jnp.sum((hit_SP >= 0) & (alloc.ref_counts[jnp.maximum(hit_SP, 0)] == 0),
+                       axis=1, dtype=jnp.int32)
+    demand_S = demand_S + jnp.where(new_S, revive_S, 0)
   new_demand_o = jnp.where(new_S, demand_S, 0)[order_S]
   admit_o = new_S[order_S] & (jnp.cumsum(new_demand_o) <= free_left)
   admit_S = jnp.zeros(num_slots, jnp.bool_).at[order_S].set(admit_o)
   q_S = jnp.where(must_S | admit_S, q_S, 0)
+  first_S = admit_S & st.fresh_S
+  if prefix_caching:
+    alloc, _ = allocator.attach(alloc, hit_SP, jnp.where(admit_S, hit_S, 0))
+    if scrub_on_release:  # cached blocks this step's append evicts: zero them before reuse
+      taken, _ = allocator.append(alloc, q_S)
+      cache = _zero_blocks(cache, (alloc.ref_counts == 0) & (alloc.depth_N >= 0)
+                           & (taken.ref_counts > 0))
 
   # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
@@ -223,6 +268,8 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
   tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
   logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, cache, tokens_T,
                                                            q_S, impl=impl)
+  if prefix_caching:  # the blocks this forward filled become reusable
+    alloc = allocator.register(alloc, st.tokens_SM, st.salt_S, hash_fn=hash_fn)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free
   utilization = allocator.utilization(alloc)
@@ -260,7 +307,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
   busy = jnp.any(q_S > 0)
   return dataclasses.replace(
       st, alloc=alloc, cache=cache, tokens_SM=tokens_SM, logprobs_SM=logprobs_SM, len_S=len_S,
-      status_S=status_S, reason_S=reason_S,
+      status_S=status_S, reason_S=reason_S, fresh_S=st.fresh_S & ~admit_S,
       steps=st.steps + 1,
       preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
       generated=st.generated + jnp.sum(draw_S, dtype=jnp.int32),
@@ -268,11 +315,14 @@ def _step(model, st: EngineState, *, num_tokens: int, impl,
       peak_blocks_in_use=jnp.maximum(st.peak_blocks_in_use, blocks_in_use),
       utilization_sum=st.utilization_sum + jnp.where(busy, utilization, 0.0),
       busy_steps=st.busy_steps + busy.astype(jnp.int32),
+      prompt_tokens=st.prompt_tokens + jnp.sum(jnp.where(first_S, st.len_S, 0)),
+      cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(jnp.where(first_S, hit_S * z, 0)),
   )
 
 
 def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
-                 num_tokens: int, impl, scrub_on_release: bool = False):
+                 num_tokens: int, impl, scrub_on_release: bool = False,
+                 prefix_caching: bool = False, hash_fn=allocator.chain_hashes):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
@@ -287,8 +337,8 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
 
   def body(c):
     st, i, _ = c
-    st = _step(model, st, num_tokens=num_tokens, impl=impl,
-               scrub_on_release=scrub_on_release)
+    st = _step(model, st, num_tokens=num_tokens, impl=impl, scrub_on_release=scrub_on_release,
+               prefix_caching=prefix_caching, hash_fn=hash_fn)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     return st, i + 1, ~active | ((slots_wanted > 0) & (free >= slots_wanted))
@@ -303,13 +353,15 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
       steps=st.steps, preemptions=st.preemptions, generated=st.generated,
       blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
       utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,
-      num_free=st.alloc.num_free)
+      num_free=st.alloc.num_free, prompt_tokens=st.prompt_tokens,
+      cached_prompt_tokens=st.cached_prompt_tokens,
+      cached_blocks=allocator.num_cached(st.alloc))
   return st, report
 
 
 _device_call_jit = jax.jit(_device_call,
                            static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl",
-                                            "scrub_on_release"),
+                                            "scrub_on_release", "prefix_caching", "hash_fn"),
                            donate_argnames=("st",))
 
 
@@ -344,6 +396,7 @@ class _Request:
   params: SamplingParams
   seed: int
   stop: tuple[int, ...]
+  salt: int = 0  # interned cache_salt, 0 for none
   arrival: int = -1
   tokens: list = dataclasses.field(default_factory=list)  # per completion
   logprobs: list = dataclasses.field(default_factory=list)
@@ -366,8 +419,13 @@ class LLM:
     max_model_len: longest sequence (prompt + generated); default
       ``min(config.max_seq_len, N * Z)`` so that any admitted sequence fits the pool alone.
     steps_per_call: most scheduling steps per device call.
-    enable_prefix_caching: accepted; prefix caching arrives in a later issue
-      (``stats["prefix_hit_rate"]`` is 0.0).
+    enable_prefix_caching: share the K/V of full blocks whose token prefix matches (module
+      docstring, "Prefix cache"): a request whose prompt starts with cached blocks skips
+      their prefill; ``stats["prefix_hit_rate"]`` counts the prompt tokens found cached.
+      ``generate(..., cache_salt=...)`` keeps tenants apart.
+    prefix_hash_fn: the block hash of the prefix cache (default
+      ``allocator.chain_hashes``); any function of that signature, e.g. a degenerate one in a
+      test: a hit is confirmed by the stored tokens, so a bad hash costs hits, not outputs.
     mesh: None (one device), or a ``jax.sharding.Mesh`` with axes ("data", "model")
       (``paged_jax.sharding``): weights and KV heads split over "model", sequences over
       "data", each data shard with its own slots and block pool; ``max_seqs`` and
@@ -389,7 +447,8 @@ class LLM:
                max_seqs: int = 16, max_tokens_per_step: int = 256,
                max_model_len: int | None = None, steps_per_call: int = 16,
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
-               max_traces: int | None = None, scrub_on_release: bool = False):
+               max_traces: int | None = None, scrub_on_release: bool = False,
+               prefix_hash_fn=None):
     from models import Decoder, ModelConfig
     if not isinstance(model, Decoder):
       raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
@@ -408,7 +467,15 @@ class LLM:
       raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
     self.model, self.config = model, config
     self.tokenizer = tokenizer
+    for name, value in (("enable_prefix_caching", enable_prefix_caching),
+                        ("scrub_on_release", scrub_on_release)):
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    if prefix_hash_fn is not None and not callable(prefix_hash_fn):
+      raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
+                       "allocator.chain_hashes")
     self.enable_prefix_caching = bool(enable_prefix_caching)
+    self._salt_ids: dict[str, int] = {}
     kv_dtype = model.dtype if dtype is None else jnp.dtype(dtype)
     if kv_budget_bytes is not None:
       spec = KVCacheSpec.from_budget(kv_budget_bytes, config.num_layers, config.num_kv_heads,
@@ -438,8 +505,6 @@ class LLM:
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)
-    if not isinstance(scrub_on_release, (bool, np.bool_)):
-      raise ValueError(f"{scrub_on_release=} must be a bool")
     self.scrub_on_release = bool(scrub_on_release)
     self._rng = np.random.default_rng(seed)
     self._arrivals = 0
@@ -448,19 +513,16 @@ class LLM:
 
     static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
                   num_tokens=self.max_tokens_per_step, impl=model.impl,
-                  scrub_on_release=self.scrub_on_release)
+                  scrub_on_release=self.scrub_on_release,
+                  prefix_caching=self.enable_prefix_caching,
+                  hash_fn=prefix_hash_fn or allocator.chain_hashes)
     if max_traces is None:
       # Shared across engines: same model structure and sizes -> one compilation.
-      self._call = lambda params, st, wanted: _device_call_jit(
-          static["graphdef"], params, st, wanted, steps_per_call=static["steps_per_call"],
-          num_tokens=static["num_tokens"], impl=static["impl"],
-          scrub_on_release=static["scrub_on_release"])
+      self._call = lambda params, st, wanted: _device_call_jit(params=params, st=st,
+                                                               slots_wanted=wanted, **static)
     else:
       def device_call(params, st, slots_wanted):
-        return _device_call(static["graphdef"], params, st, slots_wanted,
-                            steps_per_call=static["steps_per_call"],
-                            num_tokens=static["num_tokens"], impl=static["impl"],
-                            scrub_on_release=static["scrub_on_release"])
+        return _device_call(params=params, st=st, slots_wanted=slots_wanted, **static)
       self._call = jax.jit(chex.assert_max_traces(device_call, n=max_traces),
                            donate_argnums=(1,))
     self._admit = _admit_jit
@@ -513,9 +575,10 @@ class LLM:
         arrival_S=zi(), parent_S=zi(), fork_S=zi(), seed_S=jnp.zeros(s, jnp.uint32),
         temperature_S=jnp.zeros(s, jnp.float32), top_k_S=zi(),
         top_p_S=jnp.ones(s, jnp.float32), stop_SX=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32),
+        salt_S=zi(), fresh_S=jnp.zeros(s, jnp.bool_),
         steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
         blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
-        busy_steps=jnp.int32(0))
+        busy_steps=jnp.int32(0), prompt_tokens=jnp.int32(0), cached_prompt_tokens=jnp.int32(0))
 
   def _init_shards(self) -> EngineState:
     """The state of every data shard, built in place on the mesh: ``_init_state`` of a
@@ -534,7 +597,7 @@ class LLM:
     self._state = dataclasses.replace(
         self._state, steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
         blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
-        busy_steps=jnp.int32(0))
+        busy_steps=jnp.int32(0), prompt_tokens=jnp.int32(0), cached_prompt_tokens=jnp.int32(0))
     if self._plan is not None:  # counters per data shard
       self._state = self._plan.match_state(self._state, old)
     self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
@@ -574,9 +637,28 @@ class LLM:
           f"{self.spec.num_blocks * self.spec.block_size} tokens) to generate anything")
     return tuple(ids)
 
-  def _requests(self, prompts, params) -> list[_Request]:
+  def _salts(self, cache_salt, num_prompts: int) -> list[int]:
+    """One interned salt id per prompt (0: no salt). Ids are this engine's own and unique
+    per string, so two different salts can never share a cache entry."""
+    if cache_salt is None or isinstance(cache_salt, str):
+      cache_salt = [cache_salt] * num_prompts
+    elif not isinstance(cache_salt, Sequence) or len(cache_salt) != num_prompts:
+      raise ValueError(f"cache_salt={cache_salt!r} must be None, a str, or one str (or None) "
+                       f"per prompt ({num_prompts})")
+    ids = []
+    for i, salt in enumerate(cache_salt):
+      if salt is None:
+        ids.append(0)
+      elif isinstance(salt, str):
+        ids.append(self._salt_ids.setdefault(salt, len(self._salt_ids) + 1))
+      else:
+        raise ValueError(f"cache_salt[{i}]={salt!r} must be a str or None")
+    return ids
+
+  def _requests(self, prompts, params, cache_salt=None) -> list[_Request]:
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
       raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts")
+    salts = self._salts(cache_salt, len(prompts))
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -599,7 +681,7 @@ class LLM:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
       seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2 ** 32))
-      out.append(_Request(index=i, prompt=ids, params=p, seed=seed, stop=stop,
+      out.append(_Request(index=i, prompt=ids, params=p, seed=seed, stop=stop, salt=salts[i],
                           tokens=[[] for _ in range(p.n)], logprobs=[[] for _ in range(p.n)]))
     return out
 
@@ -613,17 +695,20 @@ class LLM:
         parent_S=np.zeros(s, np.int32), fork_S=np.zeros(s, np.int32),
         seed_S=np.zeros(s, np.uint32), temperature_S=np.zeros(s, np.float32),
         top_k_S=np.zeros(s, np.int32), top_p_S=np.ones(s, np.float32),
-        stop_SX=np.full((s, MAX_STOP_IDS), -1, np.int32))
+        stop_SX=np.full((s, MAX_STOP_IDS), -1, np.int32), salt_S=np.zeros(s, np.int32),
+        fresh_S=np.zeros(s, bool))
 
   # --- serving ---
 
-  def generate_stream(self, prompts, params=None) -> Iterator[StreamEvent]:
+  def generate_stream(self, prompts, params=None, *,
+                      cache_salt=None) -> Iterator[StreamEvent]:
     """Serve ``prompts`` and yield ``StreamEvent``s as tokens are decided (after each device
     call): one per generated token, then one with ``finish_reason`` per completion. All
     requests are validated (``ValueError`` naming the request) before this returns. Closing
     the generator early drops the unfinished requests (their blocks are released). One
-    ``generate`` / ``generate_stream`` at a time per engine."""
-    return self._serve(self._requests(prompts, params))
+    ``generate`` / ``generate_stream`` at a time per engine. ``cache_salt`` as for
+    ``generate``."""
+    return self._serve(self._requests(prompts, params, cache_salt))
 
   def _fill_slots(self, waiting: list[_Request], slot_owner) -> None:
     """Admit waiting requests (FCFS) into free slots; one jitted merge when any."""
@@ -655,6 +740,8 @@ class LLM:
         rows["top_k_S"][s] = p.top_k
         rows["top_p_S"][s] = p.top_p
         rows["stop_SX"][s, :len(req.stop)] = req.stop
+        rows["salt_S"][s] = req.salt
+        rows["fresh_S"][s] = f == 0
     if rows is not None:
       self._state = self._admit(self._state, jnp.asarray(mask),
                                 {k: jnp.asarray(v) for k, v in rows.items()})
@@ -691,11 +778,15 @@ class LLM:
                                 {k: jnp.asarray(v) for k, v in self._rows().items()})
     yield from events
 
-  def generate(self, prompts, params=None) -> list[Output]:
+  def generate(self, prompts, params=None, *, cache_salt=None) -> list[Output]:
     """Serve ``prompts`` (token-id lists, or strings with a tokenizer) with ``params`` (one
     ``SamplingParams`` or one per prompt). Returns one ``Output`` per completion in prompt
-    order, n consecutive ones for a prompt with ``n > 1``."""
-    requests = self._requests(prompts, params)
+    order, n consecutive ones for a prompt with ``n > 1``.
+
+    ``cache_salt``: None, one str for every prompt, or one str (or None) per prompt. Prefix
+    cache entries are shared only between requests with the same salt (none counts as one
+    salt), so tenants that must not share pass different salts."""
+    requests = self._requests(prompts, params, cache_salt)
     tokens = {}
     logprobs = {}
     finish = {}
@@ -752,8 +843,13 @@ class LLM:
     tokens = h["tokens"]
     free = self._state.alloc.num_free  # read on demand, outside the serving loop
     free = int(free if self._plan is None else self._plan.fetch(free).sum())
+    prompt_tokens = 0 if r is None else int(np.sum(r["prompt_tokens"]))
+    cached_tokens = 0 if r is None else int(np.sum(r["cached_prompt_tokens"]))
     return dict(
-        preemptions=preempt, kv_utilization=util, prefix_hit_rate=0.0,
+        preemptions=preempt, kv_utilization=util,
+        prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
+        cached_blocks=0 if r is None else int(np.sum(r["cached_blocks"])),
         tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,
         requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
         num_blocks=num_blocks, num_free_blocks=free, host_syncs=h["host_syncs"],

@@ -4,6 +4,8 @@ Between device calls every free block (freed or never used) and every slot past 
 sequence's length in the blocks it holds is overwritten with NaN or a huge value; random
 schedules of arrivals, finishes, forks (n > 1) and preemptions (a tiny pool) then run
 through one long-lived engine, and every output must be finite and equal a fresh engine's.
+With the prefix cache on, a free block that is a cache entry (registered, full, reachable
+only by a confirmed hit of the same salt) keeps its K/V: the cache owns it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ CALLS_PER_SCHEDULE = 3  # generate calls per schedule, all on one poisoned engin
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _poison(st, value):
-  """Fill every KV slot no live sequence has written with ``value``."""
+  """Fill every KV slot no live sequence has written and no prefix-cache entry holds with
+  ``value``."""
   alloc = st.alloc
   n, z = alloc.num_blocks, alloc.block_size
   s, p = alloc.block_tables.shape
@@ -36,7 +39,8 @@ def _poison(st, value):
   live_SJ = pos_SJ < alloc.seq_lens[:, None]
   slot_SJ = jnp.where(live_SJ, allocator.slots(alloc, seq_SJ, pos_SJ), n * z)
   written = jnp.zeros(n * z, jnp.bool_).at[slot_SJ.reshape(-1)].set(True, mode="drop")
-  keep_NZ = written.reshape(1, 1, n, z, 1)
+  cached_NZ = jnp.broadcast_to((alloc.depth_N >= 0)[:, None], (n, z))
+  keep_NZ = (written.reshape(n, z) | cached_NZ).reshape(1, 1, n, z, 1)
   value = value.astype(st.cache.dtype)
   cache = type(st.cache)(k_pages=jnp.where(keep_NZ, st.cache.k_pages, value),
                          v_pages=jnp.where(keep_NZ, st.cache.v_pages, -value))
@@ -53,7 +57,7 @@ class Poisoner:
     wrap_call(llm, before=self)
 
   def __call__(self, st):
-    self.free_blocks += int(st.alloc.num_free)
+    self.free_blocks += int(st.alloc.num_free - allocator.num_cached(st.alloc))
     value = jnp.float32(POISONS[self.calls % len(POISONS)])
     self.calls += 1
     return _poison(st, value)
@@ -61,9 +65,12 @@ class Poisoner:
 
 def _schedule(rng, max_seqs):
   """One generate call: random arrivals (more prompts than slots), lengths, max_tokens,
-  forks, sampling with seeds, stop ids."""
+  forks, sampling with seeds, stop ids; about half the prompts start with one shared
+  prefix (prefix-cache hits, in full blocks and not)."""
   k = int(rng.integers(2, 7))
   ps = prompts(rng.integers(1, 26, k), seed=int(rng.integers(1 << 30)))
+  shared = prompts((int(rng.integers(4, 14)),), seed=int(rng.integers(1 << 30)))[0]
+  ps = [shared + p if rng.random() < 0.5 else p for p in ps]
   params = []
   for _ in range(k):
     hot = rng.random() < 0.5
@@ -76,12 +83,13 @@ def _schedule(rng, max_seqs):
   return ps, params
 
 
-@pytest.mark.parametrize("num_blocks", [12, 64])  # 12 blocks of 4 tokens: preemptions
-def test_poisoned_free_and_stale_pages_never_read(model, config, num_blocks):
-  opts = dict(num_blocks=num_blocks, steps_per_call=2)
+@pytest.mark.parametrize("num_blocks,prefix_caching",  # 12 blocks of 4 tokens: preemptions
+                         [(12, True), (64, True), (12, False)])
+def test_poisoned_free_and_stale_pages_never_read(model, config, num_blocks, prefix_caching):
+  opts = dict(num_blocks=num_blocks, steps_per_call=2, enable_prefix_caching=prefix_caching)
   llm = make_llm(model, config, **opts)
   poison = Poisoner(llm)
-  rng = np.random.default_rng(num_blocks)
+  rng = np.random.default_rng(num_blocks + prefix_caching)
   for _ in range(SCHEDULES):
     for _ in range(CALLS_PER_SCHEDULE):
       ps, params = _schedule(rng, llm.max_seqs)
@@ -92,8 +100,9 @@ def test_poisoned_free_and_stale_pages_never_read(model, config, num_blocks):
         assert np.all(np.isfinite(g.logprobs))
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
       check_all_free(llm)
-  print(f"\npool {num_blocks}: {poison.calls} device calls poisoned, "
-        f"{poison.free_blocks} free blocks poisoned, preemptions {llm.stats['preemptions']}")
+  print(f"\npool {num_blocks}, prefix caching {prefix_caching}: {poison.calls} device calls "
+        f"poisoned, {poison.free_blocks} free blocks poisoned, preemptions "
+        f"{llm.stats['preemptions']}, prefix hit rate {llm.stats['prefix_hit_rate']:.2f}")
   assert poison.calls > 50 and poison.free_blocks > 0
   if num_blocks == 12:
     assert llm.stats["preemptions"] > 0
@@ -106,7 +115,7 @@ def _pool_is_zero_where_free(st):
 
 
 def test_scrub_on_release_zeroes_every_freed_block(model, config):
-  opts = dict(num_blocks=12, steps_per_call=2)
+  opts = dict(num_blocks=12, steps_per_call=2, enable_prefix_caching=False)
   scrub = make_llm(model, config, scrub_on_release=True, **opts)
   plain = make_llm(model, config, **opts)
   wrap_call(scrub, after=lambda old, new: _pool_is_zero_where_free(new[0]))
@@ -125,6 +134,36 @@ def test_scrub_on_release_zeroes_every_freed_block(model, config):
   stream.close()
   check_all_free(scrub)
   assert not np.any(np.asarray(scrub._state.cache.k_pages))
+
+
+def _unowned_slots_are_zero(st):
+  """Every KV slot that neither a live sequence's tokens nor a cache entry holds is zero."""
+  alloc = jax.device_get(st.alloc)
+  n, z = alloc.num_blocks, alloc.block_size
+  owned_NZ = np.zeros((n, z), bool)
+  owned_NZ[alloc.depth_N >= 0] = True  # registered blocks are full cache entries
+  for row, length in zip(alloc.block_tables, alloc.seq_lens):
+    for j, b in enumerate(row[:-(-int(length) // z)]):
+      owned_NZ[b, :min(z, int(length) - j * z)] = True
+  for pages in (st.cache.k_pages, st.cache.v_pages):
+    stale = np.any(np.asarray(pages) != 0, axis=(0, 1, 4))  # [N, Z]
+    assert not np.any(stale & ~owned_NZ), "an unowned KV slot kept K/V"
+
+
+def test_scrub_with_prefix_cache_keeps_only_cache_entries(model, config):
+  # With the prefix cache, a freed full block stays a cache entry (its K/V kept for hits of
+  # the same salt); everything else is zeroed, and an evicted entry is zeroed before its new
+  # owner writes, so no slot a sequence reads past its own tokens ever held someone else's.
+  opts = dict(num_blocks=12, steps_per_call=2)
+  scrub = make_llm(model, config, scrub_on_release=True, **opts)
+  plain = make_llm(model, config, enable_prefix_caching=False, **opts)
+  wrap_call(scrub, after=lambda old, new: _unowned_slots_are_zero(new[0]))
+  rng = np.random.default_rng(7)
+  for _ in range(3):
+    ps, params = _schedule(rng, scrub.max_seqs)
+    assert tokens_of(scrub.generate(ps, params)) == tokens_of(plain.generate(ps, params))
+  assert scrub.stats["preemptions"] > 0 and scrub.stats["prefix_hit_rate"] > 0
+  check_all_free(scrub)
 
 
 def test_scrub_on_release_must_be_bool(model, config):

@@ -1,0 +1,471 @@
+"""Prefix caching: the allocator's register / lookup / attach, eviction order, forced hash
+collisions, and the engine serving with the cache on (outputs equal to the cache off)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random
+from paged_jax import allocator as A
+from paged_jax.engine import LLM, SamplingParams
+
+NB = A.NO_BLOCK
+_append = jax.jit(A.append)
+_release = jax.jit(A.release)
+_register = jax.jit(A.register, static_argnames=("hash_fn",))
+_lookup = jax.jit(A.lookup, static_argnames=("hash_fn",))
+_attach = jax.jit(A.attach)
+
+
+def i32(*xs):
+  return jnp.asarray(xs, jnp.int32)
+
+
+def constant_hash(tokens_SPZ, salt_S):
+  """Every block of every sequence collides."""
+  del salt_S
+  return jnp.zeros(tokens_SPZ.shape[:2], jnp.uint32)
+
+
+def depth_hash(tokens_SPZ, salt_S):
+  """Every block collides with every other block at the same depth."""
+  del salt_S
+  s, p, _ = tokens_SPZ.shape
+  return jnp.broadcast_to(jnp.arange(p, dtype=jnp.uint32), (s, p))
+
+
+def pool():
+  # N=8 blocks of Z=4 tokens, S=4 sequences of at most P=4 blocks (16 tokens).
+  return A.init(num_blocks=8, block_size=4, max_seqs=4, max_blocks_per_seq=4)
+
+
+def token_rows(*rows):
+  """i32[4, 16]: the given rows (padded with 0), then zero rows."""
+  out = np.zeros((4, 16), np.int32)
+  for i, row in enumerate(rows):
+    out[i, :len(row)] = row
+  return out
+
+
+def fields(state, *names):
+  return {n: np.asarray(getattr(state, n)).tolist() for n in names}
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def _python_chain(tokens, salt, p, z):
+  """The documented chain, one block after the other: h_j = R * h_{j-1} + c_j."""
+  m = 2**32
+
+  def fmix(h):
+    h ^= h >> 16
+    h = h * 0x85EBCA6B % m
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 % m
+    return h ^ (h >> 16)
+
+  h, keys = fmix((salt ^ 0x5BD1E995) % m), []
+  for j in range(p):
+    c = fmix(sum(fmix((int(tokens[j * z + i]) * 0x9E3779B9 + (i + 1) * 0x632BE5AB) % m)
+                 for i in range(z)) % m)
+    h = (0x2545F491 * h + c) % m
+    keys.append(fmix(h))
+  return keys
+
+
+def test_chain_hashes_match_the_sequential_chain():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 50_000, (3, 5 * 3)).astype(np.int32)  # S=3, P=5, Z=3
+  salt = np.asarray([0, 7, 2**31 - 1], np.int32)
+  got = np.asarray(A.chain_hashes(jnp.asarray(tokens).reshape(3, 5, 3), jnp.asarray(salt)))
+  assert got.dtype == np.uint32
+  for s in range(3):
+    assert got[s].tolist() == _python_chain(tokens[s], int(salt[s]), 5, 3)
+
+
+def test_chain_hashes_cover_the_parent_and_the_salt():
+  rng = np.random.default_rng(1)
+  base = rng.integers(0, 1000, 16).astype(np.int32)
+  other = base.copy()
+  other[5] += 1  # block 1 differs (Z=4): blocks 1, 2, 3 must all hash differently
+  rows = jnp.asarray(np.stack([base, other, base]).reshape(3, 4, 4))
+  keys = np.asarray(A.chain_hashes(rows, i32(0, 0, 1)))
+  assert keys[0, 0] == keys[1, 0]
+  assert np.all(keys[0, 1:] != keys[1, 1:])
+  assert np.all(keys[0] != keys[2])  # another salt: another chain from block 0
+
+
+# ----------------------------------------------------------------------------- by hand
+
+
+def test_register_lookup_attach_by_hand():
+  a = np.arange(10, 26)  # 16 tokens
+  b = a.copy()
+  b[10:] = 99  # shares a's first 10 tokens: blocks 0 and 1 (tokens 0..7) fully
+  tokens = token_rows(a, b)
+  s, _ = _append(pool(), i32(10, 0, 0, 0))  # seq 0: blocks 0, 1 full, block 2 partial
+  s = _register(s, tokens)
+  A.validate(s)
+  assert fields(s, "depth_N", "parent_N")["depth_N"] == [0, 1, -1, -1, -1, -1, -1, -1]
+  assert int(s.parent_N[0]) == NB and int(s.parent_N[1]) == 0
+  np.testing.assert_array_equal(s.block_tokens_NZ[1], a[4:8])
+  # seq 0: 10 // 4 = 2 blocks; seq 1: its block 2 differs and is not registered -> 2;
+  # seq 2: other tokens -> 0; seq 3: num_tokens 3 < Z -> 0 (no full block to match).
+  blocks, hit = _lookup(s, tokens, i32(10, 16, 16, 3))
+  assert np.asarray(hit).tolist() == [2, 2, 0, 0]
+  assert np.asarray(blocks).tolist()[1] == [0, 1, NB, NB]
+  s, ok = _attach(s, blocks, i32(0, 2, 0, 0))
+  A.validate(s)
+  assert np.asarray(ok).tolist() == [True] * 4
+  assert np.asarray(s.block_tables).tolist()[1] == [0, 1, NB, NB]
+  assert int(s.seq_lens[1]) == 8
+  # Blocks 0, 1 are now held by seqs 0 and 1; block 2 by seq 0; nothing revived.
+  assert np.asarray(s.ref_counts).tolist()[:3] == [2, 2, 1] and int(s.num_free) == 5
+  # Released, the full blocks stay cached (free but registered) and revive on a hit.
+  s = _release(s, jnp.asarray([True, True, False, False]))
+  A.validate(s)
+  assert int(s.num_free) == 8 and int(A.num_cached(s)) == 2
+  blocks, hit = _lookup(s, tokens, i32(0, 0, 16, 0))
+  assert np.asarray(hit).tolist() == [0, 0, 0, 0]  # seq 2's row holds other tokens
+  blocks, hit = _lookup(s, token_rows(a, a, a), i32(0, 0, 9, 0))
+  s, ok = _attach(s, blocks, hit)
+  A.validate(s)
+  assert bool(ok[2]) and int(s.num_free) == 6 and int(A.num_cached(s)) == 0
+
+
+def test_lookup_respects_the_salt():
+  a = np.arange(1, 17)
+  s, _ = _append(pool(), i32(8, 0, 0, 0))
+  s = _register(s, token_rows(a), salt=i32(5, 0, 0, 0))
+  rows = token_rows(a, a, a, a)
+  _, hit = _lookup(s, rows, i32(8, 8, 8, 8), salt=i32(5, 5, 0, 6))
+  assert np.asarray(hit).tolist() == [2, 2, 0, 0]
+
+
+def test_in_call_duplicates_register_once_and_chain_off_the_first():
+  a = np.arange(40, 56)
+  tokens = token_rows(a, a)
+  s, _ = _append(pool(), i32(8, 8, 0, 0))  # seq 0: blocks 0, 1; seq 1: blocks 2, 3
+  s = _register(s, tokens)
+  A.validate(s)
+  # Only seq 0 (first in slot order) registers the shared content.
+  assert np.asarray(s.depth_N).tolist()[:4] == [0, 1, -1, -1]
+  # seq 1 grows into block 4 (tokens 8..11): it registers it after the matched prefix,
+  # whose registered copy is seq 0's block 1 (not seq 1's own block 3).
+  s, _ = _append(s, i32(0, 4, 0, 0))
+  s = _register(s, tokens)
+  A.validate(s)
+  assert int(s.depth_N[4]) == 2 and int(s.parent_N[4]) == 1
+  blocks, hit = _lookup(s, token_rows(a, a, a), i32(0, 0, 16, 0))
+  assert int(hit[2]) == 3 and np.asarray(blocks).tolist()[2] == [0, 1, 4, NB]
+
+
+def test_attach_refuses_bad_requests_and_changes_nothing():
+  a = np.arange(1, 17)
+  s, _ = _append(pool(), i32(12, 0, 0, 0))  # blocks 0, 1, 2 registered, seq 0 holds them
+  s = _register(s, token_rows(a))
+  s, _ = _append(s, i32(0, 0, 0, 2))  # seq 3 not empty (block 3, unregistered)
+  before = s
+  bad = np.full((4, 4), NB, np.int32)
+  bad[0] = [0, 1, NB, NB]  # seq 0 is not empty
+  bad[1] = [1, 0, NB, NB]  # depths out of order
+  bad[2] = [3, NB, NB, NB]  # block 3 is not registered
+  bad[3] = [0, NB, NB, NB]  # seq 3 is not empty
+  s, ok = _attach(s, jnp.asarray(bad), i32(2, 2, 1, 1))
+  assert np.asarray(ok).tolist() == [False] * 4
+  for name in ("block_tables", "seq_lens", "ref_counts", "num_free"):
+    np.testing.assert_array_equal(getattr(s, name), getattr(before, name), err_msg=name)
+  # Out-of-range ids and a chain that skips a link are refused too; k == 0 is always ok.
+  bad = np.full((4, 4), NB, np.int32)
+  bad[1] = [0, 2, NB, NB]  # block 2 is depth 2, not 1
+  bad[2] = [8, NB, NB, NB]
+  s, ok = _attach(s, jnp.asarray(bad), i32(0, 2, 1, 0))
+  assert np.asarray(ok).tolist() == [True, False, False, True]
+  A.validate(s)
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+def test_eviction_is_lru_and_chains_shrink_from_the_tail():
+  a, b = np.arange(100, 116), np.arange(200, 216)
+  s, _ = _append(pool(), i32(12, 8, 0, 0))  # a: blocks 0, 1, 2; b: blocks 3, 4
+  s = _register(s, token_rows(a, b))
+  s = _release(s, jnp.asarray([True, False, False, False]))  # a freed first (older)
+  s = _release(s, jnp.asarray([False, True, False, False]))
+  A.validate(s)
+  assert int(A.num_cached(s)) == 5 and int(s.num_free) == 8
+  # 4 blocks wanted: the 3 never-cached ones (5, 6, 7) first, then the LRU chain's deepest
+  # block, a's block 2.
+  s, ok = _append(s, i32(0, 0, 16, 0))
+  assert bool(ok[2]) and np.asarray(s.block_tables).tolist()[2] == [5, 6, 7, 2]
+  A.validate(s)
+  _, hit = _lookup(s, token_rows(a, b), i32(16, 16, 0, 0))
+  assert np.asarray(hit).tolist()[:2] == [2, 2]
+  # A hit refreshes a's blocks: attached and released now, a is the most recent; the next
+  # 4 blocks wanted are the 4 freed by seq 2 (uncached), then b's 2 (deepest first).
+  blocks, hit = _lookup(s, token_rows(a), i32(16, 0, 0, 0))
+  s, _ = _attach(s, blocks, hit)
+  s = _release(s, jnp.asarray([True, False, True, False]))
+  s, ok = _append(s, i32(16, 8, 0, 0))
+  assert np.asarray(ok).tolist() == [True] * 4
+  assert np.asarray(s.block_tables).tolist()[:2] == [[2, 5, 6, 7], [4, 3, NB, NB]]
+  A.validate(s)
+  _, hit = _lookup(s, token_rows(a, b, a, b), i32(0, 0, 16, 16))
+  assert np.asarray(hit).tolist() == [0, 0, 2, 0]
+
+
+# ----------------------------------------------------------------------------- collisions
+
+
+def test_constant_hash_never_reuses_another_prefix():
+  x, y = np.arange(1, 17), np.arange(101, 117)
+  s, _ = _append(pool(), i32(16, 0, 0, 0))
+  s = _register(s, token_rows(x), hash_fn=constant_hash)
+  A.validate(s)
+  rows = token_rows(x, y, np.concatenate([x[:4], y[4:]]))
+  blocks, hit = _lookup(s, rows, i32(16, 16, 16, 0), hash_fn=constant_hash)
+  # Every hash proposes block 0 (first in the table); only true matches are accepted:
+  # x's block 0 at depth 0. Deeper levels get block 0 again (depth 0 != j): a miss.
+  assert np.asarray(hit).tolist() == [1, 0, 1, 0]
+  assert np.asarray(blocks).tolist()[1] == [NB] * 4
+
+
+def test_evicted_parent_reused_for_other_tokens_breaks_the_chain():
+  # With a hash that collides on every block of a depth, a stale child (its parent evicted
+  # and re-registered with other tokens) would be proposed and its own tokens match: the
+  # parent's generation, bumped when it was handed out again, is what refuses it.
+  x, y, x2 = np.arange(1, 5), np.arange(11, 15), np.arange(21, 25)
+  s, _ = _append(pool(), i32(8, 0, 0, 0))  # blocks 0 (x), 1 (y)
+  s = _register(s, token_rows(np.concatenate([x, y])), hash_fn=depth_hash)
+  s = _release(s, jnp.asarray([True, False, False, False]))
+  # Make block 1 the more recently used one, so that block 0 is evicted first.
+  s = dataclasses.replace(s, last_used=s.last_used.at[1].add(1))
+  s, _ = _append(s, i32(0, 16, 8, 0))  # the 6 uncached blocks
+  s, _ = _append(s, i32(0, 0, 0, 4))  # takes block 0: evicted, generation + 1
+  assert np.asarray(s.block_tables).tolist()[3] == [0, NB, NB, NB]
+  s = _register(s, token_rows([], [], [], x2), hash_fn=depth_hash)
+  A.validate(s)
+  assert int(s.depth_N[0]) == 0 and int(s.depth_N[1]) == 1  # both registered
+  _, hit = _lookup(s, token_rows(np.concatenate([x2, y])), i32(8, 0, 0, 0),
+                   hash_fn=depth_hash)
+  assert int(hit[0]) == 1  # block 0 (x2) only; block 1 was computed after x, not x2
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def test_validate_catches_broken_cache_entries():
+  a = np.arange(1, 17)
+  s, _ = _append(pool(), i32(6, 0, 0, 0))  # block 0 full, block 1 partial
+  s = _register(s, token_rows(a))
+  A.validate(s)
+
+  def bad(pattern, **changes):
+    with pytest.raises(ValueError, match=pattern):
+      A.validate(dataclasses.replace(s, **changes))
+
+  bad(r"registered block 1 .* must be full", depth_N=s.depth_N.at[1].set(1),
+      parent_N=s.parent_N.at[1].set(0))
+  bad(r"registered block 0 \(depth_N=2\)", depth_N=s.depth_N.at[0].set(2),
+      parent_N=s.parent_N.at[0].set(3))
+  bad(r"parent_N\[0\]=3 with depth_N\[0\]=0", parent_N=s.parent_N.at[0].set(3))
+  bad(r"depth_N\[2\]=9 must be -1", depth_N=s.depth_N.at[2].set(9))
+
+
+def test_cache_ops_trace_once_without_host_transfer():
+  rng = np.random.default_rng(0)
+  ops = {"lookup": jax.jit(chex.assert_max_traces(A.lookup, n=1)),
+         "register": jax.jit(chex.assert_max_traces(A.register, n=1)),
+         "attach": jax.jit(chex.assert_max_traces(A.attach, n=1))}
+  s, _ = _append(pool(), i32(9, 5, 0, 0))
+  for _ in range(3):
+    tokens = jnp.asarray(rng.integers(0, 3, (4, 16)), jnp.int32)  # few values: hits
+    num_tokens = jnp.asarray(rng.integers(0, 17, 4), jnp.int32)
+    with jax.transfer_guard("disallow"):
+      s = ops["register"](s, tokens)
+      blocks, hit = ops["lookup"](s, tokens, num_tokens)
+      s, _ = ops["attach"](s, blocks, hit)
+    A.validate(s)
+
+
+def test_cache_ops_reject_bad_shapes():
+  s = pool()
+  with pytest.raises(ValueError, match=r"tokens.shape=\(3, 16\) must be \[S, X\]"):
+    A.lookup(s, jnp.zeros((3, 16), jnp.int32), i32(0, 0, 0, 0))
+  with pytest.raises(ValueError, match=r"tokens.dtype=float32"):
+    A.register(s, jnp.zeros((4, 16), jnp.float32))
+  with pytest.raises(ValueError, match=r"salt.shape=\(2,\) must be \(4,\)"):
+    A.register(s, jnp.zeros((4, 16), jnp.int32), salt=i32(0, 0))
+  with pytest.raises(ValueError, match=r"blocks.shape=\(4, 3\) must be \[S, P\]"):
+    A.attach(s, jnp.zeros((4, 3), jnp.int32), i32(0, 0, 0, 0))
+  with pytest.raises(ValueError, match=r"hash_fn returned shape"):
+    A.lookup(s, jnp.zeros((4, 16), jnp.int32), i32(0, 0, 0, 0),
+             hash_fn=lambda t, salt: jnp.zeros(4, jnp.uint32))
+
+
+# ----------------------------------------------------------------------------- engine
+
+EOS = 2
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def config():
+  return ModelConfig(model_type="llama", vocab_size=VOCAB, embed_dim=64, mlp_dim=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=128,
+                     eos_token_ids=(EOS,))
+
+
+@pytest.fixture(scope="module")
+def model(config):
+  return init_random(config, seed=0, impl="xla")
+
+
+def make_llm(model, config, **kwargs):
+  opts = dict(block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
+              steps_per_call=8)
+  opts.update(kwargs)
+  return LLM(model, config, **opts)
+
+
+def rand_tokens(rng, n):
+  return [int(t) for t in rng.integers(3, VOCAB, int(n))]
+
+
+def shared_prefix_workloads(seed=0):
+  """Two batches: a 21-token system prompt (longer than T = 16: chunked) before short user
+  turns, and few-shot prompts that share their first 1-3 examples."""
+  rng = np.random.default_rng(seed)
+  system = rand_tokens(rng, 21)
+  chat = [system + rand_tokens(rng, k) for k in rng.integers(1, 12, 7)]
+  shots = [rand_tokens(rng, 9) for _ in range(3)]
+  few_shot = [sum(shots[:k], []) + rand_tokens(rng, q)
+              for k, q in zip(rng.integers(1, 4, 6), rng.integers(2, 6, 6))]
+  return chat, few_shot
+
+
+def ids(outs):
+  return [(o.prompt_index, o.sample_index, o.token_ids, o.finish_reason) for o in outs]
+
+
+def test_engine_outputs_equal_with_cache_on_and_off(model, config):
+  chat, few_shot = shared_prefix_workloads()
+  greedy = [SamplingParams(max_tokens=6, ignore_eos=True)] * len(chat)
+  greedy[2] = SamplingParams(max_tokens=6, ignore_eos=True, n=2)  # forks share blocks too
+  on, off = make_llm(model, config), make_llm(model, config, enable_prefix_caching=False)
+  for batch, params in ((chat, greedy), (few_shot, SamplingParams(max_tokens=5)),
+                        (chat, greedy)):  # the same chats again: long hits
+    assert ids(on.generate(batch, params)) == ids(off.generate(batch, params))
+    A.validate(on.allocator_state)
+  assert off.stats["prefix_hit_rate"] == 0.0
+  assert on.stats["prefix_hit_rate"] > 0.4, on.stats
+  assert on.stats["cached_blocks"] > 0 and on.stats["num_free_blocks"] == 64
+
+
+def test_engine_hit_rate_by_hand(model, config):
+  llm = make_llm(model, config)
+  prompt = rand_tokens(np.random.default_rng(3), 21)
+  params = SamplingParams(max_tokens=3, ignore_eos=True)
+  first = llm.generate([prompt], params)
+  assert (llm.stats["prompt_tokens"], llm.stats["cached_prompt_tokens"]) == (21, 0)
+  second = llm.generate([prompt], params)
+  # All but the last prompt token may come from the cache: (21 - 1) // 4 = 5 blocks, 20
+  # tokens; the rate over both calls is 20 / (21 + 21).
+  assert (llm.stats["prompt_tokens"], llm.stats["cached_prompt_tokens"]) == (42, 20)
+  assert llm.stats["prefix_hit_rate"] == pytest.approx(20 / 42)
+  assert ids(first) == ids(second)
+
+
+def test_cache_salt_keeps_tenants_apart(model, config):
+  llm = make_llm(model, config)
+  prompt = rand_tokens(np.random.default_rng(4), 17)
+  params = SamplingParams(max_tokens=2, ignore_eos=True)
+  out_a = llm.generate([prompt], params, cache_salt="tenant-a")
+  out_b = llm.generate([prompt], params, cache_salt="tenant-b")
+  assert llm.stats["cached_prompt_tokens"] == 0  # b never sees a's blocks
+  out_none = llm.generate([prompt], params)  # no salt is a tenant of its own too
+  assert llm.stats["cached_prompt_tokens"] == 0
+  out_a2 = list(llm.generate_stream([prompt, prompt], params,
+                                    cache_salt=["tenant-a", "tenant-c"]))
+  assert llm.stats["cached_prompt_tokens"] == 16  # a's blocks, for a only
+  assert ids(out_a) == ids(out_b) == ids(out_none)
+  assert [e.token_id for e in out_a2 if e.prompt_index == 0 and e.token_id is not None] == [
+      *out_a[0].token_ids]
+  for bad, pattern in ((5, r"cache_salt=5 must be None, a str"),
+                       (["a"], r"one str \(or None\) per prompt \(2\)"),
+                       (["a", 3], r"cache_salt\[1\]=3 must be a str or None")):
+    with pytest.raises(ValueError, match=pattern):
+      llm.generate([prompt, prompt], params, cache_salt=bad)
+
+
+def _poison_cache_entries(st):
+  """NaN in every free block that is a prefix-cache entry."""
+  entry_N = (st.alloc.ref_counts == 0) & (st.alloc.depth_N >= 0)
+  m = entry_N[None, None, :, None, None]
+  cache = type(st.cache)(k_pages=jnp.where(m, jnp.nan, st.cache.k_pages),
+                         v_pages=jnp.where(m, jnp.nan, st.cache.v_pages))
+  return dataclasses.replace(st, cache=cache)
+
+
+def test_cache_entries_are_read_only_by_confirmed_hits(model, config):
+  # Fill the cache under one salt, poison every entry with NaN, then serve the same prompts
+  # under another salt and new prompts: nothing poisoned is read. The control (same salt)
+  # reads the poison, so the clean run is evidence, not luck.
+  chat, few_shot = shared_prefix_workloads(seed=5)
+  params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True)
+  llm, fresh = make_llm(model, config), make_llm(model, config)
+  llm.generate(chat, params, cache_salt="a")
+  assert llm.stats["cached_blocks"] > 10
+  llm._state = _poison_cache_entries(llm._state)
+  for batch, salt in ((chat, "b"), (few_shot, "a")):
+    got = llm.generate(batch, params, cache_salt=salt)
+    assert ids(got) == ids(fresh.generate(batch, params, cache_salt=salt))
+    assert all(np.all(np.isfinite(o.logprobs)) for o in got)
+  hits = llm.stats["cached_prompt_tokens"]
+  control = llm.generate(chat[:1], params, cache_salt="a")
+  assert llm.stats["cached_prompt_tokens"] > hits
+  assert not np.all(np.isfinite(control[0].logprobs)) or ids(control) != ids(
+      fresh.generate(chat[:1], params, cache_salt="a"))
+
+
+@pytest.mark.parametrize("hash_fn", [constant_hash, depth_hash])
+def test_engine_with_colliding_hashes_gives_the_same_outputs(model, config, hash_fn):
+  chat, few_shot = shared_prefix_workloads(seed=6)
+  params = SamplingParams(max_tokens=5, ignore_eos=True)
+  bad = make_llm(model, config, prefix_hash_fn=hash_fn)
+  off = make_llm(model, config, enable_prefix_caching=False)
+  for batch in (chat, few_shot, chat):
+    assert ids(bad.generate(batch, params)) == ids(off.generate(batch, params))
+    A.validate(bad.allocator_state)
+  assert bad.stats["prefix_hit_rate"] > 0  # some true matches still hit
+
+
+def test_engine_eviction_under_pressure_is_lru(model, config):
+  # 12 blocks of 4 tokens, one sequence at a time, prompts of 17 tokens and 3 new tokens:
+  # each run holds 5 blocks and leaves 4 full blocks cached (positions 0..15; the K/V of
+  # positions 16..18 sit in a partial block, freed uncached).
+  # Run A: blocks 0-3 cached, 4 free. Run B: takes never-used 5-9 -> B = 5-8 cached.
+  # Run C: takes the uncached 10, 11, 4, 9, then evicts the LRU chain's tail: A's block 3.
+  # So A again hits 3 blocks (12 tokens); it takes block 3 back and evicts B's tail
+  # (B is now the LRU); B again hits 12; that run evicts C's tail; C again hits 12.
+  rng = np.random.default_rng(8)
+  runs = {name: rand_tokens(rng, 17) for name in "ABC"}
+  params = SamplingParams(max_tokens=3, ignore_eos=True)
+  opts = dict(num_blocks=12, max_seqs=1)
+  llm, off = make_llm(model, config, **opts), make_llm(model, config, **opts,
+                                                        enable_prefix_caching=False)
+  hits = []
+  for name in "ABCABC":
+    before = llm.stats["cached_prompt_tokens"]
+    assert ids(llm.generate([runs[name]], params)) == ids(off.generate([runs[name]], params))
+    hits.append(llm.stats["cached_prompt_tokens"] - before)
+    A.validate(llm.allocator_state)
+  assert hits == [0, 0, 0, 12, 12, 12]
