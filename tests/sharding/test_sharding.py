@@ -185,3 +185,18 @@ def test_with_model_axis_copies_and_keeps_the_original():
   assert copy.model_axis == "model" and model.model_axis is None
   with pytest.raises(ValueError, match="model_axis=3"):
     model.with_model_axis(3)
+
+
+def test_benchmark_quick_mode(tmp_path):
+  # The benchmark sets XLA_FLAGS itself before importing JAX: run it as a script.
+  out = tmp_path / "rows.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "benchmarks/sharding.py", "--quick", "--json",
+                         str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = json.loads(out.read_text())
+  assert [r["data_shards"] for r in rows] == [1, 8]
+  for r in rows:
+    assert r["tokens_per_s"] > 0 and r["slots_per_shard"] == 2  # never a timing assertion
+  assert "| weak | 8 |" in proc.stdout
