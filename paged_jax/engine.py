@@ -548,7 +548,9 @@ class LLM:
     ``tokenizer.json`` is loaded when present and the ``tokenizers`` package is installed.
     ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
     from models import load_pretrained
-    model, config = load_pretrained(path, dtype=dtype, impl=impl)
+    mesh = kwargs.get("mesh")  # with a mesh each tensor is loaded onto its model slice
+    model, config = load_pretrained(path, dtype=dtype, impl=impl, sharding=None if mesh is None
+                                    else mesh_sharding.load_placement(mesh))
     tokenizer = kwargs.pop("tokenizer", None)
     tok_path = os.path.join(os.fspath(path), "tokenizer.json")
     if tokenizer is None and os.path.isfile(tok_path):

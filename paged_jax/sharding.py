@@ -57,7 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pallas_kernels import layout
 from paged_jax.kv_cache import KVCache
 
-__all__ = ["DATA", "MODEL", "ShardingPlan", "kv_bytes_by_device", "pick_slots"]
+__all__ = ["DATA", "MODEL", "ShardingPlan", "kv_bytes_by_device", "load_placement",
+           "pick_slots"]
 
 DATA, MODEL = "data", "model"
 """The mesh axis names ``LLM(mesh=...)`` requires."""
@@ -92,6 +93,35 @@ def _leaf_name(path) -> str:
   return names[-1] if names else ""
 
 
+def _check_mesh(mesh) -> None:
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh with axes "
+                     f"{(DATA, MODEL)}")
+  if sorted(mesh.axis_names) != sorted((DATA, MODEL)):
+    raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be "
+                     f"{(DATA, MODEL)} (e.g. Mesh(devices.reshape(d, m), {(DATA, MODEL)}))")
+
+
+def load_placement(mesh) -> Callable[[tuple[str, ...], tuple[int, ...]], NamedSharding]:
+  """A ``sharding`` for ``models.load_pretrained``: each checkpoint tensor goes straight to
+  its model slice on the mesh (no device ever holds the whole model). An H, K or I axis
+  is split over "model" when its size is a multiple of m, else kept whole (K < m: the KV
+  heads are replicated later, by ``ShardingPlan.shard_params``)."""
+  _check_mesh(mesh)
+  m = int(mesh.shape[MODEL])
+
+  def placement(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+    letters = _axis_letters(path[-1])
+    if letters is None or len(letters) > len(shape):
+      return NamedSharding(mesh, P())
+    lead = len(shape) - len(letters)
+    axes = [MODEL if c in _MODEL_LETTERS and shape[lead + j] % m == 0 else None
+            for j, c in enumerate(letters)]
+    return NamedSharding(mesh, P(*(None,) * lead, *axes))
+
+  return placement
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
   """How one model is laid out over a ("data", "model") mesh; built by ``create``.
@@ -112,12 +142,7 @@ class ShardingPlan:
   def create(cls, mesh, *, num_heads: int, num_kv_heads: int, mlp_dim: int
              ) -> "ShardingPlan":
     """Validate ``mesh`` against the model's head counts and MLP width."""
-    if not isinstance(mesh, Mesh):
-      raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh with axes "
-                       f"{(DATA, MODEL)}")
-    if sorted(mesh.axis_names) != sorted((DATA, MODEL)):
-      raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be "
-                       f"{(DATA, MODEL)} (e.g. Mesh(devices.reshape(d, m), {(DATA, MODEL)}))")
+    _check_mesh(mesh)
     m = int(mesh.shape[MODEL])
     h, k = int(num_heads), int(num_kv_heads)
     if h % m:

@@ -1,7 +1,9 @@
 """Runs on 8 CPU devices (``python -m tests.sharding._run_meshes OUT.json``): the engine over
-several ("data", "model") meshes against the unsharded engine, the sharded paged forward
-against the unsharded one, per-device KV bytes, the mesh validation errors. Writes one JSON
-file that ``test_sharding.py`` (the parent pytest process, one device) checks.
+several ("data", "model") meshes against the unsharded engine (on a tiny random checkpoint,
+one mesh through ``LLM.from_pretrained(..., mesh=...)``), where ``load_pretrained`` puts
+each tensor, the sharded paged forward against the unsharded one, per-device KV bytes, the
+mesh validation errors. Writes one JSON file that ``test_sharding.py`` (the parent pytest
+process, one device) checks.
 
 XLA_FLAGS must carry ``--xla_force_host_platform_device_count=8`` before JAX starts; the
 parent passes it in the environment and this module adds it when missing.
@@ -18,21 +20,25 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from models import ModelConfig, init_random, steps as model_steps  # noqa: E402
+from models import ModelConfig, init_random, load_pretrained, steps as model_steps  # noqa: E402,E501
 from paged_jax import KVCache, allocator, sharding  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
+from tests.models import helpers  # noqa: E402
 
 EOS = 2
 VOCAB = 128
 MESHES = ((1, 1), (2, 4), (1, 8), (8, 1))
 COLLECTIVES_MESH = (2, 4)  # compiled once more to read its collectives
+FROM_PRETRAINED_MESH = (2, 4)  # built by LLM.from_pretrained(checkpoint, mesh=...)
 ENGINE = dict(block_size=4, num_blocks=128, max_seqs=16, max_tokens_per_step=16,
               steps_per_call=8, max_model_len=64)
 
@@ -41,6 +47,35 @@ def config(num_kv_heads=4, num_heads=8, mlp_dim=96):
   return ModelConfig(model_type="llama", vocab_size=VOCAB, embed_dim=64, mlp_dim=mlp_dim,
                      num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_dim=16, max_seq_len=128, eos_token_ids=(EOS,))
+
+
+def write_checkpoint(path) -> str:
+  """A tiny random Hugging Face checkpoint of ``config()``'s shape (no torch)."""
+  hf = helpers.hf_config_dict("llama", num_attention_heads=8, num_key_value_heads=4,
+                              max_position_embeddings=128)
+  cfg = ModelConfig.from_hf_dict(hf)
+  helpers.write_numpy_checkpoint(path, hf, helpers.hf_tensors(cfg, seed=0))
+  return path
+
+
+def load_placements(checkpoint):
+  """Partition specs of q_EHD and k_EKD as ``load_pretrained`` places them for (2, 4) and
+  (1, 8) meshes (K = 4: split over m = 4, kept whole for m = 8), and whether the loaded
+  values equal an unsharded load."""
+  ref, _ = load_pretrained(checkpoint, dtype="float32", impl="xla")
+  out = {}
+  for shape in ((2, 4), (1, 8)):
+    model, _ = load_pretrained(checkpoint, dtype="float32", impl="xla",
+                               sharding=sharding.load_placement(mesh_of(shape)))
+    attn, ref_attn = model.layers.attn, ref.layers.attn
+    out[f"{shape[0]}x{shape[1]}"] = dict(
+        q_EHD=[str(a) for a in attn.q_EHD[...].sharding.spec],
+        k_EKD=[str(a) for a in attn.k_EKD[...].sharding.spec],
+        down_IE=[str(a) for a in model.layers.mlp.down_IE[...].sharding.spec],
+        equal=all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            jax.tree_util.tree_leaves(nnx.state(model)),
+            jax.tree_util.tree_leaves(nnx.state(ref)))))
+  return out
 
 
 def mesh_of(shape):
@@ -56,7 +91,7 @@ def workload():
   prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
   params = [SamplingParams(max_tokens=8, logprobs=True, ignore_eos=True)] * len(prompts)
   params[2] = SamplingParams(max_tokens=10, n=2, logprobs=True, ignore_eos=True)
-  params[5] = SamplingParams(max_tokens=12, stop_token_ids=(87,), logprobs=True,
+  params[5] = SamplingParams(max_tokens=12, stop_token_ids=(73,), logprobs=True,
                              ignore_eos=True)
   return prompts, params
 
@@ -82,7 +117,7 @@ def collective_sizes(llm) -> list[int]:
   return sizes
 
 
-def run_engines(model, cfg):
+def run_engines(model, cfg, checkpoint):
   prompts, params = workload()
   t0 = time.perf_counter()
   base = LLM(model, cfg, **ENGINE)
@@ -90,7 +125,11 @@ def run_engines(model, cfg):
   result["unsharded_s"] = time.perf_counter() - t0
   for shape in MESHES:
     t0 = time.perf_counter()
-    llm = LLM(model, cfg, mesh=mesh_of(shape), **ENGINE)
+    if shape == FROM_PRETRAINED_MESH:  # the same weights, loaded onto their slices
+      llm = LLM.from_pretrained(checkpoint, mesh=mesh_of(shape), dtype="float32", impl="xla",
+                                **ENGINE)
+    else:
+      llm = LLM(model, cfg, mesh=mesh_of(shape), **ENGINE)
     out = summary(llm.generate(prompts, params))
     plan = llm._plan
     per_device = sharding.kv_bytes_by_device(llm._state.cache)
@@ -146,7 +185,6 @@ def _sharded_forward(model, cfg, m, spec, alloc, tokens_T, num_new_S, logits_ref
                          sharding=NamedSharding(plan.mesh, P(*pages)))
 
   def local(params, a, c):
-    from flax import nnx
     logits, a, c, ok = model_steps.prefill_step(nnx.merge(graphdef, params), a, c, tokens_T,
                                                 num_new_S)
     return logits, c
@@ -199,11 +237,20 @@ def errors(model, cfg):
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
-  cfg = config()
-  model = init_random(cfg, seed=0, impl="xla")
+  with tempfile.TemporaryDirectory() as tmp:
+    checkpoint = write_checkpoint(os.path.join(tmp, "tiny"))
+    result = run(checkpoint)
+  with open(argv[0], "w") as f:
+    json.dump(result, f)
+
+
+def run(checkpoint):
+  model, cfg = load_pretrained(checkpoint, dtype="float32", impl="xla")
+  assert cfg.num_heads == 8 and cfg.num_kv_heads == 4 and cfg.max_seq_len == 128
   result = dict(num_devices=jax.device_count())
   t0 = time.perf_counter()
-  result["engines"] = run_engines(model, cfg)
+  result["load_placements"] = load_placements(checkpoint)
+  result["engines"] = run_engines(model, cfg, checkpoint)
   result["engines_s"] = time.perf_counter() - t0
   result["forward"] = forward_equality(model, cfg, (4, 8))
   cfg1 = config(num_kv_heads=1)  # MQA: one KV head stored 8 times on a model axis of 8
@@ -212,8 +259,7 @@ def main(argv=None):
   result["forward_s"] = time.perf_counter() - t0 - result["engines_s"]
   result["errors"] = errors(model, cfg)
   result["seconds"] = time.perf_counter() - t0
-  with open(argv[0], "w") as f:
-    json.dump(result, f)
+  return result
 
 
 if __name__ == "__main__":

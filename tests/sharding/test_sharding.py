@@ -86,6 +86,18 @@ def test_no_collective_moves_the_cache(run):
   assert got["max_collective_elems"] < got["local_pages_elems"]
 
 
+def test_checkpoint_tensors_load_onto_their_model_slices(run):
+  # H=8, K=4, I=96 over m=4: q heads, KV heads and MLP columns split where loaded; over
+  # m=8 the K axis (4 heads) stays whole until the engine replicates it.
+  got = run["load_placements"]
+  assert got["2x4"]["q_EHD"] == ["None", "None", "model", "None"]  # [L, E, H, D]
+  assert got["2x4"]["k_EKD"] == ["None", "None", "model", "None"]
+  assert got["2x4"]["down_IE"] == ["None", "model", "None"]
+  assert got["1x8"]["q_EHD"] == ["None", "None", "model", "None"]
+  assert got["1x8"]["k_EKD"] == ["None", "None", "None", "None"]
+  assert got["2x4"]["equal"] and got["1x8"]["equal"]
+
+
 @pytest.mark.parametrize("case", ["4", "8", "8_mqa"])
 def test_sharded_paged_forward_matches_unsharded(run, case):
   got = run["forward"][case]
