@@ -1,12 +1,20 @@
-"""Ragged paged attention in XLA, blocked over the block table with an online softmax.
+"""Ragged paged attention in XLA: one flat list of KV chunks, an online softmax per item.
 
 The work is cut into items, one per (query tile, sequence) pair that share a token: a tile
 of Q consecutive query rows that spans a sequence boundary yields one item per sequence it
-touches. All items advance together through their sequences' pages, R pages (J = R * Z KV
-positions) per step of a ``while_loop`` whose trip count is the longest item's, so memory
-is bounded by one chunk per item at any context length and short batches stop early.
-Pages an item does not own (past its causal horizon or its sequence's length) are replaced
-by an out-of-range id that the gather fills with zeros: they are never read.
+touches. An item needs the KV positions below its causal horizon (its last live row's
+position + 1), read in chunks of R pages (J = R * Z positions). The (item, chunk) pairs of
+all items form one flat list of work units, item after item, and a ``while_loop`` takes U
+of them per step: its trip count follows the KV the batch actually holds. A long-tailed
+batch (one long sequence among short ones) costs its total length, not the longest length
+times the number of items, and padding items cost nothing. Each step scores its U chunks
+against their items' query rows and folds the partial softmax sums into the items' running
+ones (a scatter-max, then scatter-adds): flash attention's online softmax, over units.
+Memory is bounded by U chunks at any context length.
+
+Pages a unit does not own (past its item's causal horizon or its sequence's length, or a
+block id outside ``[0, N)``) are replaced by an out-of-range row that the gather fills with
+zeros: they are never read.
 """
 
 from __future__ import annotations
@@ -21,6 +29,15 @@ from jax import lax
 from pallas_kernels import metadata
 
 _NEG_INF = float("-inf")
+_SCORES_PER_STEP = 1 << 16
+"""Most scores (per KV head) one loop step computes by default: U * M * J."""
+_MIN_UNITS_PER_STEP = 16
+"""Default U is at least this (or every unit there can be): a batch of a few long
+sequences (small W) would otherwise pay one loop step per few chunks."""
+_ELEMENTWISE_ROWS = 8
+"""With at most this many packed query rows (M) per item, e.g. decode, the two products
+are a multiply and a sum, which XLA on CPU runs faster than a batch of tiny matmuls; larger
+tiles (prefill) use ``einsum``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,26 +47,41 @@ class XlaTiling:
   Attributes:
     q_tile: Q, query rows per work item. 1 suits decode (one item per token); larger tiles
       amortise the KV gather over many prefill rows of one sequence.
-    pages_per_chunk: R, pages each item reads per loop step.
+    pages_per_chunk: R, pages in one work unit (J = R * Z KV positions).
+    units_per_step: U, work units each loop step processes; None picks one from the
+      shapes (``default_units_per_step``).
   """
 
   q_tile: int
   pages_per_chunk: int
+  units_per_step: int | None = None
 
   def __post_init__(self):
-    for name in ("q_tile", "pages_per_chunk"):
+    for name in ("q_tile", "pages_per_chunk", "units_per_step"):
       value = getattr(self, name)
+      if value is None and name == "units_per_step":
+        continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 
 def default_tiling(num_tokens: int, num_seq_rows: int, block_size: int,
                    blocks_per_seq: int) -> XlaTiling:
-  """Q near the mean rows per sequence (a power of two, at most 64); J near 256 positions."""
+  """Q near the mean rows per sequence (a power of two, at most 64); J near 64 positions
+  (short chunks waste little past each item's horizon; the flat loop makes many cheap)."""
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   q_tile = min(64, 1 << (rows_per_seq.bit_length() - 1))
-  pages_per_chunk = max(1, min(blocks_per_seq, 256 // block_size))
+  pages_per_chunk = max(1, min(blocks_per_seq, 64 // block_size))
   return XlaTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk)
+
+
+def default_units_per_step(num_items: int, rows: int, chunk_len: int,
+                           max_units: int) -> int:
+  """U: one unit per item (W), at least ``_MIN_UNITS_PER_STEP``, at most every unit
+  (``max_units``) and at most ``_SCORES_PER_STEP`` scores per KV head (large prefill tiles);
+  never below 1."""
+  budget = _SCORES_PER_STEP // (rows * chunk_len)
+  return max(1, min(max(num_items, _MIN_UNITS_PER_STEP), max_units, budget))
 
 
 def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
@@ -68,7 +100,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                            tiling: XlaTiling | None = None):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``."""
   num_tokens, num_q_heads, head_dim = q_THD.shape
-  _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
+  num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
   group = num_q_heads // num_kv_heads
   if num_tokens == 0:
@@ -78,8 +110,13 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   q_tile, pages_per_chunk = tiling.q_tile, tiling.pages_per_chunk
   chunk_len = pages_per_chunk * block_size
   num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
+  rows = q_tile * group
+  units_per_step = tiling.units_per_step or default_units_per_step(
+      num_items, rows, chunk_len, num_items * -(-blocks_per_seq // pages_per_chunk))
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
   layer = jnp.asarray(layer, jnp.int32)
+  # The pages as rows of one [Z, D] page each: row (l * K + k) * N + n.
+  num_page_rows = num_layers * num_kv_heads * num_blocks
 
   # --- Work items: which (tile, sequence) pairs exist, in token order. ---
   item_seq_W, item_tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
@@ -92,57 +129,90 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                  & (row_WQ < q_end_S[seq_WQ]))
   qpos_WQ = metadata.query_positions(row_WQ, seq_WQ, kv_lens_S, cu_q_lens)
   qpos_WQ = jnp.where(row_live_WQ, qpos_WQ, -1)  # a dead row sees no key
-  kv_len_W = kv_lens_S[item_seq_W]
-  horizon_W = jnp.minimum(jnp.max(qpos_WQ, axis=1) + 1, kv_len_W)  # KV positions needed
-  num_chunks = jnp.max(jnp.maximum(horizon_W, 0) + chunk_len - 1) // chunk_len
+  # KV positions each item needs (no more than its table holds, as the reference reads).
+  horizon_W = jnp.clip(jnp.minimum(jnp.max(qpos_WQ, axis=1) + 1, kv_lens_S[item_seq_W]), 0,
+                       blocks_per_seq * block_size)
+
+  # --- Work units: (item, chunk) pairs, item after item. ---
+  units_W = (horizon_W + chunk_len - 1) // chunk_len
+  units_end_W = jnp.cumsum(units_W)
+  num_units = units_end_W[-1]
+  num_steps = (num_units + units_per_step - 1) // units_per_step
 
   q_WQHD = q_THD.at[row_WQ].get(mode="fill", fill_value=0).astype(jnp.float32)
-  # Rows (q, g) of one KV head are packed together: [W, K, Q * G, D].
-  q_WKMD = q_WQHD.reshape(num_items, q_tile, num_kv_heads, group, head_dim)
-  q_WKMD = q_WKMD.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, -1, head_dim)
+  # Rows (q, g) of one KV head are packed together: [K, W, M = Q * G, D].
+  q_WQKGD = q_WQHD.reshape(num_items, q_tile, num_kv_heads, group, head_dim)
+  q_KWMD = q_WQKGD.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_items, rows, head_dim)
   qpos_WM = jnp.repeat(qpos_WQ, group, axis=1)
   tables_WP = block_tables_SP[item_seq_W]
+  layer_ok = (layer >= 0) & (layer < num_layers)
 
-  def chunk_step(chunk, carry):
-    row_max_WKM, denom_WKM, acc_WKMD = carry
-    page_R = chunk * pages_per_chunk + jnp.arange(pages_per_chunk)
-    owned_WR = (page_R[None, :] * block_size < horizon_W[:, None]) & (page_R < blocks_per_seq)
-    ids_WR = tables_WP.at[:, page_R].get(mode="fill", fill_value=num_blocks)
+  def unit_step(step, carry):
+    row_max_KWM, denom_KWM, acc_KWMD = carry
+    unit_U = step * units_per_step + jnp.arange(units_per_step, dtype=jnp.int32)
+    live_U = unit_U < num_units
+    item_U = jnp.minimum(jnp.searchsorted(units_end_W, unit_U, side="right"),
+                         num_items - 1).astype(jnp.int32)
+    chunk_U = unit_U - (units_end_W - units_W)[item_U]
+    horizon_U = jnp.where(live_U, horizon_W[item_U], 0)
+    page_UR = chunk_U[:, None] * pages_per_chunk + jnp.arange(pages_per_chunk)[None, :]
+    owned_UR = (page_UR * block_size < horizon_U[:, None]) & (page_UR < blocks_per_seq)
+    ids_UR = tables_WP.at[item_U[:, None], page_UR].get(mode="fill", fill_value=num_blocks)
     # An id outside [0, N) must not wrap (jnp normalises negative indices before "fill").
-    owned_WR &= (ids_WR >= 0) & (ids_WR < num_blocks)
-    block_ids_WR = jnp.where(owned_WR, ids_WR, num_blocks)
-    # [W, R, K, Z, D] (advanced indices first) -> [W, K, J, D].
-    def gather(pages):
-      chunk_WRKZD = pages.at[layer, :, block_ids_WR].get(mode="fill", fill_value=0)
-      chunk_WKJD = chunk_WRKZD.transpose(0, 2, 1, 3, 4)
-      return chunk_WKJD.reshape(num_items, num_kv_heads, chunk_len, head_dim).astype(
-          jnp.float32)
-    k_WKJD, v_WKJD = gather(k_pages_LKNZD), gather(v_pages_LKNZD)
-    kv_pos_J = chunk * chunk_len + jnp.arange(chunk_len)
-    visible_WJ = kv_pos_J[None, :] < horizon_W[:, None]
-    visible_WMJ = visible_WJ[:, None, :] & (kv_pos_J[None, None, :] <= qpos_WM[:, :, None])
-    # Pages a sequence owns may hold garbage (NaN) past its length: zero them, not multiply.
-    v_WKJD = jnp.where(visible_WJ[:, None, :, None], v_WKJD, 0.0)
-    scores_WKMJ = jnp.einsum("wkmd,wkjd->wkmj", q_WKMD, k_WKJD,
-                             precision=lax.Precision.HIGHEST) * sm_scale
-    scores_WKMJ = jnp.where(visible_WMJ[:, None], scores_WKMJ, _NEG_INF)
-    new_max_WKM = jnp.maximum(row_max_WKM, jnp.max(scores_WKMJ, axis=-1))
-    safe_max_WKM = jnp.where(jnp.isfinite(new_max_WKM), new_max_WKM, 0.0)
-    probs_WKMJ = jnp.exp(scores_WKMJ - safe_max_WKM[..., None])
-    rescale_WKM = jnp.exp(row_max_WKM - safe_max_WKM)
-    denom_WKM = denom_WKM * rescale_WKM + jnp.sum(probs_WKMJ, axis=-1)
-    acc_WKMD = acc_WKMD * rescale_WKM[..., None] + jnp.einsum(
-        "wkmj,wkjd->wkmd", probs_WKMJ, v_WKJD, precision=lax.Precision.HIGHEST)
-    return new_max_WKM, denom_WKM, acc_WKMD
+    owned_UR &= (ids_UR >= 0) & (ids_UR < num_blocks) & layer_ok
+    page_row_KUR = ((layer * num_kv_heads + jnp.arange(num_kv_heads)[:, None, None])
+                    * num_blocks + ids_UR[None])
+    page_row_KUR = jnp.where(owned_UR[None], page_row_KUR, num_page_rows)
 
-  rows = q_tile * group
-  init = (jnp.full((num_items, num_kv_heads, rows), _NEG_INF, jnp.float32),
-          jnp.zeros((num_items, num_kv_heads, rows), jnp.float32),
-          jnp.zeros((num_items, num_kv_heads, rows, head_dim), jnp.float32))
-  _, denom_WKM, acc_WKMD = lax.fori_loop(0, num_chunks, chunk_step, init)
-  out_WKMD = acc_WKMD / jnp.where(denom_WKM > 0, denom_WKM, 1.0)[..., None]
-  out_WQHD = out_WKMD.reshape(num_items, num_kv_heads, q_tile, group, head_dim)
-  out_WQHD = out_WQHD.transpose(0, 2, 1, 3, 4).reshape(num_items, q_tile, num_q_heads, head_dim)
+    def gather(pages):  # [K, U, R] rows of Z * D -> [K, U, J, D]
+      chunk = jnp.take(pages.reshape(num_page_rows, block_size * head_dim), page_row_KUR,
+                       axis=0, mode="fill", fill_value=0)
+      return chunk.reshape(num_kv_heads, units_per_step, chunk_len, head_dim).astype(
+          jnp.float32)
+
+    k_KUJD, v_KUJD = gather(k_pages_LKNZD), gather(v_pages_LKNZD)
+    kv_pos_UJ = chunk_U[:, None] * chunk_len + jnp.arange(chunk_len)[None, :]
+    visible_UJ = kv_pos_UJ < horizon_U[:, None]
+    visible_UMJ = visible_UJ[:, None, :] & (kv_pos_UJ[:, None, :]
+                                            <= qpos_WM[item_U][:, :, None])
+    # Pages a sequence owns may hold garbage (NaN) past its length: zero them, not multiply.
+    v_KUJD = jnp.where(visible_UJ[None, :, :, None], v_KUJD, 0.0)
+    q_KUMD = q_KWMD[:, item_U]
+    if rows <= _ELEMENTWISE_ROWS:
+      scores_KUMJ = jnp.sum(q_KUMD[:, :, :, None, :] * k_KUJD[:, :, None], axis=-1)
+    else:
+      scores_KUMJ = jnp.einsum("kumd,kujd->kumj", q_KUMD, k_KUJD,
+                               precision=lax.Precision.HIGHEST)
+    scores_KUMJ = jnp.where(visible_UMJ[None], scores_KUMJ * sm_scale, _NEG_INF)
+    unit_max_KUM = jnp.max(scores_KUMJ, axis=-1)
+    safe_unit_max_KUM = jnp.where(jnp.isfinite(unit_max_KUM), unit_max_KUM, 0.0)
+    probs_KUMJ = jnp.exp(scores_KUMJ - safe_unit_max_KUM[..., None])
+    unit_denom_KUM = jnp.sum(probs_KUMJ, axis=-1)
+    if rows <= _ELEMENTWISE_ROWS:
+      unit_acc_KUMD = jnp.sum(probs_KUMJ[..., None] * v_KUJD[:, :, None], axis=-2)
+    else:
+      unit_acc_KUMD = jnp.einsum("kumj,kujd->kumd", probs_KUMJ, v_KUJD,
+                                 precision=lax.Precision.HIGHEST)
+    # Fold the units into their items; dead units go to an out-of-range item (dropped).
+    dest_U = jnp.where(live_U, item_U, num_items)
+    new_max_KWM = row_max_KWM.at[:, dest_U].max(unit_max_KUM, mode="drop")
+    safe_max_KWM = jnp.where(jnp.isfinite(new_max_KWM), new_max_KWM, 0.0)
+    rescale_KWM = jnp.exp(row_max_KWM - safe_max_KWM)
+    weight_KUM = jnp.exp(unit_max_KUM - safe_max_KWM[:, item_U])
+    denom_KWM = (denom_KWM * rescale_KWM).at[:, dest_U].add(unit_denom_KUM * weight_KUM,
+                                                            mode="drop")
+    acc_KWMD = (acc_KWMD * rescale_KWM[..., None]).at[:, dest_U].add(
+        unit_acc_KUMD * weight_KUM[..., None], mode="drop")
+    return new_max_KWM, denom_KWM, acc_KWMD
+
+  init = (jnp.full((num_kv_heads, num_items, rows), _NEG_INF, jnp.float32),
+          jnp.zeros((num_kv_heads, num_items, rows), jnp.float32),
+          jnp.zeros((num_kv_heads, num_items, rows, head_dim), jnp.float32))
+  _, denom_KWM, acc_KWMD = lax.fori_loop(0, num_steps, unit_step, init)
+  out_KWMD = acc_KWMD / jnp.where(denom_KWM > 0, denom_KWM, 1.0)[..., None]
+  out_KWQGD = out_KWMD.reshape(num_kv_heads, num_items, q_tile, group, head_dim)
+  out_WQHD = out_KWQGD.transpose(1, 2, 0, 3, 4).reshape(num_items, q_tile, num_q_heads,
+                                                       head_dim)
   # Each live row belongs to exactly one item; dead rows go to an out-of-range index.
   dest_WQ = jnp.where(row_live_WQ, row_WQ, num_tokens)
   out_THD = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
