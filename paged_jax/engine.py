@@ -74,7 +74,8 @@ from paged_jax.kv_cache import KVCache
 from paged_jax.sampling import SamplingParams, request_keys, sample
 from paged_jax.spec import KVCacheSpec
 
-__all__ = ["LLM", "Output", "SamplingParams", "StreamEvent", "EngineState"]
+__all__ = ["LLM", "Output", "SamplingParams", "StreamEvent", "EngineState",
+           "default_token_buckets"]
 
 FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
 """Slot status values of ``EngineState.status_S``."""
@@ -187,10 +188,23 @@ def _scrub_freed(cache: KVCache, before: allocator.AllocatorState,
   return _zero_blocks(cache, _unowned_N(after) & ~_unowned_N(before))
 
 
+def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int, ...]:
+  """Token counts the engine compiles its forward for: the smallest holds a decode row of
+  every slot (at least 32), each next is 4x larger, the last is ``max_tokens_per_step``."""
+  sizes, size = [], max(32, max_seqs)
+  while size < max_tokens_per_step:
+    sizes.append(size)
+    size *= 4
+  return tuple(sizes) + (max_tokens_per_step,)
+
+
 def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bool = False,
-          prefix_caching: bool = False, hash_fn=allocator.chain_hashes) -> EngineState:
+          prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
+          token_buckets: tuple[int, ...] | None = None) -> EngineState:
   """One scheduling step: prefix hits, budget, blocks (preempting), ragged forward, prefix
-  registration, fork, sample, stop."""
+  registration, fork, sample, stop. ``token_buckets`` (ending at ``num_tokens``): the
+  forward runs in the smallest that holds the step's tokens, so a step costs what it
+  computes, not the largest budget."""
   # Imported here: models imports paged_jax, and paged_jax must import without models.
   from models import steps as model_steps
 
@@ -205,8 +219,12 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
   cached_S = alloc.seq_lens
   if prefix_caching:
     empty_S = running_S & (cached_S == 0)
-    hit_SP, hit_S = allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
-                                     st.salt_S, hash_fn=hash_fn)
+    hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table sort then
+        jnp.any(empty_S),
+        lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
+                                 st.salt_S, hash_fn=hash_fn),
+        lambda: (jnp.full(alloc.block_tables.shape, allocator.NO_BLOCK, jnp.int32),
+                 jnp.zeros(num_slots, jnp.int32)))
   else:
     hit_S = jnp.zeros(num_slots, jnp.int32)
   base_S = cached_S + hit_S * z  # tokens with K/V once the hits are attached
@@ -259,15 +277,28 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
       cache = _zero_blocks(cache, (alloc.ref_counts == 0) & (alloc.depth_N >= 0)
                            & (taken.ref_counts > 0))
 
-  # 3. One ragged forward over prefill chunks and decode rows.
+  # 3. One ragged forward over prefill chunks and decode rows, in the smallest token bucket
+  #    that holds them (one compiled branch per bucket).
   cached_S = alloc.seq_lens
   cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_S)])
-  t_T = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
-  pos_T = cached_S[seq_T] + t_T - cu[seq_T]
-  tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
-  logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, cache, tokens_T,
-                                                           q_S, impl=impl)
+
+  def forward(num_rows):
+    def run(alloc, cache):
+      t_T = jnp.arange(num_rows, dtype=jnp.int32)
+      seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
+      pos_T = cached_S[seq_T] + t_T - cu[seq_T]
+      tokens_T = jnp.where(t_T < cu[-1],
+                           st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
+      return model_steps.prefill_step(model, alloc, cache, tokens_T, q_S, impl=impl)
+    return run
+
+  buckets = token_buckets or (num_tokens,)
+  if len(buckets) == 1:
+    logits_SV, alloc, cache, ok_S = forward(buckets[0])(alloc, cache)
+  else:
+    bucket = jnp.sum(cu[-1] > jnp.asarray(buckets[:-1], jnp.int32))
+    logits_SV, alloc, cache, ok_S = jax.lax.switch(bucket, [forward(b) for b in buckets],
+                                                   alloc, cache)
   if prefix_caching:  # the blocks this forward filled become reusable
     alloc = allocator.register(alloc, st.tokens_SM, st.salt_S, hash_fn=hash_fn)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
@@ -322,7 +353,8 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
 
 def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
                  num_tokens: int, impl, scrub_on_release: bool = False,
-                 prefix_caching: bool = False, hash_fn=allocator.chain_hashes):
+                 prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
+                 token_buckets: tuple[int, ...] | None = None):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
@@ -338,7 +370,7 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
   def body(c):
     st, i, _ = c
     st = _step(model, st, num_tokens=num_tokens, impl=impl, scrub_on_release=scrub_on_release,
-               prefix_caching=prefix_caching, hash_fn=hash_fn)
+               prefix_caching=prefix_caching, hash_fn=hash_fn, token_buckets=token_buckets)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     return st, i + 1, ~active | ((slots_wanted > 0) & (free >= slots_wanted))
@@ -361,7 +393,8 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
 
 _device_call_jit = jax.jit(_device_call,
                            static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl",
-                                            "scrub_on_release", "prefix_caching", "hash_fn"),
+                                            "scrub_on_release", "prefix_caching", "hash_fn",
+                                            "token_buckets"),
                            donate_argnames=("st",))
 
 
@@ -416,6 +449,9 @@ class LLM:
       ``num_blocks``.
     max_seqs: S, sequences running at once (slots; a request with ``n`` completions uses n).
     max_tokens_per_step: T, the token budget of one step (prefill chunks + decode rows).
+    token_buckets: increasing token counts ending at T; each step runs its forward in the
+      smallest that holds its tokens (a decode-only step costs S rows, not T). Default
+      ``default_token_buckets(T, max_seqs)``; ``(T,)`` compiles one forward only.
     max_model_len: longest sequence (prompt + generated); default
       ``min(config.max_seq_len, N * Z)`` so that any admitted sequence fits the pool alone.
     steps_per_call: most scheduling steps per device call.
@@ -448,7 +484,7 @@ class LLM:
                max_model_len: int | None = None, steps_per_call: int = 16,
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
                max_traces: int | None = None, scrub_on_release: bool = False,
-               prefix_hash_fn=None):
+               prefix_hash_fn=None, token_buckets: Sequence[int] | None = None):
     from models import Decoder, ModelConfig
     if not isinstance(model, Decoder):
       raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
@@ -505,6 +541,17 @@ class LLM:
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)
+    if token_buckets is None:
+      token_buckets = default_token_buckets(self.max_tokens_per_step, self.max_seqs)
+    if (isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Sequence)
+        or not token_buckets
+        or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1
+               for b in token_buckets)
+        or list(token_buckets) != sorted(set(token_buckets))
+        or token_buckets[-1] != self.max_tokens_per_step):
+      raise ValueError(f"token_buckets={token_buckets!r} must be increasing ints >= 1 ending "
+                       f"at max_tokens_per_step={self.max_tokens_per_step}")
+    self.token_buckets = tuple(int(b) for b in token_buckets)
     self.scrub_on_release = bool(scrub_on_release)
     self._rng = np.random.default_rng(seed)
     self._arrivals = 0
@@ -515,7 +562,8 @@ class LLM:
                   num_tokens=self.max_tokens_per_step, impl=model.impl,
                   scrub_on_release=self.scrub_on_release,
                   prefix_caching=self.enable_prefix_caching,
-                  hash_fn=prefix_hash_fn or allocator.chain_hashes)
+                  hash_fn=prefix_hash_fn or allocator.chain_hashes,
+                  token_buckets=self.token_buckets)
     if max_traces is None:
       # Shared across engines: same model structure and sizes -> one compilation.
       self._call = lambda params, st, wanted: _device_call_jit(params=params, st=st,

@@ -1,0 +1,54 @@
+"""Token buckets: a step's forward runs in the smallest compiled size holding its tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random
+from paged_jax import allocator
+from paged_jax.engine import LLM, SamplingParams, default_token_buckets
+
+
+def test_default_token_buckets_by_hand():
+  # First bucket: max(32, S) (a decode row per slot fits); then x4 while below T; then T.
+  assert default_token_buckets(16, 3) == (16,)
+  assert default_token_buckets(32, 8) == (32,)
+  assert default_token_buckets(256, 16) == (32, 128, 256)
+  assert default_token_buckets(512, 48) == (48, 192, 512)
+  assert default_token_buckets(2048, 8) == (32, 128, 512, 2048)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = ModelConfig(model_type="llama", vocab_size=128, embed_dim=64, mlp_dim=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       max_seq_len=128, eos_token_ids=(2,))
+  return init_random(config, seed=0, impl="xla"), config
+
+
+def test_bucketed_steps_give_the_same_tokens(tiny):
+  model, config = tiny
+  rng = np.random.default_rng(0)
+  # Prompts from 3 to 60 tokens: steps of a few decode rows (bucket 8), mixed steps and
+  # full prefill chunks (bucket 64) all occur.
+  prompts = [[int(t) for t in rng.integers(3, 128, n)] for n in (3, 60, 17, 41, 9, 25)]
+  params = SamplingParams(max_tokens=7, ignore_eos=True, logprobs=True)
+  opts = dict(block_size=4, num_blocks=96, max_seqs=3, max_tokens_per_step=64,
+              steps_per_call=8)
+  one = LLM(model, config, token_buckets=(64,), **opts).generate(prompts, params)
+  llm = LLM(model, config, token_buckets=(8, 24, 64), **opts)
+  three = llm.generate(prompts, params)
+  assert [o.token_ids for o in one] == [o.token_ids for o in three]
+  for a, b in zip(one, three):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+  allocator.validate(llm.allocator_state)
+
+
+@pytest.mark.parametrize("bad", [(), (8, 4, 64), (8, 32), (0, 64), (8.0, 64), "64", (8, 8, 64)])
+def test_token_buckets_are_validated(tiny, bad):
+  model, config = tiny
+  with pytest.raises(ValueError, match=r"token_buckets=.* must be increasing ints >= 1 "
+                                       r"ending at max_tokens_per_step=64"):
+    LLM(model, config, block_size=4, num_blocks=96, max_seqs=3, max_tokens_per_step=64,
+        token_buckets=bad)
