@@ -4,12 +4,17 @@ collisions, and the engine serving with the cache on (outputs equal to the cache
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
 
 from models import ModelConfig, init_random
 from paged_jax import allocator as A
@@ -469,3 +474,155 @@ def test_engine_eviction_under_pressure_is_lru(model, config):
     hits.append(llm.stats["cached_prompt_tokens"] - before)
     A.validate(llm.allocator_state)
   assert hits == [0, 0, 0, 12, 12, 12]
+
+
+# ----------------------------------------------------------------------------- stateful
+
+
+def mod3_hash(tokens_SPZ, salt_S):
+  """Only three hash values: frequent collisions between different prefixes."""
+  return A.chain_hashes(tokens_SPZ, salt_S) % jnp.uint32(3)
+
+
+MN, MZ, MS, MP = 10, 3, 4, 4  # the machine's pool: Z=3, 4 sequences of at most 12 tokens
+HASHES = (A.chain_hashes, constant_hash, depth_hash, mod3_hash)
+_m_register = {h: jax.jit(functools.partial(A.register, hash_fn=h)) for h in HASHES}
+_m_lookup = {h: jax.jit(functools.partial(A.lookup, hash_fn=h)) for h in HASHES}
+_m_fork = jax.jit(A.fork)
+_m_preempt = jax.jit(A.preempt)
+tiny_tokens = st.lists(st.integers(1, 2), min_size=0, max_size=MP * MZ)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+  """Random append / register / lookup+attach / release / fork / preempt over tokens from a
+  two-letter alphabet (so prefixes collide often), under good and colliding hashes.
+
+  The host shadows what each physical block holds: the token prefix (from position 0) that
+  its writer had when it wrote the block. Safety: every block a sequence holds always holds
+  that sequence's own prefix, so a hit never attaches K/V computed after other tokens or
+  under another salt, whatever the hash proposes.
+  """
+
+  @initialize(hash_index=st.integers(0, len(HASHES) - 1),
+              salts=st.lists(st.integers(0, 3).map(lambda x: int(x == 3)), min_size=MS,
+                             max_size=MS))
+  def setup(self, hash_index, salts):
+    self.hash_fn = HASHES[hash_index]
+    self.salt = np.asarray(salts, np.int32)
+    self.state = A.init(MN, MZ, MS, MP)
+    self.toks = [[] for _ in range(MS)]  # each sequence's tokens (== its seq_len)
+    self.content = {}  # block -> (prefix tuple its writer wrote, salt)
+    self.seen = []  # token lists of sequences at register time (lookups draw from them)
+
+  def _token_array(self, rows):
+    out = np.zeros((MS, MP * MZ), np.int32)
+    for s, row in enumerate(rows):
+      out[s, :len(row)] = row
+    return jnp.asarray(out)
+
+  def _record_writes(self, s, old_len):
+    table = np.asarray(self.state.block_tables)[s]
+    new_len = len(self.toks[s])
+    for j in range(old_len // MZ, -(-new_len // MZ)):
+      self.content[int(table[j])] = (tuple(self.toks[s][:min(new_len, (j + 1) * MZ)]),
+                                     int(self.salt[s]))
+
+  @rule(data=st.data(), then_register=st.booleans())
+  def append(self, data, then_register):
+    new = [data.draw(st.lists(st.integers(1, 2), max_size=7)) for _ in range(MS)]
+    self.state, ok = _append(self.state, i32(*[len(t) for t in new]))
+    for s, (t, good) in enumerate(zip(new, np.asarray(ok).tolist())):
+      if good and t:
+        old = len(self.toks[s])
+        self.toks[s] = self.toks[s] + t
+        self._record_writes(s, old)
+    if then_register:  # as the engine does after every forward
+      self.register()
+
+  @rule()
+  def register(self):
+    self.seen.extend(list(t) for t in self.toks if len(t) >= MZ)
+    self.state = _m_register[self.hash_fn](self.state, self._token_array(self.toks),
+                                           jnp.asarray(self.salt))
+
+  @rule(data=st.data(), restart=st.lists(st.booleans(), min_size=MS, max_size=MS))
+  def lookup_and_attach(self, data, restart):
+    # Sequences in ``restart`` are released first (a new request in their slot). Prompts:
+    # mostly tokens a sequence had when blocks were registered (a prefix that may be
+    # cached) with a random tail; sometimes fresh tokens.
+    self.release(restart)
+    seen = st.sampled_from(self.seen) if self.seen else tiny_tokens
+    prompts = [data.draw(st.one_of(seen, seen, tiny_tokens).flatmap(
+        lambda t: tiny_tokens.map(lambda tail: (t + tail)[:MP * MZ]))) for _ in range(MS)]
+    empty = [len(t) == 0 for t in self.toks]
+    num = i32(*[len(p) if e else 0 for p, e in zip(prompts, empty)])
+    blocks, hit = _m_lookup[self.hash_fn](self.state, self._token_array(prompts), num,
+                                          jnp.asarray(self.salt))
+    self.state, ok = _attach(self.state, blocks, hit)
+    blocks, hit = np.asarray(blocks), np.asarray(hit)
+    for s in range(MS):
+      if not empty[s] or not hit[s]:
+        continue
+      assert bool(ok[s])
+      k = int(hit[s])
+      for j in range(k):  # the safety property: this prefix, this salt
+        assert self.content[int(blocks[s, j])] == (tuple(prompts[s][:(j + 1) * MZ]),
+                                                   int(self.salt[s]))
+      self.toks[s] = list(prompts[s][:k * MZ])
+    hypothesis.event("lookup hit", str(bool(hit.any())))
+    hypothesis.event("hit blocks", str(int(hit.max())))
+
+  @rule(mask=st.lists(st.booleans(), min_size=MS, max_size=MS))
+  def release(self, mask):
+    self.state = _release(self.state, jnp.asarray(mask))
+    for s, m in enumerate(mask):
+      if m:
+        self.toks[s] = []
+
+  @rule(src=st.integers(0, MS - 1), dst=st.integers(0, MS - 1))
+  def fork(self, src, dst):
+    self.state, ok, csrc, cdst = _m_fork(self.state, i32(src), i32(dst))
+    if bool(ok[0]):  # dst becomes a copy of src, its salt included (one request's samples)
+      self.toks[dst] = list(self.toks[src])
+      self.salt[dst] = self.salt[src]
+      if int(cdst[0]) >= 0:  # KVCache.copy_blocks copies the tail block's content
+        self.content[int(cdst[0])] = self.content[int(csrc[0])]
+
+  @rule(prio=st.lists(st.integers(0, 2), min_size=MS, max_size=MS),
+        needed=st.integers(0, MN))
+  def preempt(self, prio, needed):
+    self.state, pre = _m_preempt(self.state, i32(*prio), jnp.int32(needed))
+    for s, p in enumerate(np.asarray(pre).tolist()):
+      if p:
+        self.toks[s] = []
+
+  @invariant()
+  def blocks_hold_their_owners_prefix(self):
+    if not hasattr(self, "state"):
+      return
+    host = jax.device_get(self.state)
+    A.validate(host)
+    assert host.seq_lens.tolist() == [len(t) for t in self.toks]
+    for s in range(MS):
+      for j in range(-(-len(self.toks[s]) // MZ)):
+        b = int(host.block_tables[s, j])
+        want = tuple(self.toks[s][:min(len(self.toks[s]), (j + 1) * MZ)])
+        assert self.content[b] == (want, int(self.salt[s])), (s, j, b)
+    for b in np.flatnonzero(host.depth_N >= 0):  # cache entries: full, stored tokens right
+      prefix, salt = self.content[int(b)]
+      assert len(prefix) == (int(host.depth_N[b]) + 1) * MZ and salt == host.salt_N[b]
+      assert host.block_tokens_NZ[b].tolist() == list(prefix[-MZ:])
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = hypothesis.settings(
+    max_examples=40, stateful_step_count=40, deadline=None, derandomize=True,
+    suppress_health_check=list(hypothesis.HealthCheck))
+
+
+@pytest.mark.slow
+def test_prefix_cache_machine_long():
+  run_state_machine_as_test(
+      PrefixCacheMachine,
+      settings=hypothesis.settings(max_examples=400, stateful_step_count=60, deadline=None,
+                                   suppress_health_check=list(hypothesis.HealthCheck)))
