@@ -39,6 +39,7 @@ VOCAB = 128
 MESHES = ((1, 1), (2, 4), (1, 8), (8, 1))
 COLLECTIVES_MESH = (2, 4)  # compiled once more to read its collectives
 FROM_PRETRAINED_MESH = (2, 4)  # built by LLM.from_pretrained(checkpoint, mesh=...)
+ABORT_MESH = (8, 1)  # scrub_on_release, and a stream abandoned mid-way
 ENGINE = dict(block_size=4, num_blocks=128, max_seqs=16, max_tokens_per_step=16,
               steps_per_call=8, max_model_len=64)
 
@@ -128,15 +129,21 @@ def run_engines(model, cfg, checkpoint):
     if shape == FROM_PRETRAINED_MESH:  # the same weights, loaded onto their slices
       llm = LLM.from_pretrained(checkpoint, mesh=mesh_of(shape), dtype="float32", impl="xla",
                                 **ENGINE)
-    else:
-      llm = LLM(model, cfg, mesh=mesh_of(shape), **ENGINE)
+    else:  # (8, 1) also scrubs released blocks inside the shard_map'd loop
+      llm = LLM(model, cfg, mesh=mesh_of(shape), scrub_on_release=shape == ABORT_MESH,
+                **ENGINE)
     out = summary(llm.generate(prompts, params))
+    stats = llm.stats
+    if shape == ABORT_MESH:  # a stream closed early: every shard's blocks come back
+      stream = llm.generate_stream(prompts[:6], params[:6])
+      next(stream)
+      stream.close()
+      out["free_after_abort"] = llm.stats["num_free_blocks"]
     plan = llm._plan
     per_device = sharding.kv_bytes_by_device(llm._state.cache)
     alloc = llm.allocator_state
     for i in range(plan.data_size):
       allocator.validate(jax.tree_util.tree_map(lambda x, i=i: np.asarray(x)[i], alloc))
-    stats = llm.stats
     llm.reset_stats()
     out.update(
         seconds=time.perf_counter() - t0,

@@ -61,6 +61,10 @@ def test_mesh_produces_the_unsharded_greedy_tokens(run, mesh):
   assert got["stats_after_reset"] == 0
 
 
+def test_abandoned_stream_frees_every_shard(run):
+  assert run["engines"]["8x1"]["free_after_abort"] == 128
+
+
 @pytest.mark.parametrize("mesh, devices_per_copy", [("1x1", 1), ("2x4", 8), ("1x8", 4),
                                                     ("8x1", 8)])
 def test_kv_bytes_per_device(run, mesh, devices_per_copy):
