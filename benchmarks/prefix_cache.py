@@ -67,7 +67,7 @@ class EngineOptions:
   steps_per_call: int = 32
 
 
-QUICK_ENGINE = EngineOptions(num_blocks=64, max_seqs=4, max_tokens_per_step=64,
+QUICK_ENGINE = EngineOptions(num_blocks=64, max_seqs=4, max_tokens_per_step=32,
                              steps_per_call=8)
 
 
