@@ -189,7 +189,7 @@ def _scrub_freed(cache: KVCache, before: allocator.AllocatorState,
 
 
 def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int, ...]:
-  """Token counts the engine compiles its forward for: the smallest holds a decode row of
+  """Token budgets the engine compiles a device call for: the smallest holds a decode row of
   every slot (at least 32), each next is 4x larger, the last is ``max_tokens_per_step``."""
   sizes, size = [], max(32, max_seqs)
   while size < max_tokens_per_step:
@@ -199,12 +199,9 @@ def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int,
 
 
 def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bool = False,
-          prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
-          token_buckets: tuple[int, ...] | None = None) -> EngineState:
+          prefix_caching: bool = False, hash_fn=allocator.chain_hashes) -> EngineState:
   """One scheduling step: prefix hits, budget, blocks (preempting), ragged forward, prefix
-  registration, fork, sample, stop. ``token_buckets`` (ending at ``num_tokens``): the
-  forward runs in the smallest that holds the step's tokens, so a step costs what it
-  computes, not the largest budget."""
+  registration, fork, sample, stop."""
   # Imported here: models imports paged_jax, and paged_jax must import without models.
   from models import steps as model_steps
 
@@ -277,28 +274,15 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
       cache = _zero_blocks(cache, (alloc.ref_counts == 0) & (alloc.depth_N >= 0)
                            & (taken.ref_counts > 0))
 
-  # 3. One ragged forward over prefill chunks and decode rows, in the smallest token bucket
-  #    that holds them (one compiled branch per bucket).
+  # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
   cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_S)])
-
-  def forward(num_rows):
-    def run(alloc, cache):
-      t_T = jnp.arange(num_rows, dtype=jnp.int32)
-      seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
-      pos_T = cached_S[seq_T] + t_T - cu[seq_T]
-      tokens_T = jnp.where(t_T < cu[-1],
-                           st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
-      return model_steps.prefill_step(model, alloc, cache, tokens_T, q_S, impl=impl)
-    return run
-
-  buckets = token_buckets or (num_tokens,)
-  if len(buckets) == 1:
-    logits_SV, alloc, cache, ok_S = forward(buckets[0])(alloc, cache)
-  else:
-    bucket = jnp.sum(cu[-1] > jnp.asarray(buckets[:-1], jnp.int32))
-    logits_SV, alloc, cache, ok_S = jax.lax.switch(bucket, [forward(b) for b in buckets],
-                                                   alloc, cache)
+  t_T = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq_T = jnp.clip(jnp.searchsorted(cu, t_T, side="right") - 1, 0, num_slots - 1)
+  pos_T = cached_S[seq_T] + t_T - cu[seq_T]
+  tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
+  logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, cache, tokens_T,
+                                                           q_S, impl=impl)
   if prefix_caching:  # the blocks this forward filled become reusable
     alloc = allocator.register(alloc, st.tokens_SM, st.salt_S, hash_fn=hash_fn)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
@@ -351,14 +335,24 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
   )
 
 
+def _want_S(st: EngineState) -> jax.Array:
+  """i32[S]: tokens each running sequence still needs K/V for (its uncached history)."""
+  return jnp.where(st.status_S == RUNNING, st.len_S - st.alloc.seq_lens, 0)
+
+
 def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
                  num_tokens: int, impl, scrub_on_release: bool = False,
                  prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
-                 token_buckets: tuple[int, ...] | None = None):
+                 downshift_at: int = 0, upshift: bool = False):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
-  free for the host's next waiting request (``slots_wanted`` i32[]: its n, 0 if none).
+  free for the host's waiting requests (``slots_wanted`` i32[], 0 if none wait). Token
+  buckets: ``num_tokens`` is this call's step budget, one of the engine's compiled sizes;
+  the loop also stops once the tokens the running sequences still want (their history not
+  in the cache) fit the next smaller size (``downshift_at``, 0: none) or, ``upshift``,
+  exceed this one, so the host picks the size that fits. The pool never passes through a
+  ``switch`` (XLA would copy it each step).
   """
   model = nnx.merge(graphdef, params)
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
@@ -370,16 +364,23 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
   def body(c):
     st, i, _ = c
     st = _step(model, st, num_tokens=num_tokens, impl=impl, scrub_on_release=scrub_on_release,
-               prefix_caching=prefix_caching, hash_fn=hash_fn, token_buckets=token_buckets)
+               prefix_caching=prefix_caching, hash_fn=hash_fn)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
-    return st, i + 1, ~active | ((slots_wanted > 0) & (free >= slots_wanted))
+    stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))
+    pending = jnp.sum(_want_S(st))
+    if downshift_at:
+      stop |= pending <= downshift_at
+    if upshift:
+      stop |= pending > num_tokens
+    return st, i + 1, stop
 
   st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
   max_len = st.tokens_SM.shape[1]
   idx_SK = jnp.clip(start_S[:, None] + jnp.arange(steps_per_call)[None, :], 0, max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
+      want_S=_want_S(st),
       tokens_SK=jnp.take_along_axis(st.tokens_SM, idx_SK, axis=1),
       logprobs_SK=jnp.take_along_axis(st.logprobs_SM, idx_SK, axis=1),
       steps=st.steps, preemptions=st.preemptions, generated=st.generated,
@@ -394,7 +395,7 @@ def _device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_c
 _device_call_jit = jax.jit(_device_call,
                            static_argnames=("graphdef", "steps_per_call", "num_tokens", "impl",
                                             "scrub_on_release", "prefix_caching", "hash_fn",
-                                            "token_buckets"),
+                                            "downshift_at", "upshift"),
                            donate_argnames=("st",))
 
 
@@ -449,9 +450,11 @@ class LLM:
       ``num_blocks``.
     max_seqs: S, sequences running at once (slots; a request with ``n`` completions uses n).
     max_tokens_per_step: T, the token budget of one step (prefill chunks + decode rows).
-    token_buckets: increasing token counts ending at T; each step runs its forward in the
-      smallest that holds its tokens (a decode-only step costs S rows, not T). Default
-      ``default_token_buckets(T, max_seqs)``; ``(T,)`` compiles one forward only.
+    token_buckets: increasing step budgets ending at T, one compiled device call each;
+      the host runs each call at the smallest that holds the tokens its sequences want, and
+      a call ends early when they would fit a smaller one or need a larger one, so decode
+      steps cost about S rows, not T. Default ``default_token_buckets(T, max_seqs)``;
+      ``(T,)`` compiles one.
     max_model_len: longest sequence (prompt + generated); default
       ``min(config.max_seq_len, N * Z)`` so that any admitted sequence fits the pool alone.
     steps_per_call: most scheduling steps per device call.
@@ -558,37 +561,52 @@ class LLM:
     self._graphdef, self._params = (nnx.split(model) if self._plan is None
                                     else self._plan.shard_model(model))
 
-    static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
-                  num_tokens=self.max_tokens_per_step, impl=model.impl,
-                  scrub_on_release=self.scrub_on_release,
-                  prefix_caching=self.enable_prefix_caching,
-                  hash_fn=prefix_hash_fn or allocator.chain_hashes,
-                  token_buckets=self.token_buckets)
-    if max_traces is None:
-      # Shared across engines: same model structure and sizes -> one compilation.
-      self._call = lambda params, st, wanted: _device_call_jit(params=params, st=st,
-                                                               slots_wanted=wanted, **static)
-    else:
-      def device_call(params, st, slots_wanted):
-        return _device_call(params=params, st=st, slots_wanted=slots_wanted, **static)
-      self._call = jax.jit(chex.assert_max_traces(device_call, n=max_traces),
-                           donate_argnums=(1,))
+    self._static = dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
+                        impl=model.impl, scrub_on_release=self.scrub_on_release,
+                        prefix_caching=self.enable_prefix_caching,
+                        hash_fn=prefix_hash_fn or allocator.chain_hashes)
+    self._max_traces = max_traces
+    self._calls: dict[int, Any] = {}
+    self._bucket = self.token_buckets[-1]  # the step budget of the next device call
     self._admit = _admit_jit
     self._abort = functools.partial(_abort_jit, scrub_on_release=self.scrub_on_release)
     self._slots_per_shard = self.max_seqs // shards
-    if self._plan is not None:  # one shard_map over the mesh; state with a data axis
-      call = self._plan.device_call(lambda params, st, wanted: _device_call(
-          static["graphdef"], params, st, wanted,
-          **{k: v for k, v in static.items() if k != "graphdef"}))
-      if max_traces is not None:
-        call = chex.assert_max_traces(call, n=max_traces)
-      self._call = jax.jit(call, donate_argnums=(1,))
+    if self._plan is not None:  # admit / abort per data shard
       self._admit = self._plan.per_shard(_admit)
       self._abort = self._plan.per_shard(functools.partial(
           _abort_jit, scrub_on_release=self.scrub_on_release))
     self._state = self._init_state() if self._plan is None else self._init_shards()
     self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
     self._last = None
+
+  def _call_for(self, bucket: int):
+    """The jitted device call whose step budget is ``bucket`` (one of ``token_buckets``),
+    built on first use: ``call(params, state, slots_wanted) -> (state, report)``, the state
+    donated. With a mesh it runs under the plan's ``shard_map``; with ``max_traces`` it is
+    wrapped in ``chex.assert_max_traces`` (per bucket)."""
+    if bucket not in self._calls:
+      i = self.token_buckets.index(bucket)
+      static = dict(self._static, num_tokens=bucket,
+                    downshift_at=self.token_buckets[i - 1] if i else 0,
+                    upshift=i + 1 < len(self.token_buckets))
+      if self._plan is None and self._max_traces is None:
+        # Shared across engines: same model structure and sizes -> one compilation.
+        call = lambda params, st, wanted: _device_call_jit(params=params, st=st,
+                                                           slots_wanted=wanted, **static)
+      else:
+        def call(params, st, slots_wanted):
+          return _device_call(params=params, st=st, slots_wanted=slots_wanted, **static)
+        if self._plan is not None:  # one shard_map over the mesh; state with a data axis
+          call = self._plan.device_call(call)
+        if self._max_traces is not None:
+          call = chex.assert_max_traces(call, n=self._max_traces)
+        call = jax.jit(call, donate_argnums=(1,))
+      self._calls[bucket] = call
+    return self._calls[bucket]
+
+  def _call(self, params, st, slots_wanted):
+    """One device call at the step budget ``self._bucket`` (set by ``_serve``)."""
+    return self._call_for(self._bucket)(params, st, slots_wanted)
 
   @classmethod
   def from_pretrained(cls, path, *, dtype=None, impl: str = "auto", **kwargs) -> "LLM":
@@ -760,8 +778,9 @@ class LLM:
     ``generate``."""
     return self._serve(self._requests(prompts, params, cache_salt))
 
-  def _fill_slots(self, waiting: list[_Request], slot_owner) -> None:
-    """Admit waiting requests (FCFS) into free slots; one jitted merge when any."""
+  def _fill_slots(self, waiting: list[_Request], slot_owner, want_S: np.ndarray) -> None:
+    """Admit waiting requests (FCFS) into free slots; one jitted merge when any. ``want_S``
+    (the host's view of the tokens each slot still needs) gets the admitted prompts."""
     free = [s for s, o in enumerate(slot_owner) if o is None]
     mask = np.zeros(self.max_seqs, bool)
     rows = None
@@ -792,6 +811,7 @@ class LLM:
         rows["stop_SX"][s, :len(req.stop)] = req.stop
         rows["salt_S"][s] = req.salt
         rows["fresh_S"][s] = f == 0
+        want_S[s] = n_prompt if f == 0 else 0
     if rows is not None:
       self._state = self._admit(self._state, jnp.asarray(mask),
                                 {k: jnp.asarray(v) for k, v in rows.items()})
@@ -859,14 +879,36 @@ class LLM:
                               lps))
     return outputs
 
+  def _slots_wanted(self, waiting: list[_Request]) -> int:
+    """Free slots (in one data shard) that end a device call early for waiting requests:
+    the first one's n, or more, up to a quarter of a shard's slots while enough requests
+    wait, so that the host is not called back each time a single slot frees."""
+    if not waiting:
+      return 0
+    batch = max(1, self._slots_per_shard // 4)
+    total = 0
+    for req in waiting:
+      total += req.params.n
+      if total >= batch:
+        break
+    return min(max(waiting[0].params.n, min(total, batch)), self._slots_per_shard)
+
+  def _pick_bucket(self, want_S: np.ndarray) -> int:
+    """The smallest token bucket holding the tokens one data shard's sequences want."""
+    need = int(want_S.reshape(-1, self._slots_per_shard).sum(axis=1).max())
+    return next((b for b in self.token_buckets if b >= need), self.token_buckets[-1])
+
   def _serve(self, requests: list[_Request]) -> Iterator[StreamEvent]:
     waiting = list(requests)
     slot_owner: list = [None] * self.max_seqs
+    want_S = np.zeros(self.max_seqs, np.int64)
     t0 = time.perf_counter()
     try:
       while waiting or any(o is not None for o in slot_owner):
-        self._fill_slots(waiting, slot_owner)
-        yield from self._run_call(waiting[0].params.n if waiting else 0, slot_owner)
+        self._fill_slots(waiting, slot_owner, want_S)
+        self._bucket = self._pick_bucket(want_S)
+        yield from self._run_call(self._slots_wanted(waiting), slot_owner)
+        want_S = np.array(self._last["want_S"], np.int64)
     finally:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       left = np.array([o is not None for o in slot_owner])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,6 +46,24 @@ def test_bucketed_steps_give_the_same_tokens(tiny):
   for a, b in zip(one, three):
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
   allocator.validate(llm.allocator_state)
+  assert sorted(llm._calls) == [8, 24, 64]  # every bucket served some device call
+
+
+def test_device_call_never_copies_the_pool(tiny):
+  # A pool passed through a lax.switch / cond branch is copied by XLA on every step (the
+  # first token-bucket design had 6 pool-sized copies per step). The compiled device call,
+  # scrub on release included (it zeroes blocks under a cond), must update the pool in
+  # place: no copy instruction of the pool's shape.
+  model, config = tiny
+  llm = LLM(model, config, block_size=4, num_blocks=97, max_seqs=3, max_tokens_per_step=64,
+            steps_per_call=4, scrub_on_release=True, max_traces=1)
+  pages = llm._state.cache.k_pages
+  pool = f"f32[{','.join(map(str, pages.shape))}]"
+  hlo = llm._call_for(64).lower(llm._params, llm._state, jnp.int32(0)).compile().as_text()
+  assert pool in hlo
+  copies = [line for line in hlo.splitlines()
+            if re.search(re.escape(pool) + r"\{[^}]*\} copy\(", line)]
+  assert not copies, copies[:3]
 
 
 @pytest.mark.parametrize("bad", [(), (8, 4, 64), (8, 32), (0, 64), (8.0, 64), "64", (8, 8, 64)])
