@@ -292,8 +292,15 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
   # 4. Fork the n - 1 waiting slots of a request whose prompt was just prefilled.
   parent_S = jnp.clip(st.parent_S, 0, num_slots - 1)
   child_S = (st.status_S == FORK_WAIT) & done_prefill_S[parent_S]
-  alloc, _, copy_src, copy_dst = allocator.fork(alloc, jnp.where(child_S, parent_S, -1), slot_S)
-  cache = cache.copy_blocks(copy_src, copy_dst)
+
+  def fork_children(alloc, cache):
+    alloc, _, copy_src, copy_dst = allocator.fork(alloc, jnp.where(child_S, parent_S, -1),
+                                                  slot_S)
+    return alloc, cache.copy_blocks(copy_src, copy_dst)
+
+  # Most steps fork nobody: skip the free-order sort and the block copy then.
+  alloc, cache = jax.lax.cond(jnp.any(child_S), fork_children, lambda a, c: (a, c), alloc,
+                              cache)
   # A fork that got no block simply recomputes the prompt later (its KV is empty).
   tokens_SM = jnp.where(child_S[:, None], st.tokens_SM[parent_S], st.tokens_SM)
   logprobs_SM = jnp.where(child_S[:, None], st.logprobs_SM[parent_S], st.logprobs_SM)

@@ -165,10 +165,14 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
     threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
     return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, -jnp.inf)
 
-  # The sort over V only runs when some sampled row truncates its distribution.
-  truncating = jnp.any(hot_S & ((top_k_S > 0) | (top_p_S < 1)))
-  masked_SV = jax.lax.cond(truncating, truncate, lambda x: x, scaled_SV)
-  drawn_S = jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
+  def draw():
+    # The sort over V only runs when some sampled row truncates its distribution.
+    truncating = jnp.any(hot_S & ((top_k_S > 0) | (top_p_S < 1)))
+    masked_SV = jax.lax.cond(truncating, truncate, lambda x: x, scaled_SV)
+    return jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
+
+  # Random draws (S x V of them) only when some row samples: an all-greedy batch skips them.
+  drawn_S = jax.lax.cond(jnp.any(hot_S), draw, lambda: greedy_S)
 
   tokens_S = jnp.where(hot_S, drawn_S, greedy_S)
   logprob_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
