@@ -16,9 +16,10 @@ import pytest
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
-from models import ModelConfig, init_random
 from paged_jax import allocator as A
-from paged_jax.engine import LLM, SamplingParams
+from paged_jax.engine import SamplingParams
+# The tiny model, its engine options and helpers, shared with the reliability tests.
+from tests.reliability.conftest import VOCAB, config, make_llm, model, tokens_of as ids
 
 NB = A.NO_BLOCK
 _append = jax.jit(A.append)
@@ -318,29 +319,6 @@ def test_cache_ops_reject_bad_shapes():
 
 # ----------------------------------------------------------------------------- engine
 
-EOS = 2
-VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def config():
-  return ModelConfig(model_type="llama", vocab_size=VOCAB, embed_dim=64, mlp_dim=96,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=128,
-                     eos_token_ids=(EOS,))
-
-
-@pytest.fixture(scope="module")
-def model(config):
-  return init_random(config, seed=0, impl="xla")
-
-
-def make_llm(model, config, **kwargs):
-  opts = dict(block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
-              steps_per_call=8)
-  opts.update(kwargs)
-  return LLM(model, config, **opts)
-
-
 def rand_tokens(rng, n):
   return [int(t) for t in rng.integers(3, VOCAB, int(n))]
 
@@ -355,10 +333,6 @@ def shared_prefix_workloads(seed=0):
   few_shot = [sum(shots[:k], []) + rand_tokens(rng, q)
               for k, q in zip(rng.integers(1, 4, 6), rng.integers(2, 6, 6))]
   return chat, few_shot
-
-
-def ids(outs):
-  return [(o.prompt_index, o.sample_index, o.token_ids, o.finish_reason) for o in outs]
 
 
 def test_engine_outputs_equal_with_cache_on_and_off(model, config):
