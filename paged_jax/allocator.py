@@ -588,12 +588,14 @@ def register(state: AllocatorState, tokens, salt=None, *,
 
   Call it once the K/V of those blocks are written (after the forward that filled them).
   ``tokens`` i32[S, X]: each sequence's tokens from position 0, as for ``lookup``; ``salt``
-  i32[S] (default 0). Per sequence, the blocks its own prefix already matches are skipped;
-  the next full blocks are registered as one chain hanging off the matched prefix, stopping
-  at a block that is already registered. When several sequences would register the same
-  block (same tokens after the same prefix, same salt) in one call, only the first in slot
-  order does (so a prefix has one entry; the others find it next time). Changes nothing
-  else.
+  i32[S] (default 0). A sequence's new full blocks (those past its last registered one) are
+  registered as one chain hanging off that block. A sequence with no registered block yet
+  first matches its prefix against the cache (``lookup``'s walk) and hangs its new blocks
+  off the matched prefix instead, skipping blocks the cache already holds; only then is the
+  table sorted, so the common case (a sequence extending its own registered chain) costs no
+  sort. When several sequences would register the same block (same tokens after the same
+  parent, same salt) in one call, only the first in slot order does (so a prefix has one
+  entry; the others find it next time). Changes nothing else.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
@@ -602,39 +604,57 @@ def register(state: AllocatorState, tokens, salt=None, *,
   j_P = jnp.arange(p, dtype=jnp.int32)
   b_SP = state.block_tables
   bc_SP = jnp.clip(b_SP, 0, n - 1)
-  own_reg_SP = (b_SP != NO_BLOCK) & (state.depth_N[bc_SP] >= 0)
-  pending = jnp.any((j_P < full_S[:, None]) & ~own_reg_SP)
+  full_SP = j_P < full_S[:, None]
+  own_reg_SP = (b_SP != NO_BLOCK) & (state.depth_N[bc_SP] >= 0) & full_SP
+  # Levels past the sequence's last registered full block.
+  after_S = jnp.max(jnp.where(own_reg_SP, j_P + 1, 0), axis=1)
+  pending_S = full_S > after_S
+  own_prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]], axis=1)
+  take = lambda x_SP, j_S: jnp.take_along_axis(x_SP, jnp.clip(j_S, 0, p - 1)[:, None],
+                                               axis=1)[:, 0]
 
-  def do_register(state):
+  def extend_own_chains(state):
+    """(key_SP, first_S, stop_S, first_parent_S): new levels [after, full) off one's own
+    last registered block."""
+    key_SP = jnp.asarray(hash_fn(tokens_SPZ, salt_S)).astype(jnp.uint32)
+    return key_SP, after_S, full_S, jnp.where(after_S > 0, take(b_SP, after_S - 1), NO_BLOCK)
+
+  def match_then_extend(state):
+    """The same after walking the cache: sequences with nothing registered hang off the
+    prefix the cache matches (skipping what it holds), up to their next registered block."""
     key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
-    stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | (j_P >= full_S[:, None]))
+    walked_S = after_S == 0
+    stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | ~full_SP)
     stop_S = jnp.where(jnp.any(stop_SP, axis=1), jnp.argmax(stop_SP, axis=1), p)
-    has_new_S = stop_S > hit_S
-    first_S = jnp.clip(hit_S, 0, p - 1)
-    first_key_S = jnp.take_along_axis(key_SP, first_S[:, None], axis=1)[:, 0]
-    root_parent_S = jnp.where(
-        hit_S > 0,
-        jnp.take_along_axis(cand_SP, jnp.clip(hit_S - 1, 0, p - 1)[:, None], axis=1)[:, 0],
-        NO_BLOCK)
+    first_S = jnp.where(walked_S, hit_S, after_S)
+    first_parent_S = jnp.where(
+        walked_S, jnp.where(hit_S > 0, take(cand_SP, hit_S - 1), NO_BLOCK),
+        take(b_SP, after_S - 1))
+    return key_SP, first_S, jnp.where(walked_S, stop_S, full_S), first_parent_S
+
+  def write(state):
+    key_SP, first_S, stop_S, first_parent_S = jax.lax.cond(
+        jnp.any(pending_S & (after_S == 0)), match_then_extend, extend_own_chains, state)
+    has_new_S = pending_S & (stop_S > first_S)
     # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
     # earlier in slot order.
-    first_tokens_SZ = jnp.take_along_axis(tokens_SPZ, first_S[:, None, None], axis=1)[:, 0]
-    same_SS = ((first_key_S[:, None] == first_key_S[None, :]) & (hit_S[:, None] == hit_S)
-               & (root_parent_S[:, None] == root_parent_S) & (salt_S[:, None] == salt_S)
+    first_key_S = take(key_SP, first_S)
+    first_tokens_SZ = jnp.take_along_axis(
+        tokens_SPZ, jnp.clip(first_S, 0, p - 1)[:, None, None], axis=1)[:, 0]
+    same_SS = ((first_key_S[:, None] == first_key_S[None, :]) & (first_S[:, None] == first_S)
+               & (first_parent_S[:, None] == first_parent_S) & (salt_S[:, None] == salt_S)
                & jnp.all(first_tokens_SZ[:, None] == first_tokens_SZ[None, :], axis=-1)
                & has_new_S[None, :])
     earlier_SS = jnp.arange(s)[None, :] < jnp.arange(s)[:, None]
     dup_S = jnp.any(same_SS & earlier_SS, axis=1)
-    new_SP = ((has_new_S & ~dup_S)[:, None] & (j_P >= hit_S[:, None])
+    new_SP = ((has_new_S & ~dup_S)[:, None] & (j_P >= first_S[:, None])
               & (j_P < stop_S[:, None]))
     # A block held by several sequences (forks) is registered once, by its first holder.
     flat_SP = jnp.arange(s * p, dtype=jnp.int32).reshape(s, p)
     first_N = jnp.full(n, s * p, jnp.int32).at[jnp.where(new_SP, b_SP, n)].min(
         flat_SP, mode="drop")
     new_SP &= first_N[bc_SP] == flat_SP
-    parent_SP = jnp.where(j_P == hit_S[:, None], root_parent_S[:, None],
-                          jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32),
-                                           b_SP[:, :-1]], axis=1))
+    parent_SP = jnp.where(j_P == first_S[:, None], first_parent_S[:, None], own_prev_SP)
     parent_gen_SP = jnp.where(parent_SP >= 0,
                               state.generation_N[jnp.clip(parent_SP, 0, n - 1)], 0)
     dest_SP = jnp.where(new_SP, b_SP, n)  # n: dropped by the scatters
@@ -649,7 +669,7 @@ def register(state: AllocatorState, tokens, salt=None, *,
         block_tokens_NZ=put(state.block_tokens_NZ, tokens_SPZ),
     )
 
-  state = jax.lax.cond(pending, do_register, lambda state: state, state)
+  state = jax.lax.cond(jnp.any(pending_S), write, lambda state: state, state)
   return dataclasses.replace(state, clock=state.clock + 1)
 
 

@@ -283,8 +283,11 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
   tokens_T = jnp.where(t_T < cu[-1], st.tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
   logits_SV, alloc, cache, ok_S = model_steps.prefill_step(model, alloc, cache, tokens_T,
                                                            q_S, impl=impl)
-  if prefix_caching:  # the blocks this forward filled become reusable
-    alloc = allocator.register(alloc, st.tokens_SM, st.salt_S, hash_fn=hash_fn)
+  if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
+    filled = jnp.any(alloc.seq_lens // z > cached_S // z)
+    alloc = jax.lax.cond(
+        filled, lambda a: allocator.register(a, st.tokens_SM, st.salt_S, hash_fn=hash_fn),
+        lambda a: a, alloc)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free
   utilization = allocator.utilization(alloc)
