@@ -33,9 +33,7 @@ import argparse
 import dataclasses
 import functools
 import math
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +50,7 @@ from models import layers  # noqa: E402
 from paged_jax import KVCache, allocator, paged_attention  # noqa: E402
 from paged_jax.engine import LLM  # noqa: E402
 from paged_jax.workload import Workload, make_requests  # noqa: E402
+from benchmarks.throughput import machine  # noqa: E402  (one machine line for both tables)
 
 RESULTS_PATH = pathlib.Path(__file__).with_name("decode_step_RESULTS_section.md")
 CPU_IMPLS = ("xla", "reference")
@@ -362,13 +361,6 @@ def loop_table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def machine() -> str:
-  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-  return (f"{platform.machine()} CPU, {os.cpu_count()} cores visible, shared with other jobs "
-          f"(load average {load} at the end); jax {jax.__version__}, backend "
-          f"{jax.default_backend()}")
 
 
 def main(argv=None) -> dict:
