@@ -88,7 +88,7 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 __all__ = ["NO_BLOCK", "PAD_SLOT", "AllocatorState", "init", "append", "slots", "release", "fork",
            "preempt", "utilization", "validate", "chain_hashes", "lookup", "attach", "register",
-           "num_cached"]
+           "cached_N", "num_cached"]
 
 
 @jax.tree_util.register_dataclass
@@ -481,6 +481,22 @@ def _salt(state: AllocatorState, salt) -> jax.Array:
   return _check_vector("salt", salt, state.max_seqs, "int")
 
 
+def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
+  """bool[S, P]: block ``b_SP[s, j]`` is registered at depth j and is a root (j == 0) or
+  hangs off ``b_SP[s, j - 1]`` as it was when registered (same generation). Ids outside
+  ``[0, N)`` are read clipped: callers that may pass them check the range themselves."""
+  s, p = b_SP.shape
+  n = state.num_blocks
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  bc_SP = jnp.clip(b_SP, 0, n - 1)
+  prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]], axis=1)
+  linked_SP = jnp.where(
+      j_P == 0, state.parent_N[bc_SP] == NO_BLOCK,
+      (state.parent_N[bc_SP] == prev_SP)
+      & (state.parent_gen_N[bc_SP] == state.generation_N[jnp.clip(prev_SP, 0, n - 1)]))
+  return (state.depth_N[bc_SP] == j_P) & linked_SP
+
+
 def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   """Match every sequence's blocks ``j < limit_S`` against the registered ones.
 
@@ -502,14 +518,9 @@ def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   cand_SP = order_N[jnp.clip(pos_SP, 0, n - 1)]
   j_P = jnp.arange(p, dtype=jnp.int32)
   ok_SP = ((pos_SP < n) & reg_N[cand_SP] & (state.block_hash_N[cand_SP] == key_SP)
-           & (state.depth_N[cand_SP] == j_P) & (state.salt_N[cand_SP] == salt_S[:, None])
-           & jnp.all(state.block_tokens_NZ[cand_SP] == tokens_SPZ, axis=-1))
-  prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), cand_SP[:, :-1]], axis=1)
-  linked_SP = jnp.where(
-      j_P == 0, state.parent_N[cand_SP] == NO_BLOCK,
-      (state.parent_N[cand_SP] == prev_SP)
-      & (state.parent_gen_N[cand_SP] == state.generation_N[jnp.clip(prev_SP, 0, n - 1)]))
-  ok_SP &= linked_SP & (j_P < limit_S[:, None])
+           & (state.salt_N[cand_SP] == salt_S[:, None])
+           & jnp.all(state.block_tokens_NZ[cand_SP] == tokens_SPZ, axis=-1)
+           & _chained_SP(state, cand_SP) & (j_P < limit_S[:, None]))
   hit_SP = jnp.cumprod(ok_SP.astype(jnp.int32), axis=1).astype(jnp.bool_)
   return key_SP, cand_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
 
@@ -555,15 +566,10 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
     raise ValueError(f"blocks.dtype={b_SP.dtype} must be an integer dtype")
   b_SP = b_SP.astype(jnp.int32)
   k_S = _check_vector("num_blocks", num_blocks, s, "int")
-  j_P = jnp.arange(p, dtype=jnp.int32)
-  use_SP = j_P < k_S[:, None]
+  use_SP = jnp.arange(p, dtype=jnp.int32) < k_S[:, None]
   bc_SP = jnp.clip(b_SP, 0, n - 1)
-  prev_SP = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), bc_SP[:, :-1]], axis=1)
-  chain_SP = ((b_SP >= 0) & (b_SP < n) & (state.depth_N[bc_SP] == j_P)
-              & (state.salt_N[bc_SP] == state.salt_N[bc_SP[:, :1]])
-              & jnp.where(j_P == 0, state.parent_N[bc_SP] == NO_BLOCK,
-                          (state.parent_N[bc_SP] == b_SP[:, jnp.maximum(j_P - 1, 0)])
-                          & (state.parent_gen_N[bc_SP] == state.generation_N[prev_SP])))
+  chain_SP = ((b_SP >= 0) & (b_SP < n) & _chained_SP(state, b_SP)
+              & (state.salt_N[bc_SP] == state.salt_N[bc_SP[:, :1]]))
   empty_S = (state.seq_lens == 0) & (state.block_tables[:, 0] == NO_BLOCK)
   grant_S = ((k_S > 0) & (k_S <= p) & empty_S
              & jnp.all(jnp.where(use_SP, chain_SP, True), axis=1))
@@ -673,9 +679,14 @@ def register(state: AllocatorState, tokens, salt=None, *,
   return dataclasses.replace(state, clock=state.clock + 1)
 
 
+def cached_N(state: AllocatorState) -> jax.Array:
+  """bool[N]: free blocks that still hold a registered prefix (reusable until evicted)."""
+  return (state.ref_counts == 0) & (state.depth_N >= 0)
+
+
 def num_cached(state: AllocatorState) -> jax.Array:
-  """i32[]: free blocks that still hold a registered prefix (reusable until evicted)."""
-  return jnp.sum((state.ref_counts == 0) & (state.depth_N >= 0), dtype=jnp.int32)
+  """i32[]: how many blocks ``cached_N`` marks."""
+  return jnp.sum(cached_N(state), dtype=jnp.int32)
 
 
 # ----------------------------------------------------------------------------- host checks

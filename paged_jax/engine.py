@@ -271,8 +271,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
     alloc, _ = allocator.attach(alloc, hit_SP, jnp.where(admit_S, hit_S, 0))
     if scrub_on_release:  # cached blocks this step's append evicts: zero them before reuse
       taken, _ = allocator.append(alloc, q_S)
-      cache = _zero_blocks(cache, (alloc.ref_counts == 0) & (alloc.depth_N >= 0)
-                           & (taken.ref_counts > 0))
+      cache = _zero_blocks(cache, allocator.cached_N(alloc) & (taken.ref_counts > 0))
 
   # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
@@ -583,8 +582,7 @@ class LLM:
     self._slots_per_shard = self.max_seqs // shards
     if self._plan is not None:  # admit / abort per data shard
       self._admit = self._plan.per_shard(_admit)
-      self._abort = self._plan.per_shard(functools.partial(
-          _abort_jit, scrub_on_release=self.scrub_on_release))
+      self._abort = self._plan.per_shard(self._abort)
     self._state = self._init_state() if self._plan is None else self._init_shards()
     self._host = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
     self._last = None

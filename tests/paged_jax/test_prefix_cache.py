@@ -387,8 +387,7 @@ def test_cache_salt_keeps_tenants_apart(model, config):
 
 def _poison_cache_entries(st):
   """NaN in every free block that is a prefix-cache entry."""
-  entry_N = (st.alloc.ref_counts == 0) & (st.alloc.depth_N >= 0)
-  m = entry_N[None, None, :, None, None]
+  m = A.cached_N(st.alloc)[None, None, :, None, None]
   cache = type(st.cache)(k_pages=jnp.where(m, jnp.nan, st.cache.k_pages),
                          v_pages=jnp.where(m, jnp.nan, st.cache.v_pages))
   return dataclasses.replace(st, cache=cache)
