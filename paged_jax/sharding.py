@@ -86,6 +86,19 @@ def _axis_letters(name: str) -> str | None:
   return suffix if "_" in name and suffix.isalpha() and suffix.isupper() else None
 
 
+def _split_spec(name: str, ndim: int,
+                can_split: Callable[[int], bool] = lambda axis: True) -> P:
+  """Partition spec of an ``ndim``-axis parameter from its name's letters: its H, K and I
+  axes over "model" (those for which ``can_split(axis)`` holds), leading axes (the stacked
+  L) and names without letters whole."""
+  letters = _axis_letters(name)
+  if letters is None or len(letters) > ndim:
+    return P()
+  lead = ndim - len(letters)
+  return P(*(None,) * lead, *(MODEL if c in _MODEL_LETTERS and can_split(lead + j) else None
+                              for j, c in enumerate(letters)))
+
+
 def _leaf_name(path) -> str:
   """The last string key of a pytree path (the parameter's name in an ``nnx.State``)."""
   names = [getattr(k, "key", None) for k in path]
@@ -111,13 +124,8 @@ def load_placement(mesh) -> Callable[[tuple[str, ...], tuple[int, ...]], NamedSh
   m = int(mesh.shape[MODEL])
 
   def placement(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-    letters = _axis_letters(path[-1])
-    if letters is None or len(letters) > len(shape):
-      return NamedSharding(mesh, P())
-    lead = len(shape) - len(letters)
-    axes = [MODEL if c in _MODEL_LETTERS and shape[lead + j] % m == 0 else None
-            for j, c in enumerate(letters)]
-    return NamedSharding(mesh, P(*(None,) * lead, *axes))
+    return NamedSharding(mesh, _split_spec(path[-1], len(shape),
+                                           can_split=lambda axis: shape[axis] % m == 0))
 
   return placement
 
@@ -191,11 +199,7 @@ class ShardingPlan:
   def param_spec(self, name: str, ndim: int) -> P:
     """Partition spec of a parameter from its name's letters; leading axes (the stacked
     L) and names without letters stay whole."""
-    letters = _axis_letters(name)
-    if letters is None or len(letters) > ndim:
-      return P()
-    lead = (None,) * (ndim - len(letters))
-    return P(*lead, *(MODEL if c in _MODEL_LETTERS else None for c in letters))
+    return _split_spec(name, ndim)
 
   def param_specs(self, params) -> Any:
     """A pytree of ``PartitionSpec``s matching ``params`` (an ``nnx.State``)."""
