@@ -166,12 +166,12 @@ def run_engines(model, cfg, checkpoint):
   return result
 
 
-def forward_equality(model, cfg, model_sizes):
+def forward_equality(model, cfg, model_sizes, block_size=4):
   """One ragged prefill step (two sequences, 7 and 13 tokens) through the model unsharded
   and under ``shard_map`` over a (1, m) mesh for each m: max |logits diff| / max |logits|
   and the same for the cache (each KV head compared with its first replica)."""
-  spec = model.kv_cache_spec(block_size=4, num_blocks=16)
-  alloc = allocator.init(16, 4, 4, 8)
+  spec = model.kv_cache_spec(block_size=block_size, num_blocks=16)
+  alloc = allocator.init(16, block_size, 4, 8)
   rng = np.random.default_rng(1)
   tokens_T = jnp.asarray(rng.integers(3, VOCAB, 24), jnp.int32)
   num_new_S = jnp.asarray([7, 13, 0, 0], jnp.int32)
@@ -264,6 +264,13 @@ def run(checkpoint):
   cfg1 = config(num_kv_heads=1)  # MQA: one KV head stored 8 times on a model axis of 8
   mqa = forward_equality(init_random(cfg1, seed=1, impl="xla"), cfg1, (8,))
   result["forward"]["8_mqa"] = mqa["8"]
+  # The Pallas kernels (interpret mode) inside the same shard_map, one KV head per device;
+  # the TPU kernel needs D >= 64 and Z a multiple of 8.
+  for impl, cfg_k, z in (("pallas_gpu", cfg, 4),
+                         ("pallas_tpu", dataclasses.replace(cfg, head_dim=64), 8)):
+    kernel_model = init_random(cfg_k, seed=2, impl=impl, interpret=True)
+    result["forward"][f"4_{impl}"] = forward_equality(kernel_model, cfg_k, (4,),
+                                                      block_size=z)["4"]
   result["forward_s"] = time.perf_counter() - t0 - result["engines_s"]
   result["errors"] = errors(model, cfg)
   result["seconds"] = time.perf_counter() - t0

@@ -102,7 +102,7 @@ def test_checkpoint_tensors_load_onto_their_model_slices(run):
   assert got["2x4"]["equal"] and got["1x8"]["equal"]
 
 
-@pytest.mark.parametrize("case", ["4", "8", "8_mqa"])
+@pytest.mark.parametrize("case", ["4", "8", "8_mqa", "4_pallas_gpu", "4_pallas_tpu"])
 def test_sharded_paged_forward_matches_unsharded(run, case):
   got = run["forward"][case]
   assert got["logits_rel"] < 1e-5 and got["k_rel"] < 1e-5 and got["v_rel"] < 1e-5, got
