@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from paged_jax import models
 from paged_jax import KVCache, allocator
 
 RESULTS_PATH = pathlib.Path(__file__).with_name("allocator_RESULTS_section.md")

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.xla import ragged_paged_attention as xla_paged_attention
+from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
+from paged_jax.pallas_kernels.xla import ragged_paged_attention as xla_paged_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import Decoder, ModelConfig
-from models import steps as steps_lib
+from paged_jax.models import Decoder, ModelConfig
+from paged_jax.models import steps as steps_lib
 from paged_jax import KVCache, allocator
 
 

@@ -45,8 +45,8 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402
-from models import layers  # noqa: E402
+from paged_jax import models  # noqa: E402
+from paged_jax.models import layers  # noqa: E402
 from paged_jax import KVCache, allocator, paged_attention  # noqa: E402
 from paged_jax.engine import LLM  # noqa: E402
 from paged_jax.workload import Workload, make_requests  # noqa: E402

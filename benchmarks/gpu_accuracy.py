@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-from pallas_kernels import gpu
+from paged_jax.pallas_kernels import gpu
 
 RESULTS_PATH = pathlib.Path(__file__).resolve().parent / "gpu" / "RESULTS_gpu_section.md"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

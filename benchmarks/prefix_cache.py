@@ -105,7 +105,7 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--quick", action="store_true", help="small workload, seconds; no files")
   parser.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
   args = parser.parse_args(argv)
-  from models import ModelConfig, init_random
+  from paged_jax.models import ModelConfig, init_random
   from paged_jax.cli_run import TINY_LLAMA
   config = ModelConfig(**TINY_LLAMA)
   model = init_random(config, seed=0)

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from models import ModelConfig, init_random  # noqa: E402
+from paged_jax.models import ModelConfig, init_random  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
 
 TINY = dict(model_type="llama", vocab_size=128, embed_dim=64, mlp_dim=96, num_layers=2,

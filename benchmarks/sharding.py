@@ -43,7 +43,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from models import ModelConfig, init_random  # noqa: E402
+from paged_jax.models import ModelConfig, init_random  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
 
 SMALL = dict(model_type="llama", vocab_size=512, embed_dim=256, mlp_dim=512, num_layers=4,

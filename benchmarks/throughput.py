@@ -65,7 +65,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from models import AttentionMetadata  # noqa: E402
+from paged_jax.models import AttentionMetadata  # noqa: E402
 from paged_jax import KVCache  # noqa: E402
 from paged_jax.engine import LLM  # noqa: E402
 from paged_jax.workload import Workload, make_requests  # noqa: E402

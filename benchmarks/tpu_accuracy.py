@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import paged_attention as jax_decode
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_ragged
 
-from pallas_kernels import tpu as tpu_kernel
+from paged_jax.pallas_kernels import tpu as tpu_kernel
 from tests import attention_cases as cases
 
 RESULTS_PATH = pathlib.Path(__file__).resolve().parent / "tpu" / "RESULTS_tpu_section.md"

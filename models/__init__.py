@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-from models.config import ModelConfig, RopeScaling
-from models.decoder import AttentionMetadata, Decoder, init_random
-from models.loader import load_pretrained
-from models.steps import Steps, decode_step, prefill_step
+from paged_jax.models.config import ModelConfig, RopeScaling
+from paged_jax.models.decoder import AttentionMetadata, Decoder, init_random
+from paged_jax.models.loader import load_pretrained
+from paged_jax.models.steps import Steps, decode_step, prefill_step
 
 __all__ = [
     "AttentionMetadata",

@@ -24,8 +24,8 @@ from flax import nnx
 
 import paged_jax
 from paged_jax import KVCache, KVCacheSpec
-from models import layers
-from models.config import ModelConfig
+from paged_jax.models import layers
+from paged_jax.models.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass

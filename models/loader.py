@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from models.config import ModelConfig
-from models.decoder import Decoder
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -28,7 +28,7 @@ from flax import nnx
 
 from paged_jax import KVCache
 from paged_jax import allocator
-from models.decoder import AttentionMetadata, Decoder
+from paged_jax.models.decoder import AttentionMetadata, Decoder
 
 
 def _pack_rows(values_T: jax.Array, counts_S: jax.Array, keep_S: jax.Array) -> jax.Array:

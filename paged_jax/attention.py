@@ -9,13 +9,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import validation
-from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels import xla as xla_kernel
+from paged_jax.pallas_kernels import validation
+from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
+from paged_jax.pallas_kernels import xla as xla_kernel
 from paged_jax.kv_cache import KVCache
 
 IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
-_PALLAS_MODULES = {"pallas_tpu": "pallas_kernels.tpu", "pallas_gpu": "pallas_kernels.gpu"}
+_PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
+                   "pallas_gpu": "paged_jax.pallas_kernels.gpu"}
 _AUTO_BY_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 

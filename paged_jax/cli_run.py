@@ -87,7 +87,7 @@ def _engine(args):
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call)
   if args.model:
     return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)
-  from models import ModelConfig, init_random
+  from paged_jax.models import ModelConfig, init_random
   config = ModelConfig(**TINY_LLAMA)
   dtype = jnp.float32 if args.dtype is None else jnp.dtype(args.dtype)
   model = init_random(config, seed=args.seed, dtype=dtype)

@@ -203,7 +203,7 @@ def _step(model, st: EngineState, *, num_tokens: int, impl, scrub_on_release: bo
   """One scheduling step: prefix hits, budget, blocks (preempting), ragged forward, prefix
   registration, fork, sample, stop."""
   # Imported here: models imports paged_jax, and paged_jax must import without models.
-  from models import steps as model_steps
+  from paged_jax.models import steps as model_steps
 
   alloc = st.alloc
   num_slots, max_len = st.tokens_SM.shape
@@ -497,7 +497,7 @@ class LLM:
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
                max_traces: int | None = None, scrub_on_release: bool = False,
                prefix_hash_fn=None, token_buckets: Sequence[int] | None = None):
-    from models import Decoder, ModelConfig
+    from paged_jax.models import Decoder, ModelConfig
     if not isinstance(model, Decoder):
       raise ValueError(f"model={type(model).__name__} must be a models.Decoder")
     if not isinstance(config, ModelConfig):
@@ -621,7 +621,7 @@ class LLM:
     """An engine over a Hugging Face checkpoint directory (``models.load_pretrained``);
     ``tokenizer.json`` is loaded when present and the ``tokenizers`` package is installed.
     ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
-    from models import load_pretrained
+    from paged_jax.models import load_pretrained
     mesh = kwargs.get("mesh")  # with a mesh each tensor is loaded onto its model slice
     model, config = load_pretrained(path, dtype=dtype, impl=impl, sharding=None if mesh is None
                                     else mesh_sharding.load_placement(mesh))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import layout
+from paged_jax.pallas_kernels import layout
 from paged_jax.spec import KVCacheSpec
 
 

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_kernels import layout
+from paged_jax.pallas_kernels import layout
 from paged_jax.kv_cache import KVCache
 
 __all__ = ["DATA", "MODEL", "ShardingPlan", "kv_bytes_by_device", "load_placement",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import metadata
+from paged_jax.pallas_kernels import metadata
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import layout
+from paged_jax.pallas_kernels import layout
 
 
 def _is_int32(x) -> bool:

@@ -131,7 +131,7 @@ INTERPRET = False  # set by --smoke-cpu only
 
 
 def ours_fn(sm_scale):
-  from pallas_kernels import gpu
+  from paged_jax.pallas_kernels import gpu
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
@@ -141,7 +141,7 @@ def ours_fn(sm_scale):
 
 
 def xla_fn(sm_scale):
-  from pallas_kernels import xla
+  from paged_jax.pallas_kernels import xla
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
@@ -151,7 +151,7 @@ def xla_fn(sm_scale):
 
 
 def reference_fn(sm_scale):
-  from pallas_kernels.reference import ragged_paged_attention_reference
+  from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):

@@ -226,7 +226,7 @@ def kv_bytes(batch: Batch) -> int:
 # --- Implementations; each builder returns (fn, args) for fn(*args) -> [T, H, D]. ---
 
 def ours_fn(mode: Mode):
-  from pallas_kernels import tpu
+  from paged_jax.pallas_kernels import tpu
 
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
     return tpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
@@ -235,7 +235,7 @@ def ours_fn(mode: Mode):
 
 
 def xla_fn(mode: Mode):
-  from pallas_kernels import xla
+  from paged_jax.pallas_kernels import xla
 
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
     return xla.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
@@ -244,7 +244,7 @@ def xla_fn(mode: Mode):
 
 
 def reference_fn(mode: Mode):
-  from pallas_kernels.reference import ragged_paged_attention_reference
+  from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
     with jax.default_matmul_precision("highest"):

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import layout
-from pallas_kernels import validation
-from pallas_kernels.gpu import tiling as tiling_lib
-from pallas_kernels.gpu import triton_ragged
-from pallas_kernels.gpu import work_items
-from pallas_kernels.gpu.tiling import GpuTiling
+from paged_jax.pallas_kernels import layout
+from paged_jax.pallas_kernels import validation
+from paged_jax.pallas_kernels.gpu import tiling as tiling_lib
+from paged_jax.pallas_kernels.gpu import triton_ragged
+from paged_jax.pallas_kernels.gpu import work_items
+from paged_jax.pallas_kernels.gpu.tiling import GpuTiling
 
 _BACKENDS = {"triton": triton_ragged.split_attention}
 DEFAULT_BACKEND = "triton"

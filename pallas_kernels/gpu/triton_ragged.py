@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu.tiling import GpuTiling
+from paged_jax.pallas_kernels.gpu.tiling import GpuTiling
 
 # A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
 # that sees nothing keeps max = floor, sum = 0 without any inf - inf.

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import metadata
+from paged_jax.pallas_kernels import metadata
 
 
 @jax.tree_util.register_dataclass

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pallas_kernels.tpu.ragged import TpuTiling
-from pallas_kernels.tpu.ragged import default_tiling
-from pallas_kernels.tpu.ragged import ragged_paged_attention
+from paged_jax.pallas_kernels.tpu.ragged import TpuTiling
+from paged_jax.pallas_kernels.tpu.ragged import default_tiling
+from paged_jax.pallas_kernels.tpu.ragged import ragged_paged_attention
 
 __all__ = ["TpuTiling", "default_tiling", "ragged_paged_attention"]

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import metadata, validation
+from paged_jax.pallas_kernels import metadata, validation
 
 _NEG_INF = float("-inf")
 # VMEM the tiling may use; the smallest default scoped limit among TPU generations.

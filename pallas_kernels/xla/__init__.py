@@ -1,5 +1,5 @@
 """Blocked ragged paged attention in plain XLA: the CPU path and the fallback everywhere."""
 
-from pallas_kernels.xla.ragged import XlaTiling, default_tiling, ragged_paged_attention
+from paged_jax.pallas_kernels.xla.ragged import XlaTiling, default_tiling, ragged_paged_attention
 
 __all__ = ["XlaTiling", "default_tiling", "ragged_paged_attention"]

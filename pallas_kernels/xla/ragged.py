@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import metadata
+from paged_jax.pallas_kernels import metadata
 
 _NEG_INF = float("-inf")
 _SCORES_PER_STEP = 1 << 16

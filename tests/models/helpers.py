@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from models.config import ModelConfig
+from paged_jax.models.config import ModelConfig
 
 VOCAB = 128
 WIDTH = 64

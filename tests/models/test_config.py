@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from models import ModelConfig, RopeScaling
+from paged_jax.models import ModelConfig, RopeScaling
 from tests.models import helpers
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from paged_jax import models
 from paged_jax import KVCache
 from tests.models import helpers
 

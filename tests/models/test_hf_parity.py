@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import models  # noqa: E402
+from paged_jax import models  # noqa: E402
 from paged_jax import KVCache, allocator  # noqa: E402
 from tests.models import helpers  # noqa: E402
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from paged_jax import models
 from tests.models import helpers
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

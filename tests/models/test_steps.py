@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from models import steps as steps_lib
+from paged_jax import models
+from paged_jax.models import steps as steps_lib
 from paged_jax import KVCache, allocator
 from tests.models import helpers
 

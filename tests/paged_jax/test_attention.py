@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paged_jax import KVCache, paged_attention, resolve_impl, validate_attention_inputs
-from pallas_kernels.xla import XlaTiling, ragged_paged_attention as xla_attention
+from paged_jax.pallas_kernels.xla import XlaTiling, ragged_paged_attention as xla_attention
 from tests import attention_cases as cases
 
 IMPLS = ("reference", "xla")

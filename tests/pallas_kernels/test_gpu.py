@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import paged_jax
-from pallas_kernels import gpu
-from pallas_kernels.gpu import GpuTiling
-from pallas_kernels.gpu import tiling as tiling_lib
-from pallas_kernels.gpu import work_items
-from pallas_kernels.reference import ragged_paged_attention_reference
+from paged_jax.pallas_kernels import gpu
+from paged_jax.pallas_kernels.gpu import GpuTiling
+from paged_jax.pallas_kernels.gpu import tiling as tiling_lib
+from paged_jax.pallas_kernels.gpu import work_items
+from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 
 NO_BLOCK = -1
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}

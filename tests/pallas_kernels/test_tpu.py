@@ -22,9 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
 import paged_jax
-from pallas_kernels import tpu as tpu_kernel
-from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.tpu import ragged as tpu_ragged
+from paged_jax.pallas_kernels import tpu as tpu_kernel
+from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
+from paged_jax.pallas_kernels.tpu import ragged as tpu_ragged
 from tests import attention_cases as cases
 
 _TILING = tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=2)  # tiles span sequences; >1 chunk

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random
+from paged_jax.models import ModelConfig, init_random
 from paged_jax import allocator
 from paged_jax.engine import LLM
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from models import ModelConfig, init_random, load_pretrained, steps as model_steps  # noqa: E402,E501
+from paged_jax.models import ModelConfig, init_random, load_pretrained, steps as model_steps  # noqa: E402,E501
 from paged_jax import KVCache, allocator, sharding  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
 from tests.models import helpers  # noqa: E402

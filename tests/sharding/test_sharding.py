@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models import ModelConfig, init_random
+from paged_jax.models import ModelConfig, init_random
 from paged_jax import sharding
 from paged_jax.engine import LLM
 
