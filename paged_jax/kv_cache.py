@@ -19,17 +19,62 @@ def _check_int32_vector(name: str, x) -> None:
     raise ValueError(f"{name}.dtype={x.dtype} must be int32")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class KVCache:
   """K and V pages of every layer, ``[L, K, N, Z, D]`` each (``pallas_kernels.layout``).
+
+  The pool arrays (``k_bits``, ``v_bits``) hold the K/V of logical ``dtype`` in the storage
+  dtype the layout defines (``layout.storage_dtype``: the raw bits of 8- and 16-bit floats as
+  unsigned integers, so no backend converts the whole pool around a gather or scatter);
+  ``k_pages`` / ``v_pages`` view them in ``dtype`` (a whole-pool conversion: for tests and
+  inspection, not for a step). ``KVCache(k_pages, v_pages)`` takes pages in their logical
+  dtype; ``KVCache(k_bits, v_bits, dtype=...)`` takes storage bits as they are.
 
   Immutable: ``write`` and ``copy_blocks`` return a new cache. Under ``jit`` donate the
   cache argument so XLA updates the pool in place instead of copying it each step.
   """
 
-  k_pages: jax.Array
-  v_pages: jax.Array
+  __slots__ = ("k_bits", "v_bits", "dtype")
+
+  def __init__(self, k_pages, v_pages, dtype=None):
+    if _is_array(k_pages) and _is_array(v_pages):
+      logical = jnp.dtype(dtype if dtype is not None else k_pages.dtype)
+      stored = layout.storage_dtype(logical)
+      k_pages, v_pages = (x if jnp.dtype(x.dtype) == stored and x.dtype != logical
+                          else layout.to_storage(jnp.asarray(x), logical)
+                          for x in (k_pages, v_pages))
+      dtype = logical
+    # Anything else (PartitionSpecs, shardings, None) is kept as is: a pytree of specs.
+    object.__setattr__(self, "k_bits", k_pages)
+    object.__setattr__(self, "v_bits", v_pages)
+    object.__setattr__(self, "dtype", None if dtype is None else jnp.dtype(dtype))
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+  def tree_flatten_with_keys(self):
+    keys = jax.tree_util.GetAttrKey
+    return ((keys("k_bits"), self.k_bits), (keys("v_bits"), self.v_bits)), self.dtype
+
+  @classmethod
+  def tree_unflatten(cls, dtype, children):
+    cache = object.__new__(cls)
+    object.__setattr__(cache, "k_bits", children[0])
+    object.__setattr__(cache, "v_bits", children[1])
+    object.__setattr__(cache, "dtype", dtype)
+    return cache
+
+  def replace_bits(self, k_bits, v_bits) -> "KVCache":
+    """The same cache over new storage arrays (same shapes and storage dtype)."""
+    return KVCache.tree_unflatten(self.dtype, (k_bits, v_bits))
+
+  def __repr__(self) -> str:
+    shape = getattr(self.k_bits, "shape", None)
+    return f"KVCache(shape={shape}, dtype={self.dtype})"
 
   @classmethod
   def create(cls, spec: KVCacheSpec, *, sharding=None) -> "KVCache":
@@ -38,38 +83,45 @@ class KVCache:
       raise ValueError(f"spec={spec!r} must be a KVCacheSpec")
     shape = layout.pages_shape(spec.num_layers, spec.num_kv_heads, spec.num_blocks,
                                spec.block_size, spec.head_dim)
-    zeros = lambda: jnp.zeros(shape, spec.dtype, device=sharding)
-    return cls(k_pages=zeros(), v_pages=zeros())
+    stored = layout.storage_dtype(spec.dtype)
+    zeros = lambda: jnp.zeros(shape, stored, device=sharding)
+    return cls.tree_unflatten(jnp.dtype(spec.dtype), (zeros(), zeros()))
+
+  @property
+  def k_pages(self) -> jax.Array:
+    """K pages ``[L, K, N, Z, D]`` in ``dtype`` (converts the whole pool)."""
+    return layout.from_storage(self.k_bits, self.dtype)
+
+  @property
+  def v_pages(self) -> jax.Array:
+    """V pages ``[L, K, N, Z, D]`` in ``dtype`` (converts the whole pool)."""
+    return layout.from_storage(self.v_bits, self.dtype)
 
   @property
   def spec(self) -> KVCacheSpec:
-    dims = layout.unpack_pages_shape(self.k_pages.shape)
+    dims = layout.unpack_pages_shape(self.k_bits.shape)
     return KVCacheSpec(num_layers=dims["L"], num_kv_heads=dims["K"], head_dim=dims["D"],
-                       block_size=dims["Z"], num_blocks=dims["N"], dtype=self.k_pages.dtype)
+                       block_size=dims["Z"], num_blocks=dims["N"], dtype=self.dtype)
 
   @property
   def num_layers(self) -> int:
-    return self.k_pages.shape[0]
+    return self.k_bits.shape[0]
 
   @property
   def num_kv_heads(self) -> int:
-    return self.k_pages.shape[1]
+    return self.k_bits.shape[1]
 
   @property
   def num_blocks(self) -> int:
-    return self.k_pages.shape[2]
+    return self.k_bits.shape[2]
 
   @property
   def block_size(self) -> int:
-    return self.k_pages.shape[3]
+    return self.k_bits.shape[3]
 
   @property
   def head_dim(self) -> int:
-    return self.k_pages.shape[4]
-
-  @property
-  def dtype(self):
-    return self.k_pages.dtype
+    return self.k_bits.shape[4]
 
   def _check_layer(self, layer) -> None:
     if jnp.ndim(layer) != 0:
@@ -105,11 +157,11 @@ class KVCache:
     safe_T = jnp.where((slots_T >= 0) & (slots_T < num_slots), slots_T, num_slots)
     block_T, offset_T = safe_T // self.block_size, safe_T % self.block_size
     # Index [layer, :, block, offset, :]: the advanced indices go first -> [T, K, D].
-    k_pages = self.k_pages.at[layer, :, block_T, offset_T].set(
-        k_TKD.astype(self.dtype), mode="drop")
-    v_pages = self.v_pages.at[layer, :, block_T, offset_T].set(
-        v_TKD.astype(self.dtype), mode="drop")
-    return KVCache(k_pages=k_pages, v_pages=v_pages)
+    k_bits = self.k_bits.at[layer, :, block_T, offset_T].set(
+        layout.to_storage(k_TKD, self.dtype), mode="drop")
+    v_bits = self.v_bits.at[layer, :, block_T, offset_T].set(
+        layout.to_storage(v_TKD, self.dtype), mode="drop")
+    return self.replace_bits(k_bits, v_bits)
 
   def copy_blocks(self, src: jax.Array, dst: jax.Array) -> "KVCache":
     """Copy whole blocks ``src[c] -> dst[c]`` (i32[C] each) in every layer (fork / COW).
@@ -131,7 +183,7 @@ class KVCache:
       blocks = pages.at[:, :, src_C].get(mode="fill", fill_value=0)
       return pages.at[:, :, dst_C].set(blocks, mode="drop")
 
-    return KVCache(k_pages=copy(self.k_pages), v_pages=copy(self.v_pages))
+    return self.replace_bits(copy(self.k_bits), copy(self.v_bits))
 
   def nbytes(self) -> int:
-    return self.k_pages.nbytes + self.v_pages.nbytes
+    return self.k_bits.nbytes + self.v_bits.nbytes
