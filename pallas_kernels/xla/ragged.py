@@ -104,6 +104,7 @@ def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
   return max(1, min(num_tokens, num_tiles + min(num_seq_rows, num_tokens) - 1))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WorkPlan:
   """The work items and units of one call (all arrays traced; see ``plan_work``).
@@ -182,7 +183,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                            sinks=None, kv_dtype=None, tiling: XlaTiling | None = None):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``."""
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
-                                     soft_cap=soft_cap, sinks=sinks)
+                                      soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
