@@ -45,7 +45,16 @@ def _kernel_args(cache: KVCache):
   """``(k_pages, v_pages, kv_dtype)`` as every kernel takes them: the page arrays, and the
   logical K/V dtype when they hold its storage bits (None: they hold K/V as they are).
   The one place that knows how the cache stores its pages."""
-  return cache.k_pages, cache.v_pages, None
+  stored = jnp.dtype(cache.k_bits.dtype)
+  kv_dtype = None if stored == jnp.dtype(cache.dtype) and not cache.quantized else cache.dtype
+  return cache.k_bits, cache.v_bits, kv_dtype
+
+
+def _scale_kwargs(cache: KVCache) -> dict:
+  """``k_scales`` / ``v_scales`` ([L, K, N, Z] float32) for a quantised pool, else none."""
+  if not cache.quantized:
+    return {}
+  return dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
 
 
 def _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) -> dict:
@@ -101,7 +110,8 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
   k_pages, v_pages, kv_dtype = _kernel_args(cache)
   validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
-                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype)
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
@@ -113,7 +123,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   if sm_scale is None:
     sm_scale = float(q.shape[-1]) ** -0.5
   args = (q, k_pages, v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
-  variants = _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype)
+  variants = _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) | _scale_kwargs(cache)
   chosen = resolve_impl(impl)
   if q.shape[0] == 0:  # no query rows (T = 0): nothing to attend (the reference divides by T)
     return jnp.zeros_like(q)
@@ -132,7 +142,8 @@ def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, c
   """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``."""
   k_pages, v_pages, kv_dtype = _kernel_args(cache)
   validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
-                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype)
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
   validation.dynamic_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
                                      num_seqs)
 
