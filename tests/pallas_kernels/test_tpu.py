@@ -293,10 +293,10 @@ def test_public_entry_point():
 
 @pytest.mark.parametrize("q_tile", [1, 3, 4, 8])
 def test_work_items_cover_every_row_once(q_tile):
-  num_tokens, num_rows, chunk_len = 23, 6, 16
+  num_tokens, num_rows = 23, 6
   work_items = jax.jit(functools.partial(tpu_ragged._work_items, num_tokens=num_tokens,
-                                         q_tile=q_tile, chunk_len=chunk_len,
-                                         kv_capacity=10_000))
+                                         q_tile=q_tile, block_size=8, pages_per_chunk=2,
+                                         blocks_per_seq=1_250))
   for seed in range(10):
     rng = np.random.default_rng(seed)
     num_seqs = int(rng.integers(0, num_rows + 1))
