@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -89,14 +87,19 @@ class TpuTiling:
 
   def vmem_bytes(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
                  kv_itemsize: int) -> int:
-    """Approximate VMEM footprint of one kernel instance."""
+    """Approximate VMEM footprint of one kernel instance (every variant on: the sink input
+    and the soft cap's temporaries are counted)."""
     rows = _padded_rows(self.q_tile * group, q_itemsize)
     chunk_len = self.pages_per_chunk * block_size
+    lanes = 128  # an [M, 1] array occupies M rows of full 128-lane tiles
     kv_buffers = 2 * 2 * chunk_len * head_dim * kv_itemsize       # K and V, two slots
     q_out_blocks = 2 * 2 * rows * head_dim * q_itemsize           # pipelined in and out
-    state = rows * head_dim * 4 + 2 * rows * 128 * 4              # acc, max, denom
-    temporaries = 3 * rows * chunk_len * 4 + chunk_len * head_dim * 4
-    return kv_buffers + q_out_blocks + state + temporaries
+    row_inputs = 2 * 2 * rows * lanes * 4                         # row ids, sinks: [M, 1]
+    state = rows * head_dim * 4 + 2 * rows * lanes * 4            # acc, max, denom
+    # Scores, capped scores, probabilities and mask [M, J]; the K and V tiles as loaded
+    # and converted, [J, D] each.
+    temporaries = 4 * rows * chunk_len * 4 + 2 * chunk_len * head_dim * (4 + kv_itemsize)
+    return kv_buffers + q_out_blocks + row_inputs + state + temporaries
 
   def check(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
             kv_itemsize: int) -> None:
@@ -295,6 +298,16 @@ def _ragged_kernel(
           at = (kv_head * num_items + index) * blocks_per_seq + page
           page_log_ref[at] = page_log_ref[at] + 1
 
+  if page_log_ref is not None:
+    # One buffer for the whole grid, cleared once: every step also counts copies of the
+    # item after it (it starts that item's first chunk).
+    @pl.when((kv_head == 0) & (w == 0))
+    def _():
+      def clear(i, carry):
+        page_log_ref[i] = 0
+        return carry
+      lax.fori_loop(0, page_log_ref.shape[0], clear, 0)
+
   num_chunks = item(_CHUNKS, w)
   chunk_base = item(_CHUNK_BASE, w)
   next_w = jnp.minimum(w + 1, num_items - 1)
@@ -389,51 +402,17 @@ def _ragged_kernel(
   out_MD_ref[...] = jnp.where(owned_M1, out_MD, kept_MD).astype(out_MD_ref.dtype)
 
 
-def _validate_variants(num_q_heads: int, sliding_window, soft_cap, sinks) -> None:
-  if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
-      sliding_window, (int, np.integer)) or sliding_window < 1):
-    raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 1 or None")
-  if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(
-      soft_cap, (int, float, np.integer, np.floating)) or not math.isfinite(soft_cap)
-                               or soft_cap <= 0):
-    raise ValueError(f"soft_cap={soft_cap!r} must be a finite float > 0 or None")
-  if sinks is not None:
-    shape, dtype = jnp.shape(sinks), jnp.result_type(sinks)
-    if shape != (num_q_heads,) or dtype != jnp.float32:
-      raise ValueError(f"sinks (shape {shape}, dtype {dtype}) must be None or a float32 "
-                       f"array of shape [H]=[{num_q_heads}]")
-
-
-def _logical_pages(pages, kv_dtype):
-  """``pages`` as the kernel computes with them: its shape, dtype ``kv_dtype`` (if given)."""
-  if kv_dtype is None:
-    return pages
-  return jax.ShapeDtypeStruct(pages.shape, kv_dtype)
-
-
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks=None, kv_dtype=None) -> None:
-  """The shared shape checks plus this kernel's own; raises ``ValueError``."""
-  if kv_dtype is not None:
-    try:
-      floating = jnp.issubdtype(jnp.dtype(kv_dtype), jnp.floating)
-    except TypeError:
-      floating = False
-    if not floating:
-      raise ValueError(f"kv_dtype={kv_dtype!r} must be a floating dtype or None")
-    for name, pages in (("k_pages", k_pages_LKNZD), ("v_pages", v_pages_LKNZD)):
-      storage = layout.storage_dtype(kv_dtype)
-      if jnp.dtype(pages.dtype) != storage:
-        raise ValueError(f"{name}.dtype={pages.dtype} must be {storage}, the storage dtype "
-                         f"of kv_dtype={jnp.dtype(kv_dtype)}")
-  validation.static_validate_inputs(q_THD, _logical_pages(k_pages_LKNZD, kv_dtype),
-                                    _logical_pages(v_pages_LKNZD, kv_dtype), layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs)
+  """The shared shape and variant checks plus this kernel's own; raises ``ValueError``."""
+  validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
   _, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
-  _validate_variants(num_q_heads, sliding_window, soft_cap, sinks)
+  validation.static_validate_variants(num_q_heads, sliding_window=sliding_window,
+                                     soft_cap=soft_cap, sinks=sinks)
   if head_dim % 64 != 0 or head_dim > 256:
     raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be 64, 128, 192 or 256 "
                      "(a multiple of 64, at most 256)")
@@ -474,10 +453,7 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   interpret_params = _interpret_params(interpret)
   if sm_scale is None:
     sm_scale = float(head_dim) ** -0.5
-  if sliding_window is not None:
-    sliding_window = int(sliding_window)
-  if soft_cap is not None:
-    soft_cap = float(soft_cap)
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   storage = jnp.dtype(k_pages_LKNZD.dtype)
   kv_dtype = storage if kv_dtype is None else jnp.dtype(kv_dtype)
   if num_tokens == 0:
@@ -526,16 +502,10 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   inputs += [q_KXMD, k_pages_LKNZD, v_pages_LKNZD]
   out_specs = [qo_spec]
   out_shape = [jax.ShapeDtypeStruct(q_KXMD.shape, q_THD.dtype)]
-  aliases = {}
   if log_pages:
-    # The log is zeroed by aliasing a zero input: every grid step increments entries of
-    # other items (it starts the next item's first copies), so no step may clear it.
     log_size = num_kv_heads * num_items * blocks_per_seq
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-    inputs.append(jnp.zeros((log_size,), jnp.int32))
     out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     out_shape.append(jax.ShapeDtypeStruct((log_size,), jnp.int32))
-    aliases = {3 + len(inputs) - 1: 1}  # 3 scalar-prefetch operands come first
 
   kernel = functools.partial(
       _ragged_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
@@ -573,7 +543,6 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
           ],
       ),
       out_shape=out_shape,
-      input_output_aliases=aliases,
       compiler_params=pltpu.CompilerParams(
           # The page log is one buffer every step writes: no core split then.
           dimension_semantics=("arbitrary" if log_pages else "parallel", "arbitrary")),
