@@ -25,12 +25,30 @@ running chunk count, precomputed), not carried in scratch. Pages past an item's 
 page copy sits under ``pl.when``; rows of a buffer that this chunk did not fill, and rows
 past the horizon, are masked with ``where`` (never multiplied), so NaN garbage cannot leak.
 
+Attention variants (design.md, "Contract, second wave"):
+- ``sliding_window=W``: a row at position p sees keys in ``(p - W, p]``. Cost follows the
+  window: an item's pages start at ``_FIRST_PAGE = max(0, p0 - W + 1) // Z`` for its first
+  (earliest) row's position p0, so a page lying entirely before every window of the item is
+  never copied; chunks count R pages from there. Decode at 8k context with W = 256 copies
+  the same 16-17 pages per KV head as at 512 (``benchmarks/tpu/window_pages.py``).
+- ``soft_cap=c``: scores ``c * tanh(s / c)`` in float32, before the mask.
+- ``sinks`` (f32[H], traced): a small ``[K, M, 1]`` VMEM input, one logit per packed row
+  (its query head); the running max starts at it and the denominator at 1.
+- ``kv_dtype``: the pages hold storage bits (``layout.storage_dtype``); the VMEM buffers
+  keep those bits and each loaded tile is bitcast back as a value (``layout.from_storage``).
+- Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
+  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32.
+
 Precision: float32 KV is computed in float32 (``Precision.HIGHEST``); bfloat16 q and KV
 feed the MXU in bfloat16 with float32 accumulation. The online softmax state (row max,
 denominator, accumulator) lives in float32 VMEM scratch.
 
 No ref reshapes or bitcasts happen in the kernel (the TPU interpreter on CPU cannot run
 them): q and the output are laid out ``[K, tiles, M, D]`` by the wrapper.
+
+``ragged_paged_attention_page_log`` runs the same kernel with an SMEM log of every page
+copy it starts, per (KV head, work item, table entry): the tests check it against the exact
+page set the windows need, and the benchmark counts pages per query tile with it.
 """
 
 from __future__ import annotations
