@@ -649,6 +649,7 @@ def test_tiling_rejects_vmem_overflow():
 
 
 @pytest.mark.parametrize("head_dim,block_size,match", [(96, 8, "head_dim"),
+                                                       (320, 8, "head_dim"),
                                                        (64, 12, "block_size")])
 def test_rejects_unsupported_shapes(head_dim, block_size, match):
   q = jnp.zeros((4, 2, head_dim), jnp.float32)
