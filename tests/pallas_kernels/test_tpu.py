@@ -290,17 +290,22 @@ def test_zero_tokens():
 
 
 def test_public_entry_point():
-  case = _mixed_case(9, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  # paged_attention(impl="pallas_tpu") hands every variant to the kernel (window, cap and a
+  # traced sinks array); the plain path also runs in tests/sharding.
+  case = _mixed_case(9, dtype=jnp.float32, block_size=8, group=2, head_dim=64)
   q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs = case.jax_args()
+  variants = _variant(case, "all", 9)
 
-  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs):
+  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs, sinks):
     cache = paged_jax.KVCache(k_pages=k_pages, v_pages=v_pages)
     return paged_jax.paged_attention(q, cache, layer, kv_lens, tables, cu_q_lens, num_seqs,
+                                     sliding_window=variants["sliding_window"],
+                                     soft_cap=variants["soft_cap"], sinks=sinks,
                                      impl="pallas_tpu", interpret=True)
 
   out = _call_fast("public", attend, q, k_pages, v_pages, jnp.int32(layer), kv_lens, tables,
-                   cu_q_lens, num_seqs)
-  _check(case, out, 64 ** -0.5, with_reference=True)
+                   cu_q_lens, num_seqs, jnp.asarray(variants["sinks"]))
+  _check(case, out, 64 ** -0.5, with_reference=True, **variants)
 
 
 # --- Attention variants: sliding window, soft cap, sinks; K/V given as storage bits. ---
