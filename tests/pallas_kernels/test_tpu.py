@@ -483,6 +483,23 @@ def test_copies_exactly_the_pages_in_the_windows(window):
     assert np.flatnonzero(log_KWP[0, decode_w]).tolist() == [7, 8]
 
 
+@pytest.mark.slow
+def test_window_no_races_and_no_out_of_bounds_reads():
+  # The chained prefetch with items starting at their window's first page: no DMA races,
+  # no out-of-bounds read, uninitialised VMEM as NaN; every variant on.
+  case = _window_case(23)
+  params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
+                                 uninitialized_memory="nan", num_cores_or_threads=2)
+  variants = dict(sliding_window=10, soft_cap=3.0, sinks=cases.make_sinks(23, 4))
+  try:
+    out, scale = _run(case, interpret=params, **variants)
+    out.block_until_ready()
+    assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+  _check(case, out, scale, **variants)
+
+
 def test_work_items_start_at_the_first_window_page():
   # Pure metadata: the first page of an item is (p - W + 1) // Z for its first row's
   # position p, clipped at 0; chunks count pages from there.
