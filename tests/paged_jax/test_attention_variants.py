@@ -280,3 +280,14 @@ def test_xla_tilings_with_variants(q_tile, pages_per_chunk):
                       tiling=XlaTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk),
                       **variants)
   check(case, out, jnp.float32, sm_scale=64 ** -0.5, **variants)
+
+
+@pytest.mark.slow
+def test_window_benchmark_quick_mode(capsys):
+  from benchmarks import window
+  rows = window.main(["--quick"])
+  assert rows and all(np.isfinite(r["window_ms"]) for r in rows)
+  # The window's pages per tile do not grow with the context; the plain ones do.
+  decode = [r for r in rows if r["workload"].startswith("decode")]
+  assert len({r["window_pages_max"] for r in decode}) == 1
+  assert decode[-1]["full_pages_max"] > decode[0]["full_pages_max"]
