@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import Decoder
@@ -121,6 +120,11 @@ class _CheckpointReader:
 
   def _open(self, file: str):
     if file not in self._handles:
+      try:  # imported here: ``import paged_jax`` must work without the safetensors package
+        from safetensors import safe_open
+      except ImportError as e:
+        raise ImportError("load_pretrained needs the safetensors package (pip install "
+                          "safetensors)") from e
       self._handles[file] = self._stack.enter_context(
           safe_open(os.path.join(self._path, file), framework="np"))
     return self._handles[file]
