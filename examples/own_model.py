@@ -58,10 +58,9 @@ class Block(nnx.Module):
 
   def __call__(self, x_TE, attend):
     """``attend(q_THD, k_THD, v_THD) -> out_THD`` is the paged or the dense attention."""
-    c = self.c
-    q_THD, k_THD, v_THD = jnp.split(
-        self.qkv(self.ln1(x_TE)).reshape(-1, 3 * c.num_heads, c.head_dim), 3, axis=1)
-    out_THD = attend(q_THD, k_THD, v_THD)
+    # qkv's columns are (head, q|k|v, D): a slice of whole heads holds their q, k and v.
+    qkv_TH3D = self.qkv(self.ln1(x_TE)).reshape(x_TE.shape[0], -1, 3, self.c.head_dim)
+    out_THD = attend(qkv_TH3D[:, :, 0], qkv_TH3D[:, :, 1], qkv_TH3D[:, :, 2])
     x_TE = x_TE + self.proj(out_THD.reshape(x_TE.shape[0], -1))
     return x_TE + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x_TE))))
 
