@@ -24,6 +24,11 @@ both axes. Nothing is gathered onto one device: each device sees
 Which parameter axis is split is read from its name's glossary letters (``q_EHD``: H):
 H, K and I over "model", every other axis (and the stacked L axis) whole.
 
+Any model of the protocol (``paged_jax.protocol``), not only the built-in decoders: the
+engine runs ``model.with_model_axis("model")`` (the copy that ``psum``-s), and a model
+whose parameter names carry no letters (flax's ``kernel``, ``bias``) says how they split
+with ``param_partition_specs("model")``. With m = 1 (data parallel) neither is needed.
+
 KV heads fewer than the model axis (K < m). Each KV head is then stored m/K times: the
 pool holds K' = m "head slots", one per device, slot j holding KV head ``j // (m/K)``, and
 device j gets the query heads of that KV head (its H/m query heads all belong to it). This
