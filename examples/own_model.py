@@ -151,9 +151,9 @@ def decode(model, alloc, cache, tokens_S, active_S, *, num_steps):
     tokens_S = jnp.where(ok_S, jnp.argmax(logits_SV, axis=-1), -1).astype(jnp.int32)
     return (alloc, cache, tokens_S), tokens_S
 
-  (alloc, cache, _), tokens_XS = jax.lax.scan(body, (alloc, cache, tokens_S),
-                                              length=num_steps)
-  return tokens_XS.T, alloc, cache
+  (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S),
+                                             length=num_steps)
+  return per_step.T, alloc, cache
 
 
 def main(num_steps: int = 8) -> list[list[int]]:
@@ -173,10 +173,10 @@ def main(num_steps: int = 8) -> list[list[int]]:
   first_S, alloc, cache, ok_S = prefill(model, alloc, cache, tokens_T,
                                         jnp.asarray([len(p) for p in prompts], jnp.int32))
   assert bool(ok_S.all())
-  rest_SX, alloc, cache = decode(model, alloc, cache, first_S, jnp.ones(num_seqs, bool),
+  rest, alloc, cache = decode(model, alloc, cache, first_S, jnp.ones(num_seqs, bool),
                                  num_steps=num_steps - 1)
   allocator.validate(alloc)
-  got = np.concatenate([np.asarray(first_S)[:, None], np.asarray(rest_SX)], axis=1).tolist()
+  got = np.concatenate([np.asarray(first_S)[:, None], np.asarray(rest)], axis=1).tolist()
   for prompt, tokens in zip(prompts, got):
     want, _ = dense_greedy(model, prompt, num_steps)
     assert tokens == want, (prompt, tokens, want)

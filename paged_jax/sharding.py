@@ -51,7 +51,6 @@ every process reads it locally.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -284,9 +283,9 @@ class ShardingPlan:
       except (ValueError, TypeError) as e:
         raise ValueError(f"model={name}.param_partition_specs({MODEL!r}) must return a "
                          f"PartitionSpec pytree like nnx.state(model): {e}") from None
-    else:
-      specs = self.param_specs(params)
-    return graphdef, self.shard_params(params, specs), specs
+      return graphdef, self.shard_params(params, specs), specs
+    # By the names' letters, KV heads replicated when K < m.
+    return graphdef, self.shard_params(params), self.param_specs(params)
 
   # --- engine state ---
 

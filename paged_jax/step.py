@@ -38,8 +38,8 @@ A jitted greedy decode loop over your own model::
                                                        active_S)
       tokens_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
       return (alloc, cache, tokens_S), tokens_S
-    (alloc, cache, _), out_XS = jax.lax.scan(body, (alloc, cache, tokens_S), length=8)
-    return alloc, cache, out_XS
+    (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S), length=8)
+    return alloc, cache, per_step.T  # [S, 8]
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ the example share one compilation of the engine's step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -28,12 +29,13 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 @pytest.fixture(scope="module")
 def examples():
+  saved = list(sys.path)
   sys.path.insert(0, EXAMPLES)
   try:
     import own_model
     import serve_own_model
   finally:
-    sys.path.remove(EXAMPLES)
+    sys.path[:] = saved
   return types.SimpleNamespace(own=own_model, serve=serve_own_model)
 
 
@@ -47,13 +49,17 @@ def model(examples, config):
   return examples.own.TinyGPT(config, rngs=nnx.Rngs(1))
 
 
+@contextlib.contextmanager
 def _compiles():
-  """A list that collects the names of XLA backend compilations while it is registered."""
-  seen = []
+  """Collects the XLA backend compilations that happen inside the ``with``."""
+  seen, active = [], [True]
   jax.monitoring.register_event_duration_secs_listener(
-      lambda name, secs, **kw: seen.append(name) if name.endswith("backend_compile_duration")
-      else None)
-  return seen
+      lambda name, secs, **kw: seen.append(name)
+      if active[0] and name.endswith("backend_compile_duration") else None)
+  try:
+    yield seen
+  finally:
+    active[0] = False
 
 
 def test_precompile_compiles_every_device_call_before_serving(examples, model, config):
@@ -66,10 +72,12 @@ def test_precompile_compiles_every_device_call_before_serving(examples, model, c
   assert list(seconds) == whats and all(s > 0 for s in seconds.values())
   assert llm.compile_seconds == seconds
   assert llm.stats["compile_s"] == pytest.approx(sum(seconds.values()))
-  seen = _compiles()
-  out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+  with _compiles() as seen:
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+    stream = llm.generate_stream([[6, 7]], SamplingParams(max_tokens=30))
+    next(stream)  # one device call: 8 of the 30 tokens
+    stream.close()  # abandoned mid-way: the abort call
   assert [len(o.token_ids) for o in out] == [3, 3]
-  llm.generate_stream([[6, 7]], SamplingParams(max_tokens=8)).close()  # abort
   assert seen == []  # serving compiled nothing more
 
 

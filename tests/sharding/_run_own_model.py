@@ -18,7 +18,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 import json  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
@@ -98,9 +97,19 @@ def main(argv=None):
              for n in (5, 17, 9, 3, 12, 7)]
   params = SamplingParams(max_tokens=6, logprobs=True)
 
-  def serve(model, mesh=None):
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: compiles.append(name)
+      if name.endswith("backend_compile_duration") else None)
+
+  def serve(model, mesh=None, precompile=False):
     llm = LLM(model, config, mesh=mesh, **ENGINE)
+    if precompile:  # every call compiled ahead: serving compiles nothing more
+      result["precompiled"] = sorted(llm.precompile())
+      compiles.clear()
     outs = llm.generate(prompts, params)
+    if precompile:
+      result["compiles_while_serving"] = len(compiles)
     kernel = llm._params["blocks"][0]["qkv"]["kernel"][...]
     return dict(tokens=[list(o.token_ids) for o in outs],
                 logprobs=[list(o.logprobs) for o in outs],
@@ -111,7 +120,7 @@ def main(argv=None):
   result["unsharded"] = serve(plain)
   result["data_2x1"] = serve(plain, mesh_of(2, 1))
   result["tp_1x2"] = serve(tp, mesh_of(1, 2))
-  result["tp_2x2"] = serve(tp, mesh_of(2, 2))
+  result["tp_2x2"] = serve(tp, mesh_of(2, 2), precompile=True)
   try:
     LLM(plain, config, mesh=mesh_of(1, 2), **ENGINE)
     result["no_with_model_axis"] = None

@@ -39,4 +39,6 @@ def test_own_model_over_data_and_model_axes(tmp_path):
     assert got["qkv_kernel_per_device"] == per_device, mesh
     assert got["free_blocks"] == 32
   assert "has no method with_model_axis" in result["no_with_model_axis"]
+  assert result["precompiled"] == ["abort", "admit", "step T=16"]
+  assert result["compiles_while_serving"] == 0
   assert len({tuple(t) for t in base["tokens"]}) > 3  # distinct continuations
