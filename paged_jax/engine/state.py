@@ -19,6 +19,7 @@ import numpy as np
 
 from paged_jax import allocator
 from paged_jax.kv_cache import KVCache
+from paged_jax.pallas_kernels import layout
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
@@ -122,9 +123,10 @@ def zero_blocks(cache: KVCache, mask_N: jax.Array) -> KVCache:
   the pool when there are none."""
 
   def scrub(cache):
-    m = mask_N[None, None, :, None, None]
-    return KVCache(k_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.k_pages),
-                   v_pages=jnp.where(m, jnp.zeros((), cache.dtype), cache.v_pages))
+    m = mask_N.reshape([-1 if a == "N" else 1 for a in layout.PAGES_AXES])
+    zero = lambda pages: jnp.where(m, jnp.zeros((), pages.dtype), pages)
+    return dataclasses.replace(cache, k_pages=zero(cache.k_pages),
+                               v_pages=zero(cache.v_pages))
 
   return jax.lax.cond(jnp.any(mask_N), scrub, lambda cache: cache, cache)
 
