@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.models import Decoder, ModelConfig
-from paged_jax.models import steps as steps_lib
+from paged_jax import step as steps_lib
 from paged_jax import KVCache, allocator
 
 
@@ -59,7 +59,7 @@ def compile_decode(num_layers: int, w: Workload, impl: str, unroll: bool = False
   active_S = jax.ShapeDtypeStruct((w.max_seqs,), jnp.bool_)
   start = time.perf_counter()
   traced = steps_lib._decode_jit.trace(graphdef, params, alloc, cache, tokens_S, active_S,
-                                       impl=impl)
+                                       kwargs=(("impl", impl),))
   lowered = traced.lower()
   lowered_at = time.perf_counter()
   lowered.compile()

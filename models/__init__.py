@@ -4,17 +4,18 @@
 - ``Decoder``: the decoder; ``paged_forward(tokens_T, positions_T, cache, metadata)`` and
   dense ``model(tokens_BT)``.
 - ``init_random(config, seed=...)``: a random model drawn on the host (tests, demos).
-- ``AttentionMetadata``: the ragged batch's slots, lengths, block tables.
+- ``AttentionMetadata``: re-exported from ``paged_jax.step`` (where it lives).
 - ``load_pretrained(path, dtype=...) -> (model, config)``: safetensors, no torch.
-- ``prefill_step`` / ``decode_step`` (traceable) and ``Steps`` (their jitted, donating form).
+- ``prefill_step`` / ``decode_step`` / ``Steps``: ``paged_jax.step``'s, under their old names.
 """
 
 from __future__ import annotations
 
 from paged_jax.models.config import ModelConfig, RopeScaling
-from paged_jax.models.decoder import AttentionMetadata, Decoder, init_random
+from paged_jax.models.decoder import Decoder, init_random
 from paged_jax.models.loader import load_pretrained
 from paged_jax.models.steps import Steps, decode_step, prefill_step
+from paged_jax.step import AttentionMetadata  # moved to paged_jax; kept here for old imports
 
 __all__ = [
     "AttentionMetadata",

@@ -14,40 +14,18 @@ compile time does not grow with depth.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-import paged_jax
-from paged_jax import KVCache, KVCacheSpec
+from paged_jax import attention
+from paged_jax.kv_cache import KVCache
 from paged_jax.models import layers
 from paged_jax.models.config import ModelConfig
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionMetadata:
-  """Where a ragged batch's tokens go and what they see (``paged_attention``'s contract).
-
-  Attributes:
-    slots_T: i32[T] flat slot (``block_id * Z + offset``) each token's K/V is written to;
-      negative for padding tokens (nothing written).
-    kv_lens_S: i32[S] tokens in each sequence's cache, the new ones included.
-    block_tables_SP: i32[S, P] physical block of each logical block.
-    cu_q_lens: i32[S + 1] cumulative new-token counts; sequence i owns token rows
-      ``cu_q_lens[i]:cu_q_lens[i + 1]``, its last ``q_len`` tokens.
-    num_seqs: i32[] live sequence rows; rows past it are padding.
-  """
-
-  slots_T: jax.Array
-  kv_lens_S: jax.Array
-  block_tables_SP: jax.Array
-  cu_q_lens: jax.Array
-  num_seqs: jax.Array
+from paged_jax.spec import KVCacheSpec
+from paged_jax.step import AttentionMetadata
 
 
 def _stacked_layers(config: ModelConfig, dtype, rngs: nnx.Rngs) -> layers.DecoderLayer:
@@ -90,8 +68,8 @@ class Decoder(nnx.Module):
                interpret: bool = False, scan_unroll: int | bool = 1, rngs: nnx.Rngs):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config={type(config).__name__} must be a models.ModelConfig")
-    if impl not in paged_jax.attention.IMPLS:
-      raise ValueError(f"impl={impl!r} must be one of {paged_jax.attention.IMPLS}")
+    if impl not in attention.IMPLS:
+      raise ValueError(f"impl={impl!r} must be one of {attention.IMPLS}")
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.impl = impl
@@ -201,7 +179,7 @@ class Decoder(nnx.Module):
 
     def attend(q_THD, k_TKD, v_TKD, layer, cache):
       cache = cache.write(layer, k_TKD, v_TKD, m.slots_T)
-      out_THD = paged_jax.paged_attention(
+      out_THD = attention.paged_attention(
           q_THD, cache, layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs,
           sm_scale=sm_scale, impl=impl, interpret=self.interpret)
       return out_THD, cache

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import Decoder
@@ -122,6 +121,7 @@ class _CheckpointReader:
   def _open(self, file: str):
     if file not in self._handles:
       self._header(file)  # a truncated or foreign file fails here, named
+      from safetensors import safe_open  # imported here: keeps ``import paged_jax`` light
       full = os.path.join(self._path, file)
       try:
         handle = safe_open(full, framework="np")

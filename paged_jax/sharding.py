@@ -24,6 +24,11 @@ both axes. Nothing is gathered onto one device: each device sees
 Which parameter axis is split is read from its name's glossary letters (``q_EHD``: H):
 H, K and I over "model", every other axis (and the stacked L axis) whole.
 
+Any model of the protocol (``paged_jax.protocol``), not only the built-in decoders: the
+engine runs ``model.with_model_axis("model")`` (the copy that ``psum``-s), and a model
+whose parameter names carry no letters (flax's ``kernel``, ``bias``) says how they split
+with ``param_partition_specs("model")``. With m = 1 (data parallel) neither is needed.
+
 KV heads fewer than the model axis (K < m). Each KV head is then stored m/K times: the
 pool holds K' = m "head slots", one per device, slot j holding KV head ``j // (m/K)``, and
 device j gets the query heads of that KV head (its H/m query heads all belong to it). This
@@ -46,7 +51,6 @@ every process reads it locally.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -136,33 +140,35 @@ class ShardingPlan:
 
   Attributes:
     mesh: the mesh.
-    num_heads: H query heads of the model.
+    num_heads: H query heads of the model (None: not known from its config).
     num_kv_heads: K KV heads.
-    mlp_dim: I, the MLP width.
+    mlp_dim: I, the MLP width (None: not known from its config).
   """
 
   mesh: Mesh
-  num_heads: int
+  num_heads: int | None
   num_kv_heads: int
-  mlp_dim: int
+  mlp_dim: int | None
 
   @classmethod
-  def create(cls, mesh, *, num_heads: int, num_kv_heads: int, mlp_dim: int
-             ) -> "ShardingPlan":
-    """Validate ``mesh`` against the model's head counts and MLP width."""
+  def create(cls, mesh, *, num_kv_heads: int, num_heads: int | None = None,
+             mlp_dim: int | None = None) -> "ShardingPlan":
+    """Validate ``mesh`` against the model's head counts and MLP width (those a config
+    does not have, None, are checked per parameter by ``shard_model``)."""
     _check_mesh(mesh)
     m = int(mesh.shape[MODEL])
-    h, k = int(num_heads), int(num_kv_heads)
-    if h % m:
-      raise ValueError(f"mesh.shape['model']={m} must divide num_heads={h} (query heads are "
-                       "split over the model axis)")
+    k = int(num_kv_heads)
+    if num_heads is not None and int(num_heads) % m:
+      raise ValueError(f"mesh.shape['model']={m} must divide num_heads={num_heads} (query "
+                       "heads are split over the model axis)")
     if k % m and m % k:
       raise ValueError(f"mesh.shape['model']={m} must divide num_kv_heads={k}, or be a "
                        "multiple of it (each KV head is then stored m / K times)")
-    if mlp_dim % m:
+    if mlp_dim is not None and int(mlp_dim) % m:
       raise ValueError(f"mesh.shape['model']={m} must divide mlp_dim={mlp_dim} (MLP columns "
                        "are split over the model axis)")
-    return cls(mesh=mesh, num_heads=h, num_kv_heads=k, mlp_dim=int(mlp_dim))
+    return cls(mesh=mesh, num_heads=None if num_heads is None else int(num_heads),
+               num_kv_heads=k, mlp_dim=None if mlp_dim is None else int(mlp_dim))
 
   # --- sizes ---
 
@@ -215,25 +221,71 @@ class ShardingPlan:
     axis = x.ndim - len(letters) + letters.index("K")
     return xp.repeat(x, self.replication, axis=axis)
 
-  def shard_params(self, params):
+  def shard_params(self, params, specs=None):
     """``params`` (an ``nnx.State`` of the unsharded model) with KV heads replicated as
-    needed and every leaf placed with its ``NamedSharding`` over the mesh."""
+    needed and every leaf placed with its ``NamedSharding`` over the mesh: ``specs`` (a
+    ``PartitionSpec`` pytree like ``params``), default the glossary letters of each name.
+    A split axis whose size the model axis does not divide is a ``ValueError``."""
     multihost = jax.process_count() > 1
+    m = self.model_size
+    if specs is None:
+      specs = self.param_specs(params)
+      expand = self._expand_kv
+    else:
+      expand = lambda name, x, xp: x
 
-    def place(path, x):
+    def place(path, x, spec):
       name = _leaf_name(path)
       if multihost:  # each process puts its addressable part of the same host array
         x = np.asarray(x)
-      x = self._expand_kv(name, x, np if multihost else jnp)
-      return jax.device_put(x, self._sharding(self.param_spec(name, x.ndim)))
+      x = expand(name, x, np if multihost else jnp)
+      for axis, part in enumerate(tuple(spec)[:x.ndim]):
+        if part == MODEL and x.shape[axis] % m:
+          raise ValueError(f"parameter {jax.tree_util.keystr(path)} of shape {x.shape} is "
+                           f"split over 'model' on axis {axis}: its size must be a multiple "
+                           f"of mesh.shape['model']={m}")
+      return jax.device_put(x, self._sharding(spec))
 
-    return jax.tree_util.tree_map_with_path(place, params)
+    return jax.tree_util.tree_map_with_path(place, params, specs)
 
   def shard_model(self, model):
-    """``(graphdef, params)`` of ``model.with_model_axis("model")``, params sharded."""
-    from flax import nnx  # paged_jax itself does not need flax
-    graphdef, params = nnx.split(model.with_model_axis(MODEL))
-    return graphdef, self.shard_params(params)
+    """``(graphdef, params, specs)`` of ``model`` laid out over the mesh.
+
+    The model's forward runs inside the engine's ``shard_map`` on each device's slice of
+    the weights, so it must combine its partial sums itself: with a "model" axis of size
+    m > 1 the model needs ``with_model_axis(axis_name)`` (``paged_jax.protocol``), whose
+    copy is what runs; with m = 1 (data parallel only) any model works, its weights
+    replicated. Which axes are split: ``model.param_partition_specs(axis_name)`` when the
+    model defines it (then K must be a multiple of m), else the glossary letters of each
+    parameter's name (H, K, I over "model").
+    """
+    from flax import nnx  # paged_jax.sharding itself does not need flax
+    name = type(model).__name__
+    with_axis = getattr(model, "with_model_axis", None)
+    if callable(with_axis):
+      model = with_axis(MODEL)
+    elif self.model_size > 1:
+      raise ValueError(
+          f"model={name} has no method with_model_axis(axis_name): with "
+          f"mesh.shape['model']={self.model_size} > 1 its forward runs on a slice of the "
+          "weights and must psum its partial sums over that axis (paged_jax.protocol); "
+          "use a mesh with mesh.shape['model'] == 1 (data parallel) otherwise")
+    graphdef, params = nnx.split(model)
+    custom = getattr(model, "param_partition_specs", None)
+    if callable(custom):
+      if self.replication > 1:
+        raise ValueError(f"model={name}.param_partition_specs: mesh.shape['model']="
+                         f"{self.model_size} must divide num_kv_heads={self.num_kv_heads} "
+                         "(KV heads are replicated only for glossary-named parameters)")
+      specs = custom(MODEL)
+      try:
+        jax.tree_util.tree_map(lambda x, spec: None, params, specs)
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"model={name}.param_partition_specs({MODEL!r}) must return a "
+                         f"PartitionSpec pytree like nnx.state(model): {e}") from None
+      return graphdef, self.shard_params(params, specs), specs
+    # By the names' letters, KV heads replicated when K < m.
+    return graphdef, self.shard_params(params), self.param_specs(params)
 
   # --- engine state ---
 
@@ -297,13 +349,14 @@ class ShardingPlan:
 
   # --- device calls ---
 
-  def device_call(self, call_shard: Callable):
+  def device_call(self, call_shard: Callable, *, param_specs=None):
     """Run ``call_shard(params, state, slots_wanted) -> (state, report)`` (one data
     shard's state, no leading axis; a dict report of per-slot ``[S/d, ...]`` arrays and
     scalar counters) on every device under one ``shard_map``.
 
-    Returns ``call(params, state, slots_wanted) -> (state, report)`` to ``jit`` (donate
-    the state): the report comes back merged (slot arrays ``[S, ...]``, slot
+    ``param_specs``: the parameters' ``PartitionSpec`` pytree (``shard_model``'s; default
+    from the names). Returns ``call(params, state, slots_wanted) -> (state, report)`` to
+    ``jit`` (donate the state): the report comes back merged (slot arrays ``[S, ...]``, slot
     ``shard * S/d + s``; counters summed over shards, ``steps`` the max) and replicated.
     """
     d = self.data_size
@@ -317,7 +370,8 @@ class ShardingPlan:
       specs = self.state_specs(st)
       wanted = jnp.broadcast_to(jnp.asarray(slots_wanted, jnp.int32), (d,))
       st, report = _shard_map(local, mesh=self.mesh,
-                              in_specs=(self.param_specs(params), specs, P(DATA)),
+                              in_specs=(self.param_specs(params) if param_specs is None
+                                        else param_specs, specs, P(DATA)),
                               out_specs=(specs, P(DATA)))(params, st, wanted)
       report = {key: _merge(key, x) for key, x in report.items()}
       return st, jax.lax.with_sharding_constraint(report, self._sharding(P()))
@@ -335,11 +389,13 @@ class ShardingPlan:
 
     jitted = jax.jit(run, donate_argnums=(0,), **jit_kwargs)
 
+    place = lambda x: jax.device_put(
+        np.asarray(x).reshape((d, -1) + np.shape(x)[1:]), self._sharding(P(DATA)))
+
     def call(st, *rows):
-      place = lambda x: jax.device_put(
-          np.asarray(x).reshape((d, -1) + np.shape(x)[1:]), self._sharding(P(DATA)))
       return jitted(st, *jax.tree_util.tree_map(place, rows))
 
+    call.lower = lambda st, *rows: jitted.lower(st, *jax.tree_util.tree_map(place, rows))
     return call
 
   def fetch(self, x) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from paged_jax import models
-from paged_jax.models import steps as steps_lib
+from paged_jax import step as steps_lib
 from paged_jax import KVCache, allocator
 from tests.models import helpers
 

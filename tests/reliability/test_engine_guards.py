@@ -103,7 +103,7 @@ def _primitives(jaxpr, acc):
 def test_device_loop_jaxpr_has_no_callbacks(model, config):
   llm = make_llm(model, config)
   fn = lambda params, st, wanted: engine_mod._device_call(
-      llm._graphdef, params, st, wanted, steps_per_call=8, num_tokens=16, impl="xla")
+      llm._graphdef, params, st, wanted, steps_per_call=8, num_tokens=16)
   jaxpr = jax.make_jaxpr(fn)(llm._params, llm._state, jnp.int32(0))
   prims = _primitives(jaxpr.jaxpr, set())
   assert "while" in prims

@@ -185,7 +185,7 @@ def _sharded_forward(model, cfg, m, spec, alloc, tokens_T, num_new_S, logits_ref
   plan = sharding.ShardingPlan.create(mesh_of((1, m)), num_heads=cfg.num_heads,
                                       num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_dim)
 
-  graphdef, params = plan.shard_model(model)
+  graphdef, params, _ = plan.shard_model(model)
   pages = [None] * 5
   pages[1] = sharding.MODEL
   cache_spec = KVCache(k_pages=P(*pages), v_pages=P(*pages))

@@ -1,0 +1,25 @@
+"""The serving engine: continuous batching inside ``jit``, preemption by recompute.
+
+Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``generate_stream``, ``stats``,
+``precompile``; ``SamplingParams`` lives in ``paged_jax.sampling``. The engine serves any
+model of the protocol (``paged_jax.protocol``). Its modules, each readable alone:
+
+- ``state``: ``EngineState``, all device-side state in one pytree, and its small edits;
+- ``device``: one scheduling step (prefix hits, token budget, blocks and preemption, one
+  ragged forward through ``paged_jax.step``, forks, sampling, stops) and the device call
+  (a ``while_loop`` of steps);
+- ``calls``: the jitted device calls of one engine and their compilation;
+- ``scheduler``: the host side (requests, slots, token buckets, reading reports);
+- ``llm``: ``LLM``, construction, ``generate``, ``stats``.
+"""
+
+from __future__ import annotations
+
+from paged_jax.engine.device import device_call as _device_call
+from paged_jax.engine.llm import LLM
+from paged_jax.engine.scheduler import Output, StreamEvent, default_token_buckets
+from paged_jax.engine.state import EngineState
+from paged_jax.sampling import SamplingParams
+
+__all__ = ["LLM", "Output", "SamplingParams", "StreamEvent", "EngineState",
+           "default_token_buckets"]

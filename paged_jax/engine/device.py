@@ -1,0 +1,248 @@
+"""The engine's device side: one scheduling step and the device call that loops over it.
+
+One device call = ``lax.while_loop`` of up to ``steps_per_call`` steps, stopping early when
+nothing is left to run, or when enough slots came free for the host's next waiting request.
+The call is jitted once per token bucket (the state is donated) and traces once whatever
+the batch holds. Each step (``schedule_step``), all inside ``jit``:
+
+0. Prefix cache (``enable_prefix_caching``). Every running sequence with no KV yet looks up
+   the longest cached prefix of its history (``allocator.lookup``: full blocks only, and
+   never the last token, so its logits are computed); when admitted it attaches those
+   blocks (``allocator.attach``) and prefills only the rest. After the forward, the blocks
+   it filled are registered (``allocator.register``). Lookups are confined to the request's
+   ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
+   recompute is cheap while they survive.
+1. Token budget (the bucket's T): every running sequence wants its uncached tokens
+   (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode rows
+   come first, then prefills by arrival; each gets ``min(want, budget left)``, so a long
+   prompt is prefilled in chunks over several steps (chunked prefill).
+2. Blocks. Sequences that already hold KV (decodes, chunked prefills under way) must get
+   their blocks: while their demand exceeds the free blocks, the latest-arrived sequence
+   holding blocks is preempted (``allocator.preempt`` with priority ``-arrival``); its KV is
+   released, its token history kept, so it is re-prefilled later from ``prompt + generated``
+   (recompute; nothing is lost, greedy outputs are unchanged). New sequences (nothing
+   cached yet, preempted ones included) are admitted in arrival order while their first
+   chunk's blocks (and the cached free blocks their hits revive) fit, without preempting
+   anyone. Fresh blocks come from the allocator's free order: never-cached blocks first,
+   then cached ones least recently used first (evicting them).
+3. ONE ragged forward of the model (``paged_jax.step.forward_step``: ``allocator.append``,
+   slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
+4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
+   forked (``allocator.fork`` + ``KVCache.copy_blocks``) into the n - 1 waiting slots.
+5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``;
+   key = ``fold_in(fold_in(key(seed), fork index), token index)``), stop checks (EOS unless
+   ``ignore_eos``, ``stop_token_ids``: the stop token is not kept; ``max_tokens`` and
+   ``max_model_len``: "length"), and ``allocator.release`` of finished sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax import allocator
+from paged_jax import step as step_api
+from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState, scrub_freed,
+                                    want_S, zero_blocks)
+from paged_jax.sampling import request_keys, sample
+
+__all__ = ["device_call", "schedule_step"]
+
+
+def _blocks_for(len_S, z):
+  return (len_S + z - 1) // z
+
+
+def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: bool = False,
+                  prefix_caching: bool = False, hash_fn=allocator.chain_hashes) -> EngineState:
+  """One scheduling step (module docstring): prefix hits, budget, blocks (preempting),
+  ragged forward, prefix registration, fork, sample, stop. ``model``: any model of the
+  protocol (``paged_jax.protocol``)."""
+  alloc = st.alloc
+  num_slots, max_len = st.tokens_SM.shape
+  z = alloc.block_size
+  slot_S = jnp.arange(num_slots, dtype=jnp.int32)
+  running_S = st.status_S == RUNNING
+
+  # 0. Prefix cache: the longest cached prefix of each running sequence with no KV yet,
+  #    all but its last token at most (that one is computed, so its logits exist).
+  cached_S = alloc.seq_lens
+  if prefix_caching:
+    empty_S = running_S & (cached_S == 0)
+    hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table sort then
+        jnp.any(empty_S),
+        lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
+                                 st.salt_S, hash_fn=hash_fn),
+        lambda: (jnp.full(alloc.block_tables.shape, allocator.NO_BLOCK, jnp.int32),
+                 jnp.zeros(num_slots, jnp.int32)))
+  else:
+    hit_S = jnp.zeros(num_slots, jnp.int32)
+  base_S = cached_S + hit_S * z  # tokens with K/V once the hits are attached
+
+  # 1. Token budget: decodes first, then by arrival.
+  want_S = jnp.where(running_S, st.len_S - base_S, 0)
+  decode_S = (cached_S > 0) & (want_S == 1)
+  group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, 1), 2)
+  order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
+  want_o = want_S[order_S]
+  q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
+  q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
+
+  # 2. Blocks: sequences holding KV preempt the latest arrivals; new ones wait for room.
+  demand_S = _blocks_for(base_S + q_S, z) - _blocks_for(base_S, z)
+  must_S = (cached_S > 0) & (q_S > 0)
+
+  def short(c):
+    alloc, pre_S = c
+    live_demand = jnp.sum(jnp.where(must_S & ~pre_S, demand_S, 0))
+    holders = jnp.any(alloc.block_tables[:, 0] != allocator.NO_BLOCK)
+    return (live_demand > alloc.num_free) & holders
+
+  def preempt_one(c):
+    alloc, pre_S = c
+    alloc, new_S = allocator.preempt(alloc, -st.arrival_S, alloc.num_free + 1)
+    return alloc, pre_S | new_S
+
+  alloc, pre_S = jax.lax.while_loop(short, preempt_one,
+                                    (alloc, jnp.zeros(num_slots, jnp.bool_)))
+  cache = st.cache
+  if scrub_on_release:  # before anything is appended: a preempted block may be reused now
+    cache = scrub_freed(cache, st.alloc, alloc)
+  must_S &= ~pre_S
+  free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
+  new_S = (cached_S == 0) & (q_S > 0)
+  if prefix_caching:  # reviving a cached free block takes it from the free count as well
+    revive_S = jnp.sum((hit_SP >= 0) & (alloc.ref_counts[jnp.maximum(hit_SP, 0)] == 0),
+                       axis=1, dtype=jnp.int32)
+    demand_S = demand_S + jnp.where(new_S, revive_S, 0)
+  new_demand_o = jnp.where(new_S, demand_S, 0)[order_S]
+  admit_o = new_S[order_S] & (jnp.cumsum(new_demand_o) <= free_left)
+  admit_S = jnp.zeros(num_slots, jnp.bool_).at[order_S].set(admit_o)
+  q_S = jnp.where(must_S | admit_S, q_S, 0)
+  first_S = admit_S & st.fresh_S
+  if prefix_caching:
+    alloc, _ = allocator.attach(alloc, hit_SP, jnp.where(admit_S, hit_S, 0))
+    if scrub_on_release:  # cached blocks this step's append evicts: zero them before reuse
+      taken, _ = allocator.append(alloc, q_S)
+      cache = zero_blocks(cache, allocator.cached_N(alloc) & (taken.ref_counts > 0))
+
+  # 3. One ragged forward over prefill chunks and decode rows.
+  cached_S = alloc.seq_lens
+  tokens_T = step_api.tokens_from_history(st.tokens_SM, cached_S, q_S, num_tokens)
+  logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S)
+  if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
+    filled = jnp.any(alloc.seq_lens // z > cached_S // z)
+    alloc = jax.lax.cond(
+        filled, lambda a: allocator.register(a, st.tokens_SM, st.salt_S, hash_fn=hash_fn),
+        lambda a: a, alloc)
+  done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
+  blocks_in_use = alloc.num_blocks - alloc.num_free
+  utilization = allocator.utilization(alloc)
+
+  # 4. Fork the n - 1 waiting slots of a request whose prompt was just prefilled.
+  parent_S = jnp.clip(st.parent_S, 0, num_slots - 1)
+  child_S = (st.status_S == FORK_WAIT) & done_prefill_S[parent_S]
+
+  def fork_children(alloc, cache):
+    alloc, _, copy_src, copy_dst = allocator.fork(alloc, jnp.where(child_S, parent_S, -1),
+                                                  slot_S)
+    return alloc, cache.copy_blocks(copy_src, copy_dst)
+
+  # Most steps fork nobody: skip the free-order sort and the block copy then.
+  alloc, cache = jax.lax.cond(jnp.any(child_S), fork_children, lambda a, c: (a, c), alloc,
+                              cache)
+  # A fork that got no block simply recomputes the prompt later (its KV is empty).
+  tokens_SM = jnp.where(child_S[:, None], st.tokens_SM[parent_S], st.tokens_SM)
+  logprobs_SM = jnp.where(child_S[:, None], st.logprobs_SM[parent_S], st.logprobs_SM)
+  len_S = jnp.where(child_S, st.len_S[parent_S], st.len_S)
+
+  # 5. Sample, stop, release.
+  draw_S = done_prefill_S | child_S
+  row_S = jnp.where(child_S, parent_S, slot_S)
+  keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
+  tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S)
+  stop_S = draw_S & jnp.any(st.stop_SX == tok_S[:, None], axis=-1)
+  keep_S = draw_S & ~stop_S
+  col_S = jnp.where(keep_S, len_S, max_len)
+  tokens_SM = tokens_SM.at[slot_S, col_S].set(tok_S, mode="drop")
+  logprobs_SM = logprobs_SM.at[slot_S, col_S].set(lp_S, mode="drop")
+  len_S = len_S + keep_S.astype(jnp.int32)
+  length_S = keep_S & (len_S >= st.max_len_S)
+  finished_S = stop_S | length_S
+  before_release = alloc
+  alloc = allocator.release(alloc, finished_S)
+  if scrub_on_release:
+    cache = scrub_freed(cache, before_release, alloc)
+  status_S = jnp.where(finished_S, DONE, jnp.where(child_S, RUNNING, st.status_S))
+  reason_S = jnp.where(stop_S, 1, jnp.where(length_S, 2, st.reason_S))
+
+  busy = jnp.any(q_S > 0)
+  return dataclasses.replace(
+      st, alloc=alloc, cache=cache, tokens_SM=tokens_SM, logprobs_SM=logprobs_SM, len_S=len_S,
+      status_S=status_S, reason_S=reason_S, fresh_S=st.fresh_S & ~admit_S,
+      steps=st.steps + 1,
+      preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
+      generated=st.generated + jnp.sum(draw_S, dtype=jnp.int32),
+      blocks_in_use_sum=st.blocks_in_use_sum + blocks_in_use.astype(jnp.float32),
+      peak_blocks_in_use=jnp.maximum(st.peak_blocks_in_use, blocks_in_use),
+      utilization_sum=st.utilization_sum + jnp.where(busy, utilization, 0.0),
+      busy_steps=st.busy_steps + busy.astype(jnp.int32),
+      prompt_tokens=st.prompt_tokens + jnp.sum(jnp.where(first_S, st.len_S, 0)),
+      cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(jnp.where(first_S, hit_S * z, 0)),
+  )
+
+
+def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
+                num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
+                hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False):
+  """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
+
+  The loop stops early when no sequence is left running, or when enough slots have come
+  free for the host's waiting requests (``slots_wanted`` i32[], 0 if none wait). Token
+  buckets: ``num_tokens`` is this call's step budget, one of the engine's compiled sizes;
+  the loop also stops once the tokens the running sequences still want (their history not
+  in the cache) fit the next smaller size (``downshift_at``, 0: none) or, ``upshift``,
+  exceed this one, so the host picks the size that fits. The pool never passes through a
+  ``switch`` (XLA would copy it each step).
+  """
+  model = nnx.merge(graphdef, params)
+  start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
+
+  def cond(c):
+    _, i, stop = c
+    return (i < steps_per_call) & ~stop
+
+  def body(c):
+    st, i, _ = c
+    st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
+                       prefix_caching=prefix_caching, hash_fn=hash_fn)
+    active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
+    free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
+    stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))
+    pending = jnp.sum(want_S(st))
+    if downshift_at:
+      stop |= pending <= downshift_at
+    if upshift:
+      stop |= pending > num_tokens
+    return st, i + 1, stop
+
+  st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
+  max_len = st.tokens_SM.shape[1]
+  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(steps_per_call)[None, :], 0, max_len - 1)
+  report = dict(
+      status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
+      want_S=want_S(st),
+      tokens_SK=jnp.take_along_axis(st.tokens_SM, idx_SK, axis=1),
+      logprobs_SK=jnp.take_along_axis(st.logprobs_SM, idx_SK, axis=1),
+      steps=st.steps, preemptions=st.preemptions, generated=st.generated,
+      blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
+      utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,
+      num_free=st.alloc.num_free, prompt_tokens=st.prompt_tokens,
+      cached_prompt_tokens=st.cached_prompt_tokens,
+      cached_blocks=allocator.num_cached(st.alloc))
+  return st, report
+
+

@@ -1,0 +1,356 @@
+"""``LLM``: the serving engine's API over any model of the protocol (``paged_jax.protocol``).
+
+Continuous batching inside ``jit``, chunked prefill, preemption by recompute, prefix
+caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
+``flax.nnx.Module`` with ``paged_forward``. The parts:
+
+- ``paged_jax.engine.state``: the device-side state (one pytree) and its small edits;
+- ``paged_jax.engine.device``: one scheduling step and the device call looping over it;
+- ``paged_jax.engine.calls``: the jitted device calls and their compilation
+  (``LLM.precompile``);
+- ``paged_jax.engine.scheduler``: host scheduling (requests, slots, token buckets, reports);
+- this module: construction and validation, ``generate`` / ``generate_stream``, ``stats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax import allocator
+from paged_jax import protocol
+from paged_jax import sharding as mesh_sharding
+from paged_jax.engine import state as state_lib
+from paged_jax.engine.calls import DeviceCalls
+from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
+                                        default_token_buckets)
+from paged_jax.spec import KVCacheSpec
+
+__all__ = ["LLM"]
+
+
+def _check_int(name: str, value, low: int = 1) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+class LLM:
+  """The serving engine over any model of the protocol.
+
+  Args:
+    model: a ``flax.nnx.Module`` with ``paged_forward(tokens_T, positions_T, cache,
+      metadata, *, logits_indices=None) -> (logits, cache)`` (``paged_jax.protocol``), e.g.
+      a built-in ``paged_jax.models.Decoder`` or your own.
+    config: any object with the ints ``num_layers``, ``num_kv_heads``, ``head_dim``,
+      ``vocab_size``, ``max_seq_len`` and optionally ``eos_token_ids`` (``ModelConfig`` is
+      one).
+    dtype: KV cache dtype (default: the model's, ``protocol.model_dtype``).
+    block_size: Z, tokens per KV block.
+    num_blocks: N, blocks in the pool. Default: from ``kv_budget_bytes`` when given, else
+      enough for ``max_seqs`` sequences of ``min(config.max_seq_len, 2048)`` tokens.
+    kv_budget_bytes: size the pool by memory (``KVCacheSpec.from_budget``); exclusive with
+      ``num_blocks``.
+    max_seqs: S, sequences running at once (slots; a request with ``n`` completions uses n).
+    max_tokens_per_step: T, the token budget of one step (prefill chunks + decode rows).
+    token_buckets: increasing step budgets ending at T, one compiled device call each;
+      the host runs each call at the smallest that holds the tokens its sequences want, and
+      a call ends early when they would fit a smaller one or need a larger one, so decode
+      steps cost about S rows, not T. Default ``default_token_buckets(T, max_seqs)``;
+      ``(T,)`` compiles one.
+    max_model_len: longest sequence (prompt + generated); default
+      ``min(config.max_seq_len, N * Z)`` so that any admitted sequence fits the pool alone.
+    steps_per_call: most scheduling steps per device call.
+    enable_prefix_caching: share the K/V of full blocks whose token prefix matches
+      (``paged_jax.engine.device``, "Prefix cache"): a request whose prompt starts with
+      cached blocks skips their prefill; ``stats["prefix_hit_rate"]`` counts the prompt
+      tokens found cached. ``generate(..., cache_salt=...)`` keeps tenants apart.
+    prefix_hash_fn: the block hash of the prefix cache (default
+      ``allocator.chain_hashes``); any function of that signature, e.g. a degenerate one in a
+      test: a hit is confirmed by the stored tokens, so a bad hash costs hits, not outputs.
+    mesh: None (one device), or a ``jax.sharding.Mesh`` with axes ("data", "model")
+      (``paged_jax.sharding``): weights and KV heads split over "model", sequences over
+      "data", each data shard with its own slots and block pool; ``max_seqs`` and
+      ``num_blocks`` are totals over the data shards and must be multiples of their
+      number (a ``kv_budget_bytes`` pool is rounded down to one), ``n`` at most the slots
+      of one shard, and ``allocator_state`` carries a leading data axis. A "model" axis
+      of size > 1 needs the model's ``with_model_axis`` (``paged_jax.protocol``).
+    tokenizer: optional ``tokenizers.Tokenizer`` (``from_pretrained`` loads tokenizer.json).
+    seed: seeds the engine's draw of seeds for requests whose ``SamplingParams.seed`` is None.
+    max_traces: when set, the jitted device call is wrapped in ``chex.assert_max_traces``
+      with this many traces (tests).
+    scrub_on_release: zero every KV block inside the step that frees it (finish, preemption,
+      abandoned stream), so no freed page keeps another request's K/V. Reads never depend on
+      it (attention masks every position a sequence does not own); it is defence in depth,
+      at the cost of one masked pass over the pool in each step that frees a block.
+  """
+
+  def __init__(self, model, config, *, dtype=None, block_size: int = 16,
+               num_blocks: int | None = None, kv_budget_bytes: int | None = None,
+               max_seqs: int = 16, max_tokens_per_step: int = 256,
+               max_model_len: int | None = None, steps_per_call: int = 16,
+               enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
+               max_traces: int | None = None, scrub_on_release: bool = False,
+               prefix_hash_fn=None, token_buckets: Sequence[int] | None = None):
+    protocol.check_model(model)
+    protocol.check_config(config)
+    self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
+        mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
+        mlp_dim=getattr(config, "mlp_dim", None))
+    shards = 1 if self._plan is None else self._plan.data_size
+    for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
+                        ("max_tokens_per_step", max_tokens_per_step),
+                        ("steps_per_call", steps_per_call)):
+      _check_int(name, value)
+    if num_blocks is not None and kv_budget_bytes is not None:
+      raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
+    for name, value in (("enable_prefix_caching", enable_prefix_caching),
+                        ("scrub_on_release", scrub_on_release)):
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    if prefix_hash_fn is not None and not callable(prefix_hash_fn):
+      raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
+                       "allocator.chain_hashes")
+    self.model, self.config, self.tokenizer = model, config, tokenizer
+    self.enable_prefix_caching = bool(enable_prefix_caching)
+    self.scrub_on_release = bool(scrub_on_release)
+    self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
+                                shards)
+    pool_tokens = self.spec.num_blocks // shards * self.spec.block_size
+    per_shard = "" if shards == 1 else f" / {shards} data shards"
+    if max_model_len is None:
+      max_model_len = min(config.max_seq_len, pool_tokens)
+    if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
+        or not 2 <= max_model_len <= min(config.max_seq_len, pool_tokens)):
+      raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
+                       f"{config.max_seq_len}, num_blocks * block_size{per_shard}="
+                       f"{pool_tokens})]")
+    self.max_model_len = int(max_model_len)
+    self.max_seqs = int(max_seqs)
+    self.max_tokens_per_step = int(max_tokens_per_step)
+    self.steps_per_call = int(steps_per_call)
+    if token_buckets is None:
+      token_buckets = default_token_buckets(self.max_tokens_per_step, self.max_seqs)
+    if (isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Sequence)
+        or not token_buckets
+        or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1
+               for b in token_buckets)
+        or list(token_buckets) != sorted(set(token_buckets))
+        or token_buckets[-1] != self.max_tokens_per_step):
+      raise ValueError(f"token_buckets={token_buckets!r} must be increasing ints >= 1 ending "
+                       f"at max_tokens_per_step={self.max_tokens_per_step}")
+    self.token_buckets = tuple(int(b) for b in token_buckets)
+    self._slots_per_shard = self.max_seqs // shards
+
+    if self._plan is None:
+      self._graphdef, self._params = nnx.split(model)
+      param_specs = None
+    else:
+      self._graphdef, self._params, param_specs = self._plan.shard_model(model)
+    self._device = DeviceCalls(
+        static=dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
+                    scrub_on_release=self.scrub_on_release,
+                    prefix_caching=self.enable_prefix_caching,
+                    hash_fn=prefix_hash_fn or allocator.chain_hashes),
+        token_buckets=self.token_buckets, plan=self._plan, param_specs=param_specs,
+        max_traces=max_traces)
+    self._bucket = self.token_buckets[-1]  # the step budget of the next device call
+    self._scheduler = Scheduler(
+        max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
+        max_model_len=self.max_model_len, token_buckets=self.token_buckets,
+        vocab_size=int(config.vocab_size), eos=protocol.eos_token_ids(config),
+        limit_note=(f"model context {config.max_seq_len}, KV pool "
+                    f"{self.spec.num_blocks * self.spec.block_size} tokens"),
+        tokenizer=tokenizer, seed=seed)
+    self._state = self._init_state()
+
+  def _pool_spec(self, dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
+                 shards) -> KVCacheSpec:
+    """The KV pool's spec; with a mesh each data shard owns N / d blocks of it."""
+    c = self.config
+    kv_dtype = protocol.model_dtype(self.model) if dtype is None else jnp.dtype(dtype)
+    if kv_budget_bytes is not None:
+      spec = KVCacheSpec.from_budget(kv_budget_bytes, c.num_layers, c.num_kv_heads,
+                                     c.head_dim, block_size, kv_dtype)
+      if shards > 1 and spec.num_blocks >= shards:
+        spec = dataclasses.replace(spec, num_blocks=spec.num_blocks - spec.num_blocks % shards)
+    else:
+      if num_blocks is None:
+        num_blocks = max_seqs * math.ceil(min(c.max_seq_len, 2048) / block_size)
+      spec = protocol.kv_cache_spec(c, block_size=block_size, num_blocks=num_blocks,
+                                    dtype=kv_dtype)
+    for name, value in (("max_seqs", max_seqs), ("num_blocks", spec.num_blocks)):
+      if value % shards:
+        raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
+                         f"(each data shard owns {name} / {shards})")
+    return spec
+
+  @classmethod
+  def from_pretrained(cls, path, *, dtype=None, impl: str = "auto", **kwargs) -> "LLM":
+    """An engine over a Hugging Face checkpoint directory (``load_pretrained``);
+    ``tokenizer.json`` is loaded when present and the ``tokenizers`` package is installed.
+    ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
+    # The one place the engine imports a model: the built-in checkpoint loader.
+    from paged_jax.models.loader import load_pretrained
+    mesh = kwargs.get("mesh")  # with a mesh each tensor is loaded onto its model slice
+    model, config = load_pretrained(path, dtype=dtype, impl=impl, sharding=None if mesh is None
+                                    else mesh_sharding.load_placement(mesh))
+    tokenizer = kwargs.pop("tokenizer", None)
+    tok_path = os.path.join(os.fspath(path), "tokenizer.json")
+    if tokenizer is None and os.path.isfile(tok_path):
+      try:
+        import tokenizers
+      except ImportError:  # optional dependency
+        tokenizers = None
+      if tokenizers is not None:
+        tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    return cls(model, config, tokenizer=tokenizer, **kwargs)
+
+  # --- state and compilation ---
+
+  def _init_state(self) -> state_lib.EngineState:
+    if self._plan is None:
+      return state_lib.init_state(self.spec, self.max_seqs, self.max_model_len)
+    # Each data shard's state (S/d slots, N/d blocks) built in place on the mesh.
+    shard_spec = dataclasses.replace(
+        self.spec, num_blocks=self.spec.num_blocks // self._plan.data_size)
+    return self._plan.init_state(lambda: state_lib.init_state(
+        shard_spec, self._slots_per_shard, self.max_model_len))
+
+  def precompile(self, progress: Callable[[int, int, str], Any] | None = None
+                 ) -> dict[str, float]:
+    """Compile every device call serving will make (the step loop at each of
+    ``token_buckets``, then the admit and abort merges) now, so that no request waits for
+    a compilation. ``progress(i, n, what)`` is called before each of the n compilations
+    (``what`` e.g. "step T=32"). Returns the seconds each took, also kept in
+    ``compile_seconds`` (and their sum in ``stats["compile_s"]``). Calls compiled before
+    (by serving, or by another engine of the same model structure and sizes) take ~0 s."""
+    return self._device.precompile(self._params, self._state, progress)
+
+  @property
+  def compile_seconds(self) -> dict[str, float]:
+    """Seconds each ``precompile``-d device call took to compile, by name."""
+    return dict(self._device.compile_seconds)
+
+  @property
+  def _calls(self) -> dict:
+    """The step loops built so far, by token bucket."""
+    return self._device.steps
+
+  def _call_for(self, bucket: int):
+    """The jitted step loop at ``bucket`` (``DeviceCalls.step``)."""
+    return self._device.step(bucket)
+
+  def _call(self, params, st, slots_wanted):
+    """One device call at the step budget ``self._bucket`` (set before each call)."""
+    return self._call_for(self._bucket)(params, st, slots_wanted)
+
+  def reset_stats(self) -> None:
+    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step)."""
+    old = self._state
+    self._state = state_lib.zero_counters(self._state)
+    if self._plan is not None:  # counters per data shard
+      self._state = self._plan.match_state(self._state, old)
+    self._scheduler.reset_counters()
+
+  @property
+  def allocator_state(self) -> allocator.AllocatorState:
+    """The allocator state now (for ``allocator.validate``); with a mesh, every leaf has
+    a leading data-shard axis (validate ``tree_map(lambda x: x[i], ...)`` per shard)."""
+    return self._state.alloc
+
+  # --- serving ---
+
+  def _run(self, bucket: int, slots_wanted: int) -> dict:
+    self._bucket = bucket
+    self._state, report = self._call(self._params, self._state, jnp.int32(slots_wanted))
+    return jax.device_get(report)  # the one device -> host transfer of this call
+
+  def _admit(self, mask_S: np.ndarray, rows: dict) -> None:
+    self._state = self._device.admit(self._state, jnp.asarray(mask_S),
+                                     {k: jnp.asarray(v) for k, v in rows.items()})
+
+  def _abort(self, mask_S: np.ndarray) -> None:
+    self._state = self._device.abort(self._state, jnp.asarray(mask_S))
+
+  def _serve(self, requests) -> Iterator[StreamEvent]:
+    return self._scheduler.serve(requests, run=self._run, admit=self._admit,
+                                 abort=self._abort)
+
+  def generate_stream(self, prompts, params=None, *,
+                      cache_salt=None) -> Iterator[StreamEvent]:
+    """Serve ``prompts`` and yield ``StreamEvent``s as tokens are decided (after each device
+    call): one per generated token, then one with ``finish_reason`` per completion. All
+    requests are validated (``ValueError`` naming the request) before this returns. Closing
+    the generator early drops the unfinished requests (their blocks are released). One
+    ``generate`` / ``generate_stream`` at a time per engine. ``cache_salt`` as for
+    ``generate``."""
+    return self._serve(self._scheduler.requests(prompts, params, cache_salt))
+
+  def generate(self, prompts, params=None, *, cache_salt=None) -> list[Output]:
+    """Serve ``prompts`` (token-id lists, or strings with a tokenizer) with ``params`` (one
+    ``SamplingParams`` or one per prompt). Returns one ``Output`` per completion in prompt
+    order, n consecutive ones for a prompt with ``n > 1``.
+
+    ``cache_salt``: None, one str for every prompt, or one str (or None) per prompt. Prefix
+    cache entries are shared only between requests with the same salt (none counts as one
+    salt), so tenants that must not share pass different salts."""
+    requests = self._scheduler.requests(prompts, params, cache_salt)
+    tokens, logprobs, finish = {}, {}, {}
+    for ev in self._serve(requests):
+      key = (ev.prompt_index, ev.sample_index)
+      if ev.token_id is not None:
+        tokens.setdefault(key, []).append(ev.token_id)
+        logprobs.setdefault(key, []).append(ev.logprob)
+      else:
+        finish[key] = ev.finish_reason
+    outputs = []
+    for req in requests:
+      for f in range(req.params.n):
+        ids = tuple(tokens.get((req.index, f), ()))
+        text = None
+        if self.tokenizer is not None:
+          text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        lps = tuple(logprobs.get((req.index, f), ())) if req.params.logprobs else None
+        outputs.append(Output(req.index, f, req.prompt, ids, text, finish[(req.index, f)],
+                              lps))
+    return outputs
+
+  @property
+  def stats(self) -> dict[str, Any]:
+    """Counters since the engine was built or ``reset_stats`` (tokens_per_s and requests_per_s
+    over the wall time spent inside generate / generate_stream). ``kv_utilization``: tokens
+    stored / token slots of the blocks in use, mean over the steps that ran a batch.
+    ``compile_s``: seconds ``precompile`` spent compiling."""
+    r, h = self._scheduler.last_report, self._scheduler.counters
+    if r is None:
+      steps = busy = preempt = peak = 0
+      mean_blocks, util = 0.0, 1.0
+    else:
+      steps, busy = int(r["steps"]), int(r["busy_steps"])
+      preempt, peak = int(r["preemptions"]), int(r["peak_blocks_in_use"])
+      mean_blocks = float(r["blocks_in_use_sum"]) / max(steps, 1)
+      util = float(r["utilization_sum"]) / busy if busy else 1.0
+    tokens = h["tokens"]
+    free = self._state.alloc.num_free  # read on demand, outside the serving loop
+    free = int(free if self._plan is None else self._plan.fetch(free).sum())
+    prompt_tokens = 0 if r is None else int(np.sum(r["prompt_tokens"]))
+    cached_tokens = 0 if r is None else int(np.sum(r["cached_prompt_tokens"]))
+    return dict(
+        preemptions=preempt, kv_utilization=util,
+        prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
+        cached_blocks=0 if r is None else int(np.sum(r["cached_blocks"])),
+        tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,
+        requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
+        num_blocks=self.spec.num_blocks, num_free_blocks=free, host_syncs=h["host_syncs"],
+        host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
+        peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
+        device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],
+        wall_s=h["wall_s"], compile_s=sum(self._device.compile_seconds.values()))

@@ -1,0 +1,310 @@
+"""The engine's host side: requests, slots, token buckets, reading each call's report.
+
+Between device calls the host only admits waiting requests into free slots (one jitted
+merge, host -> device) and reads one small report (status, lengths, the tokens of this call,
+counters): one device -> host transfer per call, counted in ``stats["host_syncs"]``.
+Requests are admitted first come, first served; the slots of one request (its n
+completions) lie in one data shard. Each call runs at the smallest token bucket holding
+the tokens its sequences want (``pick_bucket``) and ends early when enough slots come free
+for the waiting requests (``slots_wanted``).
+
+Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a request with
+``n > 1`` contributes n consecutive Outputs (``sample_index`` 0 .. n-1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from paged_jax.engine.state import DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING, host_rows
+from paged_jax.sampling import SamplingParams
+from paged_jax.sharding import pick_slots
+
+__all__ = ["Output", "Request", "Scheduler", "StreamEvent", "default_token_buckets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """One completion.
+
+  Attributes:
+    prompt_index: index of the prompt in the ``generate`` call.
+    sample_index: completion index within the prompt (0 .. n-1).
+    prompt_token_ids: the prompt's token ids.
+    token_ids: generated ids (the stop / EOS token not included).
+    text: ``token_ids`` decoded when the engine has a tokenizer, else None.
+    finish_reason: "stop" (EOS or a stop id) or "length" (max_tokens or max_model_len).
+    logprobs: log-probability of each generated id (``SamplingParams.logprobs``), else None.
+  """
+
+  prompt_index: int
+  sample_index: int
+  prompt_token_ids: tuple[int, ...]
+  token_ids: tuple[int, ...]
+  text: str | None
+  finish_reason: str
+  logprobs: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+  """One event of ``generate_stream``: a token (``token_id`` set) or the end of a completion
+  (``token_id`` None, ``finish_reason`` set)."""
+
+  prompt_index: int
+  sample_index: int
+  token_id: int | None
+  logprob: float | None = None
+  finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+  """Host bookkeeping of one prompt (its n completions)."""
+
+  index: int
+  prompt: tuple[int, ...]
+  params: SamplingParams
+  seed: int
+  stop: tuple[int, ...]
+  salt: int = 0  # interned cache_salt, 0 for none
+  arrival: int = -1
+  tokens: list = dataclasses.field(default_factory=list)  # per completion
+  logprobs: list = dataclasses.field(default_factory=list)
+
+
+def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int, ...]:
+  """Token budgets the engine compiles a device call for: the smallest holds a decode row of
+  every slot (at least 32), each next is 4x larger, the last is ``max_tokens_per_step``."""
+  sizes, size = [], max(32, max_seqs)
+  while size < max_tokens_per_step:
+    sizes.append(size)
+    size *= 4
+  return tuple(sizes) + (max_tokens_per_step,)
+
+
+class Scheduler:
+  """Host-side scheduling of one engine (module docstring).
+
+  Args:
+    max_seqs: S slots in all; ``slots_per_shard`` of them per data shard.
+    max_model_len: M, longest sequence.
+    token_buckets: the compiled step budgets, increasing.
+    vocab_size, eos: the model config's vocabulary size and EOS ids.
+    limit_note: what bounds ``max_model_len`` (for error messages).
+    tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
+    seed: seeds the draw of seeds for requests without one.
+  """
+
+  def __init__(self, *, max_seqs: int, slots_per_shard: int, max_model_len: int,
+               token_buckets: tuple[int, ...], vocab_size: int, eos: tuple[int, ...],
+               limit_note: str, tokenizer=None, seed: int = 0):
+    self.max_seqs, self.slots_per_shard = max_seqs, slots_per_shard
+    self.max_model_len, self.token_buckets = max_model_len, token_buckets
+    self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
+    self.tokenizer = tokenizer
+    self._rng = np.random.default_rng(seed)
+    self._arrivals = 0
+    self._salt_ids: dict[str, int] = {}
+    self.reset_counters()
+
+  def reset_counters(self) -> None:
+    self.counters = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
+    self.last_report: dict | None = None
+
+  # --- requests ---
+
+  def _encode(self, i: int, prompt) -> tuple[int, ...]:
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
+                         "checkpoint has no tokenizer.json): pass token ids")
+      ids = self.tokenizer.encode(prompt).ids
+    else:
+      try:
+        ids = [int(t) for t in prompt]
+      except (TypeError, ValueError):
+        raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
+                         "ids") from None
+    if len(ids) == 0:
+      raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+    v = self.vocab_size
+    bad = [t for t in ids if not 0 <= t < v]
+    if bad:
+      raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
+                       f"[0, vocab_size={v})")
+    if len(ids) >= self.max_model_len:
+      raise ValueError(f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len="
+                       f"{self.max_model_len} ({self.limit_note}) to generate anything")
+    return tuple(ids)
+
+  def _salts(self, cache_salt, num_prompts: int) -> list[int]:
+    """One interned salt id per prompt (0: no salt). Ids are this engine's own and unique
+    per string, so two different salts can never share a cache entry."""
+    if cache_salt is None or isinstance(cache_salt, str):
+      cache_salt = [cache_salt] * num_prompts
+    elif not isinstance(cache_salt, Sequence) or len(cache_salt) != num_prompts:
+      raise ValueError(f"cache_salt={cache_salt!r} must be None, a str, or one str (or None) "
+                       f"per prompt ({num_prompts})")
+    ids = []
+    for i, salt in enumerate(cache_salt):
+      if salt is None:
+        ids.append(0)
+      elif isinstance(salt, str):
+        ids.append(self._salt_ids.setdefault(salt, len(self._salt_ids) + 1))
+      else:
+        raise ValueError(f"cache_salt[{i}]={salt!r} must be a str or None")
+    return ids
+
+  def requests(self, prompts, params, cache_salt=None) -> list[Request]:
+    """Validate a ``generate`` call's arguments (``ValueError`` naming the request)."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+      raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts")
+    salts = self._salts(cache_salt, len(prompts))
+    if params is None:
+      params = SamplingParams()
+    if isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+      raise ValueError(f"len(params)={len(params)} must equal len(prompts)={len(prompts)}")
+    out = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+      if not isinstance(p, SamplingParams):
+        raise ValueError(f"params[{i}]={p!r} must be a SamplingParams")
+      ids = self._encode(i, prompt)
+      if p.n > self.slots_per_shard:  # a request's slots are in one data shard
+        shards = self.max_seqs // self.slots_per_shard
+        per_shard = "" if shards == 1 else f" / {shards} data shards"
+        raise ValueError(f"params[{i}].n={p.n} must be <= max_seqs={self.max_seqs}"
+                         f"{per_shard}")
+      stop = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else self.eos)))
+      if len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
+                         f"must be <= {MAX_STOP_IDS}")
+      seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2 ** 32))
+      out.append(Request(index=i, prompt=ids, params=p, seed=seed, stop=stop, salt=salts[i],
+                         tokens=[[] for _ in range(p.n)], logprobs=[[] for _ in range(p.n)]))
+    return out
+
+  # --- one serving loop ---
+
+  def _fill_slots(self, waiting: list[Request], slot_owner, want_S: np.ndarray):
+    """Admit waiting requests (FCFS) into free slots. Returns ``(mask_S, rows)`` for the
+    device merge, or None when nobody was admitted. ``want_S`` (the host's view of the
+    tokens each slot still needs) gets the admitted prompts."""
+    free = [s for s, o in enumerate(slot_owner) if o is None]
+    mask = np.zeros(self.max_seqs, bool)
+    rows = None
+    # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
+    while waiting and (slots := pick_slots(free, waiting[0].params.n,
+                                           self.slots_per_shard)) is not None:
+      req = waiting.pop(0)
+      req.arrival = self._arrivals
+      self._arrivals += 1
+      rows = host_rows(self.max_seqs, self.max_model_len) if rows is None else rows
+      p, n_prompt = req.params, len(req.prompt)
+      free = [s for s in free if s not in slots]
+      for f, s in enumerate(slots):
+        mask[s] = True
+        slot_owner[s] = (req, f)
+        rows["tokens_SM"][s, :n_prompt] = req.prompt
+        rows["len_S"][s] = n_prompt if f == 0 else 0
+        rows["prompt_len_S"][s] = n_prompt
+        rows["max_len_S"][s] = min(n_prompt + p.max_tokens, self.max_model_len)
+        rows["status_S"][s] = RUNNING if f == 0 else FORK_WAIT
+        rows["arrival_S"][s] = req.arrival
+        rows["parent_S"][s] = slots[0] % self.slots_per_shard  # slot within its shard
+        rows["fork_S"][s] = f
+        rows["seed_S"][s] = req.seed
+        rows["temperature_S"][s] = p.temperature
+        rows["top_k_S"][s] = p.top_k
+        rows["top_p_S"][s] = p.top_p
+        rows["stop_SX"][s, :len(req.stop)] = req.stop
+        rows["salt_S"][s] = req.salt
+        rows["fresh_S"][s] = f == 0
+        want_S[s] = n_prompt if f == 0 else 0
+    return None if rows is None else (mask, rows)
+
+  def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray]:
+    """The events of one call's report, and the slots whose completion finished."""
+    self.counters["host_syncs"] += 1
+    self.counters["device_calls"] += 1
+    self.last_report = report
+    clear = np.zeros(self.max_seqs, bool)
+    events = []
+    for s, owner in enumerate(slot_owner):
+      if owner is None:
+        continue
+      req, f = owner
+      start = int(report["start_S"][s])
+      have = len(req.prompt) + len(req.tokens[f])
+      end = int(report["len_S"][s])
+      for j in range(have, end):
+        tok = int(report["tokens_SK"][s, j - start])
+        lp = float(report["logprobs_SK"][s, j - start])
+        req.tokens[f].append(tok)
+        req.logprobs[f].append(lp)
+        self.counters["tokens"] += 1
+        events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None))
+      if report["status_S"][s] == DONE:
+        reason = REASONS[int(report["reason_S"][s])]
+        events.append(StreamEvent(req.index, f, None, None, reason))
+        slot_owner[s] = None
+        clear[s] = True
+    return events, clear
+
+  def slots_wanted(self, waiting: list[Request]) -> int:
+    """Free slots (in one data shard) that end a device call early for waiting requests:
+    the first one's n, or more, up to a quarter of a shard's slots while enough requests
+    wait, so that the host is not called back each time a single slot frees."""
+    if not waiting:
+      return 0
+    batch = max(1, self.slots_per_shard // 4)
+    total = 0
+    for req in waiting:
+      total += req.params.n
+      if total >= batch:
+        break
+    return min(max(waiting[0].params.n, min(total, batch)), self.slots_per_shard)
+
+  def pick_bucket(self, want_S: np.ndarray) -> int:
+    """The smallest token bucket holding the tokens one data shard's sequences want."""
+    need = int(want_S.reshape(-1, self.slots_per_shard).sum(axis=1).max())
+    return next((b for b in self.token_buckets if b >= need), self.token_buckets[-1])
+
+  def serve(self, requests: list[Request], *, run: Callable[[int, int], dict],
+            admit: Callable[[np.ndarray, dict], Any],
+            abort: Callable[[np.ndarray], Any]) -> Iterator[StreamEvent]:
+    """Serve ``requests``, yielding events after each device call.
+
+    ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
+    ``admit(mask_S, rows)`` merges host rows into the device state; ``abort(mask_S)`` drops
+    sequences left in slots when the stream is closed early.
+    """
+    waiting = list(requests)
+    slot_owner: list = [None] * self.max_seqs
+    want_S = np.zeros(self.max_seqs, np.int64)
+    t0 = time.perf_counter()
+    try:
+      while waiting or any(o is not None for o in slot_owner):
+        admitted = self._fill_slots(waiting, slot_owner, want_S)
+        if admitted is not None:
+          admit(*admitted)
+        report = run(self.pick_bucket(want_S), self.slots_wanted(waiting))
+        events, clear = self._read_report(report, slot_owner)
+        if clear.any():
+          admit(clear, host_rows(self.max_seqs, self.max_model_len))
+        yield from events
+        want_S = np.array(report["want_S"], np.int64)
+    finally:
+      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
+      left = np.array([o is not None for o in slot_owner])
+      if left.any():
+        abort(left)
+      self.counters["wall_s"] += time.perf_counter() - t0
+      self.counters["requests"] += len(requests)

@@ -1,0 +1,161 @@
+"""The engine's device-side state: one pytree, ``EngineState``, and the small jit-able edits
+the host makes to it between device calls (admit rows, abort sequences, zero counters).
+
+One row per sequence slot (S = ``max_seqs``; allocator slot s is engine slot s): the token
+history ``tokens_SM`` (prompt + generated, M = ``max_model_len``), its length ``len_S``, the
+tokens already in the KV cache (the allocator's ``seq_lens``), the slot status (free /
+running / done / waiting for its fork), arrival order, per-request sampling parameters and
+stop ids; then the counters ``stats`` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import allocator
+from paged_jax.kv_cache import KVCache
+from paged_jax.pallas_kernels import layout
+from paged_jax.spec import KVCacheSpec
+
+__all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
+           "ROW_FIELDS", "admit", "abort", "host_rows", "init_state", "want_S",
+           "zero_counters", "scrub_freed", "zero_blocks"]
+
+FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
+"""Slot status values of ``EngineState.status_S``."""
+REASONS = {1: "stop", 2: "length"}
+MAX_STOP_IDS = 16
+"""Stop ids per request (EOS ids included), the static width X of ``stop_SX``."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+  """All device-side engine state (module docstring); S slots, M = max_model_len."""
+
+  alloc: allocator.AllocatorState
+  cache: KVCache
+  tokens_SM: jax.Array  # i32[S, M] token history: prompt, then generated
+  logprobs_SM: jax.Array  # f32[S, M] log-prob of each generated token at its position
+  len_S: jax.Array  # i32[S] history length
+  prompt_len_S: jax.Array  # i32[S] original prompt length
+  max_len_S: jax.Array  # i32[S] finish with "length" when len reaches it
+  status_S: jax.Array  # i32[S] FREE / RUNNING / DONE / FORK_WAIT
+  reason_S: jax.Array  # i32[S] 0 none, 1 stop, 2 length
+  arrival_S: jax.Array  # i32[S] arrival order (smaller = earlier = higher priority)
+  parent_S: jax.Array  # i32[S] slot to fork from (FORK_WAIT slots)
+  fork_S: jax.Array  # i32[S] completion index
+  seed_S: jax.Array  # u32[S]
+  temperature_S: jax.Array  # f32[S]
+  top_k_S: jax.Array  # i32[S]
+  top_p_S: jax.Array  # f32[S]
+  stop_SX: jax.Array  # i32[S, X] stop ids, -1 padding
+  salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
+  fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
+  # Counters.
+  steps: jax.Array  # i32[]
+  preemptions: jax.Array  # i32[]
+  generated: jax.Array  # i32[] tokens sampled (stop tokens included)
+  blocks_in_use_sum: jax.Array  # f32[]
+  peak_blocks_in_use: jax.Array  # i32[]
+  utilization_sum: jax.Array  # f32[] sum over busy steps of allocator.utilization
+  busy_steps: jax.Array  # i32[]
+  prompt_tokens: jax.Array  # i32[] prompt tokens of first admissions
+  cached_prompt_tokens: jax.Array  # i32[] of those, found in the prefix cache
+
+
+# Each row field's (dtype, fill value, trailing shape: "M" = max_model_len, "X" = stop ids).
+_ROW_LAYOUT = dict(
+    tokens_SM=(np.int32, 0, "M"), logprobs_SM=(np.float32, 0, "M"), len_S=(np.int32, 0, ""),
+    prompt_len_S=(np.int32, 0, ""), max_len_S=(np.int32, 0, ""), status_S=(np.int32, FREE, ""),
+    reason_S=(np.int32, 0, ""), arrival_S=(np.int32, 0, ""), parent_S=(np.int32, 0, ""),
+    fork_S=(np.int32, 0, ""), seed_S=(np.uint32, 0, ""), temperature_S=(np.float32, 0, ""),
+    top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""), stop_SX=(np.int32, -1, "X"),
+    salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""))
+ROW_FIELDS = tuple(_ROW_LAYOUT)
+"""The per-slot fields the host writes when it admits (or clears) a slot."""
+
+
+def _empty_rows(xp, max_seqs: int, max_model_len: int) -> dict:
+  sizes = {"M": (max_model_len,), "X": (MAX_STOP_IDS,), "": ()}
+  return {name: xp.full((max_seqs,) + sizes[tail], fill, dtype)
+          for name, (dtype, fill, tail) in _ROW_LAYOUT.items()}
+
+
+def host_rows(max_seqs: int, max_model_len: int) -> dict[str, np.ndarray]:
+  """Empty per-slot rows on the host (numpy), as a free slot holds them."""
+  return _empty_rows(np, max_seqs, max_model_len)
+
+
+def _zero_counters() -> dict:
+  zf = lambda: jnp.zeros((), jnp.float32)
+  return dict(steps=jnp.int32(0), preemptions=jnp.int32(0), generated=jnp.int32(0),
+              blocks_in_use_sum=zf(), peak_blocks_in_use=jnp.int32(0), utilization_sum=zf(),
+              busy_steps=jnp.int32(0), prompt_tokens=jnp.int32(0),
+              cached_prompt_tokens=jnp.int32(0))
+
+
+def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int) -> EngineState:
+  """An empty engine: every slot free, every block free, counters 0."""
+  p = math.ceil(max_model_len / spec.block_size)
+  rows = _empty_rows(jnp, max_seqs, max_model_len)
+  return EngineState(alloc=allocator.init(spec.num_blocks, spec.block_size, max_seqs, p),
+                     cache=KVCache.create(spec), **rows, **_zero_counters())
+
+
+def zero_counters(st: EngineState) -> EngineState:
+  """``st`` with every counter of ``stats`` back at 0."""
+  return dataclasses.replace(st, **_zero_counters())
+
+
+def want_S(st: EngineState) -> jax.Array:
+  """i32[S]: tokens each running sequence still needs K/V for (its uncached history)."""
+  return jnp.where(st.status_S == RUNNING, st.len_S - st.alloc.seq_lens, 0)
+
+
+def zero_blocks(cache: KVCache, mask_N: jax.Array) -> KVCache:
+  """Zero the blocks with ``mask_N`` True in every layer; a ``lax.cond`` skips the pass over
+  the pool when there are none."""
+
+  def scrub(cache):
+    m = mask_N.reshape([-1 if a == "N" else 1 for a in layout.PAGES_AXES])
+    zero = lambda pages: jnp.where(m, jnp.zeros((), pages.dtype), pages)
+    return dataclasses.replace(cache, k_pages=zero(cache.k_pages),
+                               v_pages=zero(cache.v_pages))
+
+  return jax.lax.cond(jnp.any(mask_N), scrub, lambda cache: cache, cache)
+
+
+def _unowned_N(alloc: allocator.AllocatorState) -> jax.Array:
+  """bool[N]: blocks whose K/V nobody may read: free and not a prefix-cache entry."""
+  return (alloc.ref_counts == 0) & (alloc.depth_N < 0)
+
+
+def scrub_freed(cache: KVCache, before: allocator.AllocatorState,
+                after: allocator.AllocatorState) -> KVCache:
+  """Zero every block that nobody may read in ``after`` but could in ``before`` (scrub on
+  release). A freed block that stays in the prefix cache keeps its K/V until evicted."""
+  return zero_blocks(cache, _unowned_N(after) & ~_unowned_N(before))
+
+
+def admit(st: EngineState, mask_S, rows: dict) -> EngineState:
+  """Overwrite the rows of the slots with ``mask_S`` True by ``rows`` (host -> device)."""
+  updates = {}
+  for name in ROW_FIELDS:
+    old, new = getattr(st, name), rows[name]
+    m = mask_S.reshape((-1,) + (1,) * (old.ndim - 1))
+    updates[name] = jnp.where(m, new.astype(old.dtype), old)
+  return dataclasses.replace(st, **updates)
+
+
+def abort(st: EngineState, mask_S, *, scrub_on_release: bool = False) -> EngineState:
+  """Drop the sequences of ``mask_S`` (an abandoned stream): release their blocks, free slots."""
+  alloc = allocator.release(st.alloc, mask_S)
+  cache = scrub_freed(st.cache, st.alloc, alloc) if scrub_on_release else st.cache
+  return dataclasses.replace(st, alloc=alloc, cache=cache,
+                             status_S=jnp.where(mask_S, FREE, st.status_S))

@@ -1,0 +1,146 @@
+"""The model protocol: what ``LLM``, ``Steps`` and the step API need of a model and config.
+
+A model is any ``flax.nnx.Module`` with the method
+
+    paged_forward(tokens_T, positions_T, cache, metadata, *, logits_indices=None)
+        -> (logits, cache)
+
+taking i32[T] tokens and positions, the ``KVCache`` and an ``AttentionMetadata``
+(``paged_jax.step``), and returning logits ``[T, V]`` (one row per entry of
+``logits_indices`` i32[S] when given) and the new cache. Its layers call
+``cache.write(layer, k_TKD, v_TKD, metadata.slots_T)`` and ``paged_attention(q_THD, cache,
+layer, metadata.kv_lens_S, metadata.block_tables_SP, metadata.cu_q_lens,
+metadata.num_seqs)``. Nothing else is required; the built-in decoders
+(``paged_jax.models.Decoder``) are one implementation.
+
+A config is any object with the int fields ``num_layers``, ``num_kv_heads``, ``head_dim``
+(the KV cache's shape), ``vocab_size`` (prompt validation) and ``max_seq_len`` (longest
+sequence), and optionally ``eos_token_ids`` (a tuple of ints; default none).
+
+Optional, for ``LLM(..., mesh=...)`` with a "model" axis of size m > 1 (tensor
+parallelism): a method ``with_model_axis(axis_name) -> model``, a copy whose forward runs
+inside ``jax.shard_map`` on its slice of the weights and of the KV heads and ``psum``-s its
+partial sums over ``axis_name``; which parameter axes are split is read from each
+parameter's name (``paged_jax.sharding``: glossary letters H, K, I) unless the model
+defines ``param_partition_specs(axis_name)`` returning a ``PartitionSpec`` pytree like
+``nnx.state(model)``. A mesh whose "model" axis has size 1 (data parallel) needs nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.spec import KVCacheSpec
+
+__all__ = ["CONFIG_FIELDS", "ModelConfigLike", "PagedModel", "check_config", "check_model",
+           "eos_token_ids", "kv_cache_spec", "model_dtype"]
+
+CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
+"""The int fields (>= 1) a config must have."""
+
+_FORWARD = ("paged_forward(tokens_T, positions_T, cache, metadata, *, logits_indices=None) "
+            "-> (logits, cache)")
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+  """What the engine and the step API call (module docstring)."""
+
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *,
+                    logits_indices=None) -> tuple[Any, Any]:
+    ...
+
+
+@runtime_checkable
+class ModelConfigLike(Protocol):
+  """The config fields the engine reads (module docstring)."""
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  max_seq_len: int
+
+
+def check_model(model) -> None:
+  """``ValueError`` naming what ``model`` lacks to be served (module docstring)."""
+  name = type(model).__name__
+  if not isinstance(model, nnx.Module):
+    raise ValueError(f"model={name} must be a flax.nnx.Module with a method {_FORWARD}")
+  forward = getattr(model, "paged_forward", None)
+  if not callable(forward):
+    raise ValueError(f"model={name} lacks the method {_FORWARD} (paged_jax.protocol)")
+  try:
+    params = inspect.signature(forward).parameters
+  except (TypeError, ValueError):  # a builtin or C callable: trust it
+    return
+  kinds = [p.kind for p in params.values()]
+  varargs = inspect.Parameter.VAR_POSITIONAL in kinds
+  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
+                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+  takes_indices = ("logits_indices" in params
+                   and params["logits_indices"].kind != inspect.Parameter.POSITIONAL_ONLY
+                   or inspect.Parameter.VAR_KEYWORD in kinds)
+  if (positional < 4 and not varargs) or not takes_indices:
+    raise ValueError(f"model={name}.paged_forward{inspect.signature(forward)} must accept "
+                     f"{_FORWARD}")
+
+
+def check_config(config) -> None:
+  """``ValueError`` naming the first field ``config`` lacks (or holds a bad value in)."""
+  name = type(config).__name__
+  for field in CONFIG_FIELDS:
+    if not hasattr(config, field):
+      raise ValueError(f"config={name} lacks the field {field!r}: a config needs the ints "
+                       f"{', '.join(CONFIG_FIELDS)} (paged_jax.protocol)")
+    value = getattr(config, field)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"config.{field}={value!r} must be an int >= 1")
+  eos_token_ids(config)
+
+
+def eos_token_ids(config) -> tuple[int, ...]:
+  """``config.eos_token_ids`` as a tuple of ints (empty when absent or None)."""
+  ids = getattr(config, "eos_token_ids", None)
+  if ids is None:
+    return ()
+  if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
+    ids = (ids,)
+  try:
+    ids = tuple(ids)
+  except TypeError:
+    ids = None
+  if ids is None or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                            and t >= 0 for t in ids):
+    raise ValueError(f"config.eos_token_ids={getattr(config, 'eos_token_ids')!r} must be a "
+                     "tuple of ints >= 0")
+  return tuple(int(t) for t in ids)
+
+
+def model_dtype(model) -> jnp.dtype:
+  """The model's dtype: its ``dtype`` attribute when it has one, else the dtype most of
+  its floating ``nnx.Param`` elements have, else float32."""
+  dtype = getattr(model, "dtype", None)
+  if dtype is not None:
+    try:
+      return jnp.dtype(dtype)
+    except TypeError:
+      pass
+  sizes: dict[Any, int] = {}
+  for _, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    x = value.get_value() if hasattr(value, "get_value") else value
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+      sizes[jnp.dtype(x.dtype)] = sizes.get(jnp.dtype(x.dtype), 0) + int(np.prod(x.shape))
+  return max(sizes, key=sizes.get) if sizes else jnp.dtype(jnp.float32)
+
+
+def kv_cache_spec(config, *, block_size: int, num_blocks: int, dtype) -> KVCacheSpec:
+  """The ``KVCacheSpec`` a model of ``config`` needs: L, K, D from the config."""
+  return KVCacheSpec(num_layers=int(config.num_layers), num_kv_heads=int(config.num_kv_heads),
+                     head_dim=int(config.head_dim), block_size=block_size,
+                     num_blocks=num_blocks, dtype=dtype)

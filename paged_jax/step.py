@@ -1,0 +1,317 @@
+"""The public step API: one ragged step of any model over the paged KV cache.
+
+A model joins by having ``paged_forward(tokens_T, positions_T, cache, metadata, *,
+logits_indices=None) -> (logits, cache)`` (``paged_jax.protocol``). This module turns the
+allocator state and the new tokens of each sequence into what that forward takes:
+
+1. ``allocator.append(state, num_new_S)`` grows each sequence, all-or-nothing (``ok_S``).
+2. A sequence whose allocation failed (or whose tokens would run past ``T``) is DROPPED
+   together with its rows: the remaining sequences' tokens are repacked so that row
+   ``cu_q_lens[s] + j`` is token j of sequence s. (Masking only the token count of a
+   failed sequence but keeping its rows would make every later sequence read its
+   neighbour's tokens: no error, wrong logits.)
+3. Positions (each sequence's old length + j), flat slots (``allocator.slots``) and
+   ``AttentionMetadata`` (row s of the metadata is allocator slot s).
+
+Batch layout (S = the allocator's ``max_seqs``): ``tokens_T`` holds the new tokens of
+sequence 0, then of sequence 1, ... (``num_new_S[s]`` each, in slot order), then padding.
+
+Entry points, all traceable (call them inside your own ``jit``):
+- ``prepare_step(alloc_state, tokens_T, num_new_S) -> (alloc_state, StepInputs)``
+- ``forward_step(model, alloc_state, cache, tokens_T, num_new_S) -> (logits_SV,
+  alloc_state, cache, ok_S)``: prepare + the model's forward, logits of each sequence's
+  last new token (zero rows for sequences with no token or a failed allocation).
+- ``decode_step(model, alloc_state, cache, tokens_S, active_S)``: one token per active
+  sequence, given at the sequence's own row.
+- ``tokens_from_history(tokens_SM, start_S, num_new_S, num_tokens)``: pack new tokens
+  from each sequence's token history (what a scheduler holds).
+- ``Steps(model)``: ``forward`` / ``decode`` jitted once, the allocator state and cache
+  donated.
+
+A jitted greedy decode loop over your own model::
+
+  @nnx.jit(donate_argnames=("alloc", "cache"))
+  def decode(model, alloc, cache, tokens_S, active_S):
+    def body(carry, _):
+      alloc, cache, tokens_S = carry
+      logits_SV, alloc, cache, ok_S = step.decode_step(model, alloc, cache, tokens_S,
+                                                       active_S)
+      tokens_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+      return (alloc, cache, tokens_S), tokens_S
+    (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S), length=8)
+    return alloc, cache, per_step.T  # [S, 8]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax import allocator
+from paged_jax import protocol
+
+__all__ = ["AttentionMetadata", "StepInputs", "Steps", "decode_step", "forward_step",
+           "prepare_step", "tokens_from_history"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+  """Where a ragged batch's tokens go and what they see (``paged_attention``'s contract).
+
+  A model's layers call ``cache.write(layer, k_TKD, v_TKD, metadata.slots_T)`` and
+  ``paged_attention(q_THD, cache, layer, metadata.kv_lens_S, metadata.block_tables_SP,
+  metadata.cu_q_lens, metadata.num_seqs)``.
+
+  Attributes:
+    slots_T: i32[T] flat slot (``block_id * Z + offset``) each token's K/V is written to;
+      negative for padding tokens (nothing written).
+    kv_lens_S: i32[S] tokens in each sequence's cache, the new ones included.
+    block_tables_SP: i32[S, P] physical block of each logical block.
+    cu_q_lens: i32[S + 1] cumulative new-token counts; sequence i owns token rows
+      ``cu_q_lens[i]:cu_q_lens[i + 1]``, its last ``q_len`` tokens.
+    num_seqs: i32[] live sequence rows; rows past it are padding.
+  """
+
+  slots_T: jax.Array
+  kv_lens_S: jax.Array
+  block_tables_SP: jax.Array
+  cu_q_lens: jax.Array
+  num_seqs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """One step's packed inputs (``prepare_step``).
+
+  Attributes:
+    tokens_T: i32[T] new tokens of the kept sequences, packed in slot order; padding 0.
+    positions_T: i32[T] position of each token in its sequence (padding 0).
+    metadata: the ``AttentionMetadata`` of this batch.
+    q_lens_S: i32[S] tokens of each sequence in this step (0: idle or dropped).
+    ok_S: bool[S] ``append`` succeeded and the tokens fit ``T`` (a request of 0 is ok).
+    last_S: i32[S] row of each sequence's last new token (``logits_indices``); meaningless
+      where ``q_lens_S`` is 0.
+  """
+
+  tokens_T: jax.Array
+  positions_T: jax.Array
+  metadata: AttentionMetadata
+  q_lens_S: jax.Array
+  ok_S: jax.Array
+  last_S: jax.Array
+
+
+def _exclusive_cumsum(x_S: jax.Array) -> jax.Array:
+  """i32[S + 1]: 0, x0, x0 + x1, ..."""
+  return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(x_S, dtype=jnp.int32)])
+
+
+def _row_owner(cu: jax.Array, num_rows: int) -> jax.Array:
+  """i32[T]: the sequence owning each row of a layout with offsets ``cu`` (clipped)."""
+  t = jnp.arange(num_rows, dtype=jnp.int32)
+  return jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, cu.shape[0] - 2)
+
+
+def _pack_rows(values_T: jax.Array, counts_S: jax.Array, keep_S: jax.Array) -> jax.Array:
+  """Repack rows laid out by ``counts_S`` so that only sequences with ``keep_S`` remain.
+
+  Row ``cu[s] + j`` (``cu`` the exclusive cumsum of ``counts_S``) moves to ``cu'[s] + j``,
+  ``cu'`` that of ``where(keep_S, counts_S, 0)``; rows of dropped sequences and padding rows
+  become 0.
+  """
+  num_rows = values_T.shape[0]
+  cu = _exclusive_cumsum(counts_S)
+  cu_kept = _exclusive_cumsum(jnp.where(keep_S, counts_S, 0))
+  t = jnp.arange(num_rows, dtype=jnp.int32)
+  seq_T = _row_owner(cu, num_rows)
+  live_T = (t < cu[-1]) & keep_S[seq_T]
+  dest_T = jnp.where(live_T, cu_kept[seq_T] + t - cu[seq_T], num_rows)
+  return jnp.zeros_like(values_T).at[dest_T].set(values_T, mode="drop")
+
+
+def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
+  if not isinstance(alloc_state, allocator.AllocatorState):
+    raise ValueError(f"alloc_state={type(alloc_state).__name__} must be an "
+                     "allocator.AllocatorState")
+  if tokens_T.ndim != 1 or not jnp.issubdtype(tokens_T.dtype, jnp.integer):
+    raise ValueError(f"tokens.shape={tuple(tokens_T.shape)} dtype={tokens_T.dtype} must be "
+                     "an integer [T]")
+  num_seq_rows = alloc_state.max_seqs
+  if num_new_S.shape != (num_seq_rows,) or not jnp.issubdtype(num_new_S.dtype, jnp.integer):
+    raise ValueError(f"num_new.shape={tuple(num_new_S.shape)} dtype={num_new_S.dtype} must "
+                     f"be an integer [S]=[{num_seq_rows}] (the allocator's max_seqs)")
+
+
+def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
+                 num_new_S: jax.Array) -> tuple[allocator.AllocatorState, StepInputs]:
+  """Allocate this step's tokens and pack the model's inputs (module docstring).
+
+  Args:
+    alloc_state: allocator state; sequence s is allocator slot s.
+    tokens_T: i32[T] new tokens, packed by sequence in slot order, then padding.
+    num_new_S: i32[S] new tokens of each sequence (0 for idle ones).
+
+  Returns:
+    ``(alloc_state, inputs)``: the grown allocator state and the ``StepInputs``. A sequence
+    whose ``append`` failed, or whose tokens would run past ``T``, has ``ok_S`` False, no
+    rows, no new K/V and an unchanged length; the others' rows are packed without a gap.
+  """
+  tokens_T, num_new_S = jnp.asarray(tokens_T), jnp.asarray(num_new_S)
+  _check_step_args(alloc_state, tokens_T, num_new_S)
+  num_new_S = num_new_S.astype(jnp.int32)
+  num_tokens = tokens_T.shape[0]
+  old_lens_S = alloc_state.seq_lens
+  # A sequence whose tokens would run past T is refused rather than given K/V slots that
+  # nothing writes. Negative requests: refused by append.
+  counts_S = jnp.maximum(num_new_S, 0)
+  fits_S = jnp.cumsum(counts_S) <= num_tokens
+  alloc_state, ok_S = allocator.append(alloc_state, jnp.where(fits_S, num_new_S, 0))
+  ok_S &= fits_S
+  q_lens_S = jnp.where(ok_S, counts_S, 0)
+  tokens_T = _pack_rows(tokens_T.astype(jnp.int32), counts_S, ok_S)
+
+  cu_q_lens = _exclusive_cumsum(q_lens_S)
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq_T = _row_owner(cu_q_lens, num_tokens)
+  live_T = t < cu_q_lens[-1]
+  positions_T = jnp.where(live_T, old_lens_S[seq_T] + t - cu_q_lens[seq_T], 0)
+  slots_T = jnp.where(live_T, allocator.slots(alloc_state, seq_T, positions_T),
+                      allocator.PAD_SLOT)
+  metadata = AttentionMetadata(
+      slots_T=slots_T, kv_lens_S=alloc_state.seq_lens,
+      block_tables_SP=alloc_state.block_tables, cu_q_lens=cu_q_lens,
+      num_seqs=jnp.int32(alloc_state.max_seqs))
+  last_S = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)
+  return alloc_state, StepInputs(tokens_T=tokens_T, positions_T=positions_T,
+                                 metadata=metadata, q_lens_S=q_lens_S, ok_S=ok_S,
+                                 last_S=last_S)
+
+
+def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
+                 num_new_S: jax.Array, **forward_kwargs):
+  """One ragged step (prefill, chunked prefill, decode, or a mix); traceable, not jitted.
+
+  Args:
+    model: any model with ``paged_forward`` (``paged_jax.protocol``).
+    alloc_state, tokens_T, num_new_S: as ``prepare_step``.
+    cache: the ``KVCache``.
+    **forward_kwargs: passed on to ``model.paged_forward`` (e.g. the built-in decoders'
+      ``impl=``).
+
+  Returns:
+    ``(logits_SV, alloc_state, cache, ok_S)``: logits of each sequence's last new token
+    (zero rows for sequences with no token this step or whose allocation failed), the new
+    allocator state and cache, and ``ok_S``.
+  """
+  alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S)
+  logits_SV, cache = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
+                                         inputs.metadata, logits_indices=inputs.last_S,
+                                         **forward_kwargs)
+  num_seq_rows = alloc_state.max_seqs
+  if logits_SV.ndim != 2 or logits_SV.shape[0] != num_seq_rows:
+    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
+                     f"{tuple(logits_SV.shape)}; with logits_indices i32[{num_seq_rows}] it "
+                     f"must return [S, V]=[{num_seq_rows}, V]")
+  logits_SV = jnp.where((inputs.q_lens_S > 0)[:, None], logits_SV, 0)
+  return logits_SV, alloc_state, cache, inputs.ok_S
+
+
+def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: jax.Array,
+                active_S: jax.Array, **forward_kwargs):
+  """One decode token for every active sequence; traceable, not jitted.
+
+  Args:
+    tokens_S: i32[S] the next token of sequence s at row s (ignored where not active).
+    active_S: bool[S] sequences that decode this step.
+
+  Returns:
+    ``(logits_SV, alloc_state, cache, ok_S)`` as ``forward_step``.
+  """
+  tokens_S, active_S = jnp.asarray(tokens_S), jnp.asarray(active_S)
+  num_seq_rows = alloc_state.max_seqs
+  for name, x in (("tokens", tokens_S), ("active", active_S)):
+    if x.shape != (num_seq_rows,):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_seq_rows}]")
+  active_S = active_S.astype(jnp.bool_)
+  num_new_S = active_S.astype(jnp.int32)
+  tokens_T = _pack_rows(tokens_S.astype(jnp.int32), jnp.ones_like(num_new_S), active_S)
+  return forward_step(model, alloc_state, cache, tokens_T, num_new_S, **forward_kwargs)
+
+
+def tokens_from_history(tokens_SM: jax.Array, start_S: jax.Array, num_new_S: jax.Array,
+                        num_tokens: int) -> jax.Array:
+  """i32[T]: the new tokens ``tokens_SM[s, start_S[s] : start_S[s] + num_new_S[s]]`` of
+  every sequence, packed in slot order (``prepare_step``'s layout), zero padded to
+  ``num_tokens``. Typically ``start_S`` is the allocator's ``seq_lens`` (the tokens
+  already cached) and ``tokens_SM`` each sequence's history."""
+  if tokens_SM.ndim != 2:
+    raise ValueError(f"tokens_SM.shape={tuple(tokens_SM.shape)} must be [S, M]")
+  num_seq_rows, max_len = tokens_SM.shape
+  for name, x in (("start", start_S), ("num_new", num_new_S)):
+    if x.shape != (num_seq_rows,):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_seq_rows}]")
+  counts_S = jnp.maximum(num_new_S.astype(jnp.int32), 0)
+  cu = _exclusive_cumsum(counts_S)
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq_T = _row_owner(cu, num_tokens)
+  pos_T = start_S[seq_T] + t - cu[seq_T]
+  return jnp.where(t < cu[-1], tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
+
+
+def _frozen(kwargs: dict) -> tuple:
+  return tuple(sorted(kwargs.items()))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kwargs"),
+                   donate_argnames=("alloc_state", "cache"))
+def _forward_jit(graphdef, params, alloc_state, cache, tokens_T, num_new_S, *, kwargs):
+  return forward_step(nnx.merge(graphdef, params), alloc_state, cache, tokens_T, num_new_S,
+                      **dict(kwargs))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kwargs"),
+                   donate_argnames=("alloc_state", "cache"))
+def _decode_jit(graphdef, params, alloc_state, cache, tokens_S, active_S, *, kwargs):
+  return decode_step(nnx.merge(graphdef, params), alloc_state, cache, tokens_S, active_S,
+                     **dict(kwargs))
+
+
+class Steps:
+  """Jitted ``forward`` / ``decode`` of one model, the allocator state and cache donated.
+
+  The model (any ``flax.nnx.Module`` with ``paged_forward``) is split once (``nnx.split``)
+  so each call is a plain ``jax.jit`` dispatch; the graph definition is static, so a step
+  compiles once per input shape (one ``T`` for ``forward``, one ``S`` for ``decode``: pad to
+  fixed sizes). The parameters are the model's at construction time; build a new ``Steps``
+  after changing them. ``forward_kwargs`` (hashable values) go to ``paged_forward``.
+
+  Usage::
+
+    steps = Steps(model)
+    logits_SV, alloc_state, cache, ok_S = steps.forward(alloc_state, cache, tokens_T, num_new_S)
+    logits_SV, alloc_state, cache, ok_S = steps.decode(alloc_state, cache, tokens_S, active_S)
+  """
+
+  def __init__(self, model, **forward_kwargs: Any):
+    protocol.check_model(model)
+    self.graphdef, self.params = nnx.split(model)
+    self.forward_kwargs = _frozen(forward_kwargs)
+
+  def forward(self, alloc_state, cache, tokens_T, num_new_S):
+    """``forward_step`` jitted; ``alloc_state`` and ``cache`` are donated."""
+    return _forward_jit(self.graphdef, self.params, alloc_state, cache, tokens_T, num_new_S,
+                        kwargs=self.forward_kwargs)
+
+  prefill = forward  # the name of the built-in models' first release
+
+  def decode(self, alloc_state, cache, tokens_S, active_S):
+    """``decode_step`` jitted; ``alloc_state`` and ``cache`` are donated."""
+    return _decode_jit(self.graphdef, self.params, alloc_state, cache, tokens_S, active_S,
+                       kwargs=self.forward_kwargs)

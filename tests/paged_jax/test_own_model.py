@@ -1,0 +1,222 @@
+"""A model of the user's own, unlike the built-in decoders (``examples/own_model.py``:
+learned positions, LayerNorm, biases, GELU, flax's own layers), through the model protocol:
+served by ``LLM``, stepped by the public step API, checked by ``paged_jax.testing``.
+
+The engine options are those of ``examples/serve_own_model.py``, so the precompile test and
+the example share one compilation of the engine's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import paged_jax
+from paged_jax import LLM, SamplingParams, allocator, testing
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples")
+
+
+@pytest.fixture(scope="module")
+def examples():
+  saved = list(sys.path)
+  sys.path.insert(0, EXAMPLES)
+  try:
+    import own_model
+    import serve_own_model
+  finally:
+    sys.path[:] = saved
+  return types.SimpleNamespace(own=own_model, serve=serve_own_model)
+
+
+@pytest.fixture(scope="module")
+def config(examples):
+  return examples.own.TinyGPTConfig()
+
+
+@pytest.fixture(scope="module")
+def model(examples, config):
+  return examples.own.TinyGPT(config, rngs=nnx.Rngs(1))
+
+
+@contextlib.contextmanager
+def _compiles():
+  """Collects the XLA backend compilations that happen inside the ``with``."""
+  seen, active = [], [True]
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: seen.append(name)
+      if active[0] and name.endswith("backend_compile_duration") else None)
+  try:
+    yield seen
+  finally:
+    active[0] = False
+
+
+def test_precompile_compiles_every_device_call_before_serving(examples, model, config):
+  llm = LLM(model, config, **dict(examples.serve.ENGINE, token_buckets=None))
+  calls = []
+  seconds = llm.precompile(progress=lambda i, n, what: calls.append((i, n, what)))
+  whats = [f"step T={b}" for b in llm.token_buckets] + ["admit", "abort"]
+  assert llm.token_buckets == (16,)  # max_seqs 4 < 32: one bucket
+  assert calls == [(i, len(whats), w) for i, w in enumerate(whats)]
+  assert list(seconds) == whats and all(s > 0 for s in seconds.values())
+  assert llm.compile_seconds == seconds
+  assert llm.stats["compile_s"] == pytest.approx(sum(seconds.values()))
+  with _compiles() as seen:
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+    stream = llm.generate_stream([[6, 7]], SamplingParams(max_tokens=30))
+    next(stream)  # one device call: 8 of the 30 tokens
+    stream.close()  # abandoned mid-way: the abort call
+  assert [len(o.token_ids) for o in out] == [3, 3]
+  assert seen == []  # serving compiled nothing more
+
+
+def test_served_with_preemption_and_a_shared_prefix_equals_the_dense_loop(examples):
+  # The example asserts every greedy token and log-prob against its dense host loop;
+  # here its run must also have preempted and hit the prefix cache.
+  result = examples.serve.main()
+  stats, llm = result["stats"], result["llm"]
+  assert stats["preemptions"] > 0
+  assert stats["prefix_hit_rate"] > 0.3
+  assert stats["peak_blocks_in_use"] == stats["num_blocks"] == 14
+  for prompt, out in zip(result["prompts"], result["outputs"]):
+    want, _ = examples.own.dense_greedy(result["model"], prompt, examples.serve.MAX_TOKENS)
+    assert list(out.token_ids) == want
+  testing.assert_allocator_invariants(llm.allocator_state)
+  assert int(llm.allocator_state.num_free) == 14  # cached blocks count as free
+  # n > 1 forks the prompt's blocks: greedy completions are all the dense one.
+  forked = llm.generate([result["prompts"][0]], SamplingParams(max_tokens=4, n=2))
+  assert [list(o.token_ids) for o in forked] == [list(result["outputs"][0].token_ids[:4])] * 2
+
+
+def test_paged_matches_dense_over_ragged_batches(model, config):
+  sequences = [list(range(3, 22)), [7, 8, 9], [40 + i % 50 for i in range(31)], [5]]
+  report = testing.assert_paged_matches_dense(model, config, sequences, seed=3)
+  assert report["steps"] > 3 and report["max_rel_error"] < 2e-5
+  # The assertion can fail: against a dense forward off by 0.1 %, it does.
+  dense = nnx.jit(lambda m, t: m(t) * 1.001)
+  with pytest.raises(AssertionError, match="differ from dense"):
+    testing.assert_paged_matches_dense(model, config, sequences, seed=3,
+                                       dense=lambda t: dense(model, t))
+
+
+def _dense_last(examples, model, sequences):
+  """Each sequence's last dense logits (the example's jitted forward, padded to 64)."""
+  out = []
+  for s in sequences:
+    padded = np.zeros((1, model.c.max_seq_len), np.int32)
+    padded[0, :len(s)] = s
+    out.append(np.asarray(examples.own._dense_logits(model, jnp.asarray(padded)))[0, len(s) - 1])
+  return out
+
+
+def _rel(got, want):
+  return float(np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want)))
+
+
+def test_failed_allocation_drops_the_sequence_and_its_rows(examples, model, config):
+  # 8 blocks of 4 tokens: a (5 tokens, 2 blocks), a hog (16, 4 blocks), c (3, 1 block)
+  # leave 1 free. Next step a +2 and c +1 fit their partial blocks; the hog's +5 needs 2
+  # blocks and fails. Its 5 rows sit between a's and c's: the step API drops them, so c
+  # still reads its own token (a step that only zeroed the hog's count would feed c the
+  # hog's first token). Block order shuffled, every unused page NaN.
+  spec = paged_jax.protocol.kv_cache_spec(config, block_size=4, num_blocks=8,
+                                          dtype=jnp.float32)
+  alloc = testing.shuffled_allocator(8, 4, 3, 8, seed=1)
+  cache = testing.nan_cache(spec)
+  step = nnx.jit(paged_jax.forward_step, donate_argnums=(1, 2))
+  a, hog, c = [5, 6, 7, 8, 9], list(range(20, 36)), [50, 51, 52]
+
+  def pack(chunks):
+    flat = [t for chunk in chunks for t in chunk]
+    return (jnp.asarray(flat + [0] * (24 - len(flat)), jnp.int32),
+            jnp.asarray([len(x) for x in chunks], jnp.int32))
+
+  _, alloc, cache, ok_S = step(model, alloc, cache, *pack([a, hog, c]))
+  assert bool(ok_S.all()) and int(alloc.num_free) == 1
+  logits_SV, alloc, cache, ok_S = step(model, alloc, cache,
+                                       *pack([[60, 61], [1, 2, 3, 4, 5], [70]]))
+  np.testing.assert_array_equal(np.asarray(ok_S), [True, False, True])
+  np.testing.assert_array_equal(np.asarray(alloc.seq_lens), [7, 16, 4])
+  np.testing.assert_array_equal(np.asarray(logits_SV[1]), 0.0)
+  testing.assert_allocator_invariants(alloc)
+  want_a, want_c = _dense_last(examples, model, [a + [60, 61], c + [70]])
+  assert _rel(logits_SV[0], want_a) < 2e-5
+  assert _rel(logits_SV[2], want_c) < 2e-5
+
+
+def test_step_api_decode_traces_once(model, config):
+  spec = paged_jax.protocol.kv_cache_spec(config, block_size=4, num_blocks=8,
+                                          dtype=jnp.float32)
+  graphdef, params = nnx.split(model)
+
+  def decode(params, alloc, cache, tokens_S, active_S):
+    return paged_jax.decode_step(nnx.merge(graphdef, params), alloc, cache, tokens_S,
+                                 active_S)
+
+  alloc, cache = allocator.init(8, 4, 3, 4), paged_jax.KVCache.create(spec)
+  calls = [(params, alloc, cache, jnp.asarray(t, jnp.int32), jnp.asarray(m))
+           for t, m in (([1, 2, 3], [True, True, False]), ([4, 5, 6], [False, True, True]))]
+  outs = testing.assert_traces_once(decode, calls)
+  assert [bool(o[3].all()) for o in outs] == [True, True]
+  with pytest.raises(AssertionError, match="traced 2 times"):  # a new shape retraces
+    testing.assert_traces_once(lambda x: x + 1, [(jnp.zeros(2),), (jnp.zeros(3),)])
+
+
+def test_allocator_invariants_assertion_names_what_broke():
+  # Sequence 0 holds blocks 0, 1 (3 tokens of Z = 2), sequence 1 block 2 (1 token).
+  state = allocator.init(4, 2, 2, 2)
+  state = dataclasses.replace(
+      state, block_tables=jnp.asarray([[0, 1], [2, allocator.NO_BLOCK]], jnp.int32),
+      seq_lens=jnp.asarray([3, 1], jnp.int32), ref_counts=jnp.asarray([1, 1, 1, 0], jnp.int32),
+      num_free=jnp.int32(1))
+  testing.assert_allocator_invariants(state)
+  broken = dataclasses.replace(state, ref_counts=jnp.asarray([2, 1, 1, 0], jnp.int32))
+  with pytest.raises(AssertionError, match="ref_counts"):
+    testing.assert_allocator_invariants(broken)
+  stacked = jax.tree_util.tree_map(lambda x, y: np.stack([x, y]), state, broken)
+  with pytest.raises(AssertionError, match="data shard 1"):
+    testing.assert_allocator_invariants(stacked)
+
+
+class _NoForward(nnx.Module):
+  pass
+
+
+class _OldForward(nnx.Module):
+  def paged_forward(self, tokens_T, positions_T, cache):
+    return tokens_T, cache
+
+
+def test_protocol_errors_name_what_is_missing(model, config):
+  with pytest.raises(ValueError, match="must be a flax.nnx.Module"):
+    LLM(object(), config)
+  with pytest.raises(ValueError, match="lacks the method paged_forward"):
+    LLM(_NoForward(), config)
+  with pytest.raises(ValueError, match=r"_OldForward.paged_forward.*must accept"):
+    LLM(_OldForward(), config)
+  fields = {f: getattr(config, f) for f in paged_jax.protocol.CONFIG_FIELDS}
+  for missing in paged_jax.protocol.CONFIG_FIELDS:
+    partial = types.SimpleNamespace(**{k: v for k, v in fields.items() if k != missing})
+    with pytest.raises(ValueError, match=f"lacks the field '{missing}'"):
+      LLM(model, partial)
+  with pytest.raises(ValueError, match=r"config.head_dim=0 must be an int >= 1"):
+    LLM(model, types.SimpleNamespace(**dict(fields, head_dim=0)))
+  with pytest.raises(ValueError, match="eos_token_ids"):
+    LLM(model, types.SimpleNamespace(**fields, eos_token_ids="2"))
+  with pytest.raises(ValueError, match="lacks the method paged_forward"):
+    paged_jax.Steps(_NoForward())
+  # A plain namespace with the five fields (no eos_token_ids) is a config.
+  llm = LLM(model, types.SimpleNamespace(**fields), block_size=4, num_blocks=16, max_seqs=2,
+            max_tokens_per_step=8)
+  assert llm.max_model_len == 64 and llm.spec.num_kv_heads == config.num_kv_heads
