@@ -1,7 +1,8 @@
 """Ragged paged attention in plain jnp: the oracle every kernel is tested against.
 
 Simple and obviously right rather than fast: every query row gathers all the pages its
-sequence owns and runs an ordinary masked softmax in float32.
+sequence owns and runs an ordinary masked softmax in float32, the attention variants
+(sliding window, logit soft cap, sinks) applied as the contract writes them.
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import metadata
+from paged_jax.pallas_kernels import validation
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "kv_dtype"))
 def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                                      block_tables_SP, cu_q_lens, num_seqs, *,
-                                     sm_scale: float):
+                                     sm_scale: float, sliding_window: int | None = None,
+                                     soft_cap: float | None = None, sinks=None,
+                                     kv_dtype=None):
   """Causal attention of a ragged batch of queries over a paged KV cache.
 
   Args:
@@ -30,10 +36,19 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
     cu_q_lens: i32[S + 1] cumulative query lengths.
     num_seqs: i32[] live sequences; rows past it are padding.
     sm_scale: softmax scale.
+    sliding_window: W (static) or None: the query at position p sees keys at positions k
+      with ``p - W < k <= p``.
+    soft_cap: c (static) or None: scores ``s = c * tanh(s / c)`` before the mask and softmax.
+    sinks: f32[H] or None: one extra logit per query head in the softmax denominator, with
+      no value.
+    kv_dtype: the logical K/V dtype when the pages hold its storage bits
+      (``layout.storage_dtype``); None when they hold K/V as they are.
 
   Returns:
     [T, H, D] in q's dtype; padding rows are zero.
   """
+  validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
+                                     soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   blocks_per_seq = block_tables_SP.shape[1]
@@ -54,12 +69,17 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
   block_ids_TP = jnp.where(owned_TP, ids_TP, num_blocks)
   k_TPKZD = k_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   v_TPKZD = v_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
+  # What was gathered (never the whole pool) back from storage bits to the logical dtype.
+  k_TPKZD = layout.from_storage(k_TPKZD, kv_dtype)
+  v_TPKZD = layout.from_storage(v_TPKZD, kv_dtype)
   # Advanced indices split by a slice go first: [T, P, K, Z, D] -> [T, K, P * Z, D].
   k_TKJD = k_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)
   v_TKJD = v_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)
 
   kv_pos_J = jnp.arange(blocks_per_seq * block_size)
   visible_TJ = (kv_pos_J[None, :] <= qpos_T[:, None]) & (kv_pos_J[None, :] < kv_len_T[:, None])
+  if sliding_window is not None:
+    visible_TJ &= kv_pos_J[None, :] > qpos_T[:, None] - sliding_window
   visible_TJ &= live_T[:, None]
 
   q_TKGD = q_THD.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -67,11 +87,20 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
   v_TKJD = jnp.where(visible_TJ[:, None, :, None], v_TKJD.astype(jnp.float32), 0.0)
   scores_TKGJ = jnp.einsum("tkgd,tkjd->tkgj", q_TKGD, k_TKJD,
                            precision=lax.Precision.HIGHEST) * sm_scale
+  if soft_cap is not None:
+    scores_TKGJ = soft_cap * jnp.tanh(scores_TKGJ / soft_cap)
   scores_TKGJ = jnp.where(visible_TJ[:, None, None, :], scores_TKGJ, -jnp.inf)
   row_max_TKG = jnp.max(scores_TKGJ, axis=-1, keepdims=True)
+  if sinks is not None:  # query head h = kv_head * G + g has the extra logit sinks[h]
+    sinks_TKG = jnp.broadcast_to(
+        jnp.asarray(sinks, jnp.float32).reshape(1, num_kv_heads, group, 1),
+        row_max_TKG.shape)
+    row_max_TKG = jnp.maximum(row_max_TKG, sinks_TKG)
   row_max_TKG = jnp.where(jnp.isfinite(row_max_TKG), row_max_TKG, 0.0)
   probs_TKGJ = jnp.exp(scores_TKGJ - row_max_TKG)  # exp(-inf) = 0 for hidden keys
   denom_TKG = jnp.sum(probs_TKGJ, axis=-1, keepdims=True)
+  if sinks is not None:  # the sink's term: in the denominator, with no value
+    denom_TKG = denom_TKG + jnp.exp(sinks_TKG - row_max_TKG)
   out_TKGD = jnp.einsum("tkgj,tkjd->tkgd", probs_TKGJ, v_TKJD, precision=lax.Precision.HIGHEST)
   out_TKGD = out_TKGD / jnp.where(denom_TKG > 0, denom_TKG, 1.0)
   out_THD = out_TKGD.reshape(num_tokens, num_q_heads, head_dim)

@@ -20,8 +20,24 @@ def _is_int32(x) -> bool:
 
 
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                           block_tables_SP, cu_q_lens, num_seqs) -> None:
-  """Shape and dtype checks; raises ``ValueError`` naming the offending argument."""
+                           block_tables_SP, cu_q_lens, num_seqs, *, kv_dtype=None) -> None:
+  """Shape and dtype checks; raises ``ValueError`` naming the offending argument.
+
+  ``kv_dtype``: the logical K/V dtype when the pages hold its storage bits; the pages'
+  dtype must then be ``layout.storage_dtype(kv_dtype)``.
+  """
+  if kv_dtype is not None:
+    try:
+      logical = jnp.dtype(kv_dtype)
+    except TypeError:
+      raise ValueError(f"{kv_dtype=} must be a dtype or None") from None
+    if not jnp.issubdtype(logical, jnp.floating):
+      raise ValueError(f"kv_dtype={logical} must be a floating dtype or None")
+    expected = layout.storage_dtype(logical)
+    for name, pages in (("k_pages", k_pages_LKNZD), ("v_pages", v_pages_LKNZD)):
+      if jnp.dtype(pages.dtype) != expected:
+        raise ValueError(f"{name}.dtype={pages.dtype} must be {expected}, the storage dtype "
+                         f"of kv_dtype={logical}")
   if q_THD.ndim != 3:
     raise ValueError(f"q.shape={tuple(q_THD.shape)} must be rank 3 [T, H, D]")
   if not jnp.issubdtype(q_THD.dtype, jnp.floating):
@@ -29,7 +45,7 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   for name, pages in (("k_pages", k_pages_LKNZD), ("v_pages", v_pages_LKNZD)):
     if pages.ndim != 5:
       raise ValueError(f"{name}.shape={tuple(pages.shape)} must be rank 5 [L, K, N, Z, D]")
-    if not jnp.issubdtype(pages.dtype, jnp.floating):
+    if kv_dtype is None and not jnp.issubdtype(pages.dtype, jnp.floating):
       raise ValueError(f"{name}.dtype={pages.dtype} must be a floating dtype")
   if k_pages_LKNZD.shape != v_pages_LKNZD.shape:
     raise ValueError(f"v_pages.shape={tuple(v_pages_LKNZD.shape)} must equal "
@@ -70,6 +86,42 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
   if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < dims["L"]:
     raise ValueError(f"layer={int(layer)} must be in [0, L={dims['L']})")
+
+
+def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=None,
+                             sinks=None) -> None:
+  """Checks of the attention variants (static: shapes, dtypes, Python values).
+
+  ``sliding_window`` an int >= 1 or None; ``soft_cap`` a finite real number > 0 or None;
+  ``sinks`` None or a float32 array of shape ``[H]`` (traced or concrete). Raises
+  ``ValueError`` naming the argument and the expected value.
+  """
+  if sliding_window is not None and (
+      isinstance(sliding_window, (bool, np.bool_))
+      or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
+    raise ValueError(f"{sliding_window=} must be an int >= 1 or None")
+  if soft_cap is not None and (
+      isinstance(soft_cap, (bool, np.bool_))
+      or not isinstance(soft_cap, (int, float, np.integer, np.floating))
+      or not np.isfinite(soft_cap) or soft_cap <= 0):
+    raise ValueError(f"{soft_cap=} must be a finite float > 0 or None")
+  if sinks is not None:
+    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+    if shape is None or dtype is None:
+      raise ValueError(f"sinks={type(sinks).__name__} must be a float32 array of shape "
+                       f"[H]=[{num_q_heads}] or None")
+    if tuple(shape) != (num_q_heads,):
+      raise ValueError(f"sinks.shape={tuple(shape)} must be [H]=[{num_q_heads}] (one logit "
+                       "per query head)")
+    if jnp.dtype(dtype) != jnp.float32:
+      raise ValueError(f"sinks.dtype={dtype} must be float32")
+
+
+def canonical_variants(sliding_window=None, soft_cap=None):
+  """``(sliding_window, soft_cap)`` as hashable static Python values (int, float) after
+  ``static_validate_variants`` accepted them: a numpy int or an int cap is one jit key."""
+  return (None if sliding_window is None else int(sliding_window),
+          None if soft_cap is None else float(soft_cap))
 
 
 def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables_SP,

@@ -1,7 +1,9 @@
 """Random ragged paged-attention problems and an independent float64 oracle for tests.
 
 The oracle rebuilds each sequence's contiguous K/V from the pages with Python loops and runs
-a plain causal softmax in float64 numpy: it shares no code with the implementations.
+a plain causal softmax in float64 numpy, with the attention variants (sliding window, logit
+soft cap, sinks) written out from the contract's formulas: it shares no code with the
+implementations.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+
+from paged_jax.pallas_kernels import layout
 
 NO_BLOCK = -1
 
@@ -26,11 +30,24 @@ class Case:
   num_seqs: int
   q_lens: list[int]
 
-  def jax_args(self):
-    return (jnp.asarray(self.q_THD), jnp.asarray(self.k_pages_LKNZD),
-            jnp.asarray(self.v_pages_LKNZD), self.layer, jnp.asarray(self.kv_lens_S),
+  @property
+  def kv_dtype(self):
+    """The logical K/V dtype (the pages' dtype)."""
+    return jnp.dtype(self.k_pages_LKNZD.dtype)
+
+  def jax_args(self, *, storage: bool = False):
+    """The kernel's positional arguments. ``storage=True``: the pages as the pool's storage
+    bits (``layout.to_storage``); pass ``kv_dtype=case.kv_dtype`` to the kernel with them."""
+    k, v = jnp.asarray(self.k_pages_LKNZD), jnp.asarray(self.v_pages_LKNZD)
+    if storage:
+      k, v = layout.to_storage(k, self.kv_dtype), layout.to_storage(v, self.kv_dtype)
+    return (jnp.asarray(self.q_THD), k, v, self.layer, jnp.asarray(self.kv_lens_S),
             jnp.asarray(self.block_tables_SP), jnp.asarray(self.cu_q_lens),
             jnp.int32(self.num_seqs))
+
+  @property
+  def num_q_heads(self) -> int:
+    return self.q_THD.shape[1]
 
 
 def make_case(seed: int, *, q_lens, kv_lens, num_kv_heads: int = 2, group: int = 1,
@@ -88,13 +105,23 @@ def make_case(seed: int, *, q_lens, kv_lens, num_kv_heads: int = 2, group: int =
               num_seqs, q_lens)
 
 
-def oracle(case: Case, sm_scale: float | None = None) -> np.ndarray:
-  """Dense causal attention in float64, sequence by sequence."""
+def oracle(case: Case, sm_scale: float | None = None, *, sliding_window: int | None = None,
+           soft_cap: float | None = None, sinks=None) -> np.ndarray:
+  """Dense causal attention in float64, sequence by sequence, query row by query row.
+
+  The variants, as the contract writes them (design.md, "Contract, second wave"):
+  - the query at position p sees the keys at positions k with k <= p, and, with
+    ``sliding_window=W``, also k > p - W;
+  - score s_k = sm_scale * q . k_k; with ``soft_cap=c``: s_k = c * tanh(s_k / c);
+  - with ``sinks`` (f32[H]), query head h has one extra logit sinks[h] with no value:
+    p_k = exp(s_k) / (exp(sinks[h]) + sum_k' exp(s_k')), out = sum_k p_k v_k.
+  """
   q = case.q_THD.astype(np.float64)
   num_tokens, num_q_heads, head_dim = q.shape
   _, num_kv_heads, _, block_size, _ = case.k_pages_LKNZD.shape
   group = num_q_heads // num_kv_heads
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  sinks_H = None if sinks is None else np.asarray(sinks, np.float64)
   out = np.zeros((num_tokens, num_q_heads, head_dim), np.float64)
   for i in range(case.num_seqs):
     kv_len = int(case.kv_lens_S[i])
@@ -108,13 +135,43 @@ def oracle(case: Case, sm_scale: float | None = None) -> np.ndarray:
       v[pos] = case.v_pages_LKNZD[case.layer, :, block, pos % block_size].astype(np.float64)
     for j in range(q_len):
       qpos = kv_len - q_len + j
+      first = 0 if sliding_window is None else max(0, qpos - sliding_window + 1)
       for h in range(num_q_heads):
         kv_head = h // group
-        scores = k[: qpos + 1, kv_head] @ q[start + j, h] * scale
-        weights = np.exp(scores - scores.max())
-        weights /= weights.sum()
-        out[start + j, h] = weights @ v[: qpos + 1, kv_head]
+        scores = k[first: qpos + 1, kv_head] @ q[start + j, h] * scale
+        if soft_cap is not None:
+          scores = soft_cap * np.tanh(scores / soft_cap)
+        logits = scores if sinks_H is None else np.append(scores, sinks_H[h])
+        shift = logits.max()
+        weights = np.exp(scores - shift)
+        weights /= np.exp(logits - shift).sum()  # the sink's term, if any, is in here
+        out[start + j, h] = weights @ v[first: qpos + 1, kv_head]
   return out
+
+
+def make_sinks(seed: int, num_q_heads: int, *, scale: float = 2.0) -> np.ndarray:
+  """f32[H] sink logits, some well above a typical score so they take real mass."""
+  return (np.random.default_rng(seed).normal(size=num_q_heads) * scale).astype(np.float32)
+
+
+def variant_grid(context: int, num_q_heads: int, seed: int = 0):
+  """``[(name, kwargs)]``: the variants grid of issue 19 for a batch whose longest sequence
+  holds ``context`` tokens. Windows 1, smaller than the context, equal to it and larger;
+  soft cap; sinks; and combinations. ``kwargs`` go to the oracle and to every impl."""
+  small = max(2, context // 3)
+  sinks = make_sinks(seed, num_q_heads)
+  return [
+      ("window1", dict(sliding_window=1)),
+      ("window_small", dict(sliding_window=small)),
+      ("window_eq", dict(sliding_window=context)),
+      ("window_large", dict(sliding_window=context + 5)),
+      ("cap", dict(soft_cap=1.5)),
+      ("sinks", dict(sinks=sinks)),
+      ("window_cap", dict(sliding_window=small, soft_cap=2.0)),
+      ("window_sinks", dict(sliding_window=small, sinks=sinks)),
+      ("window1_sinks", dict(sliding_window=1, sinks=sinks)),
+      ("all", dict(sliding_window=small, soft_cap=2.0, sinks=sinks)),
+  ]
 
 
 def mixed_lengths(block_size: int):
