@@ -9,7 +9,6 @@ variant with the same ``split_attention`` signature would sit beside it.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,59 +25,22 @@ _BACKENDS = {"triton": triton_ragged.split_attention}
 DEFAULT_BACKEND = "triton"
 
 
-def _validate_variants(q_THD, *, sliding_window, soft_cap, sinks) -> None:
-  """The attention-variant arguments (static); raises ``ValueError`` naming each."""
-  if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
-      sliding_window, (int, np.integer)) or sliding_window < 1):
-    raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 1 or None")
-  if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(
-      soft_cap, (int, float, np.floating, np.integer)) or not math.isfinite(soft_cap)
-                               or soft_cap <= 0):
-    raise ValueError(f"soft_cap={soft_cap!r} must be a finite float > 0 or None")
-  if sinks is not None:
-    num_q_heads = q_THD.shape[1]
-    shape, dtype = jnp.shape(sinks), getattr(sinks, "dtype", None)
-    if tuple(shape) != (num_q_heads,) or dtype is None or jnp.dtype(dtype) != jnp.float32:
-      raise ValueError(f"sinks shape={tuple(shape)} dtype={dtype} must be float32 "
-                       f"[H]=[{num_q_heads}] (one logit per query head) or None")
-
-
-def _validate_kv_dtype(k_pages_LKNZD, kv_dtype) -> None:
-  if kv_dtype is None:
-    return
-  try:
-    logical = jnp.dtype(kv_dtype)
-  except TypeError:
-    raise ValueError(f"kv_dtype={kv_dtype!r} must be a floating dtype or None") from None
-  if not jnp.issubdtype(logical, jnp.floating):
-    raise ValueError(f"kv_dtype={kv_dtype!r} must be a floating dtype or None")
-  allowed = {logical, jnp.dtype(layout.storage_dtype(logical))}
-  if jnp.dtype(k_pages_LKNZD.dtype) not in allowed:
-    raise ValueError(f"kv_dtype={logical.name} needs pages of dtype "
-                     f"{layout.storage_dtype(logical).name} (its storage bits) or "
-                     f"{logical.name}; k_pages.dtype={k_pages_LKNZD.dtype}")
-
-
 def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                     cu_q_lens, num_seqs, *, sm_scale, tiling: GpuTiling | None,
                     backend: str, sliding_window=None, soft_cap=None, sinks=None,
                     kv_dtype=None) -> None:
-  """The shared shape checks plus what this kernel needs; raises ``ValueError``."""
-  _validate_kv_dtype(k_pages_LKNZD, kv_dtype)
-  if kv_dtype is not None:
-    # The shared checks see the pages as the logical dtype they hold.
-    k_pages_LKNZD = jax.ShapeDtypeStruct(k_pages_LKNZD.shape, kv_dtype)
-    if v_pages_LKNZD.dtype == layout.storage_dtype(kv_dtype):
-      v_pages_LKNZD = jax.ShapeDtypeStruct(v_pages_LKNZD.shape, kv_dtype)
+  """The shared shape and variant checks plus what this kernel needs; raises
+  ``ValueError``."""
   validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs)
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
   if backend not in _BACKENDS:
     raise ValueError(f"backend={backend!r} must be one of {tuple(_BACKENDS)}")
   if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating)):
     raise ValueError(f"sm_scale={sm_scale!r} must be a static float")
   if tiling is not None and not isinstance(tiling, GpuTiling):
     raise ValueError(f"tiling={tiling!r} must be a GpuTiling or None")
-  _validate_variants(q_THD, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+  validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
+                                      soft_cap=soft_cap, sinks=sinks)
 
 
 def _compute_dtype(q_THD, k_pages_LKNZD, kv_dtype):
@@ -109,6 +71,8 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
                   cu_q_lens, num_seqs, sm_scale=sm_scale, tiling=tiling, backend=backend,
                   sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
                   kv_dtype=kv_dtype)
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
+  kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
   num_kv_heads, block_size = dims["K"], dims["Z"]
@@ -148,8 +112,7 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   outs = _BACKENDS[backend](
       q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, begin_W,
       horizon_W, tables_SP, sinks_KM, sm_scale=float(sm_scale), tiling=tiling,
-      sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-      kv_dtype=kv_dtype, count_pages=count_pages, interpret=interpret)
+      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype, count_pages=count_pages, interpret=interpret)
   if count_pages:
     return jnp.sum(outs[2], axis=0), items.seq_W, horizon_W > 0
   out_XWKMD, lse_XWKM = outs

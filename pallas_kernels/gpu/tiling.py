@@ -103,10 +103,17 @@ class GpuTiling:
     needed = self.shared_memory_bytes(group=group, block_size=block_size, head_dim=head_dim,
                                       itemsize=itemsize)
     if needed > SHARED_MEMORY_BUDGET:
+      budget = SHARED_MEMORY_BUDGET // 1024
+      if self.pages_per_chunk == 1 and self.num_stages == 1 and rows == MIN_DOT_SIZE:
+        raise ValueError(
+            f"block_size Z={block_size} (k_pages.shape[3]) is too large for head dim "
+            f"{head_dim} in a {itemsize}-byte compute dtype: one page of K and V needs "
+            f"~{needed // 1024} KiB of shared memory per program, over the {budget} KiB "
+            "budget (a chunk is at least one page)")
       raise ValueError(
           f"tiling needs ~{needed // 1024} KiB of shared memory per program (head dim "
-          f"{head_dim}, {itemsize}-byte compute dtype), over the {SHARED_MEMORY_BUDGET // 1024}"
-          f" KiB budget: lower pages_per_chunk={self.pages_per_chunk} (J = "
+          f"{head_dim}, {itemsize}-byte compute dtype), over the {budget} KiB budget: "
+          f"lower pages_per_chunk={self.pages_per_chunk} (J = "
           f"{self.pages_per_chunk * block_size} positions), num_stages={self.num_stages} or "
           f"q_tile={self.q_tile} (M = {rows} rows)")
 
