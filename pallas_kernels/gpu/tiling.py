@@ -10,6 +10,9 @@ MIN_DOT_SIZE = 16
 # 132 SMs). A constant, not a device query: the kernel reads no environment.
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 64
+# Shared memory one program may use on an H100/H200: 228 KiB per SM, of which one block can
+# opt into 227 KiB. A constant, checked against an estimate (``shared_memory_bytes``).
+SHARED_MEMORY_BUDGET = 227 * 1024
 
 
 def _is_pow2(x: int) -> bool:
@@ -56,8 +59,32 @@ class GpuTiling:
     if not _is_pow2(self.num_warps) or self.num_warps > 32:
       raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 32")
 
-  def check_shapes(self, *, group: int, block_size: int, head_dim: int) -> None:
-    """Shape-dependent checks; raises ``ValueError`` naming the field or dimension."""
+  def shared_memory_bytes(self, *, group: int, block_size: int, head_dim: int,
+                          itemsize: int) -> int:
+    """An upper estimate of the shared memory one program of the kernel needs.
+
+    The Triton backend stages dot operands in shared memory. Counted, all live at once:
+    the K and V tiles of the inner loop, ``num_stages`` buffers each (software pipelining
+    keeps up to that many chunks in flight); the Q operand of the first dot and the
+    probability operand of the second (M x J); and one float32 M x D scratch for the
+    layout conversion of the accumulator. ``itemsize`` is the compute dtype's (q and the
+    loaded K/V are cast to it). Reduction scratch (a few floats per row) is left out.
+    The estimate is not measured on a device; it errs high (the pipeliner can need fewer
+    buffers, the scratch can reuse the loop's buffers after it).
+    """
+    rows = packed_rows(self.q_tile, group)
+    chunk = self.pages_per_chunk * block_size
+    kv_tiles = self.num_stages * 2 * chunk * head_dim * itemsize
+    operands = rows * head_dim * itemsize + rows * chunk * itemsize
+    scratch = rows * head_dim * 4
+    return kv_tiles + operands + scratch
+
+  def check_shapes(self, *, group: int, block_size: int, head_dim: int,
+                   itemsize: int = 4) -> None:
+    """Shape-dependent checks; raises ``ValueError`` naming the field or dimension.
+
+    ``itemsize``: bytes per element of the compute dtype (the shared-memory estimate).
+    """
     if not _is_pow2(block_size):
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a power of "
                        "two for the Triton backend")
@@ -73,10 +100,27 @@ class GpuTiling:
     if rows * head_dim > 256 * 256:
       raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "
                        f"head dim {head_dim}; M * D must be <= {256 * 256}")
+    needed = self.shared_memory_bytes(group=group, block_size=block_size, head_dim=head_dim,
+                                      itemsize=itemsize)
+    if needed > SHARED_MEMORY_BUDGET:
+      budget = SHARED_MEMORY_BUDGET // 1024
+      if self.pages_per_chunk == 1 and self.num_stages == 1 and rows == MIN_DOT_SIZE:
+        raise ValueError(
+            f"block_size Z={block_size} (k_pages.shape[3]) is too large for head dim "
+            f"{head_dim} in a {itemsize}-byte compute dtype: one page of K and V needs "
+            f"~{needed // 1024} KiB of shared memory per program, over the {budget} KiB "
+            "budget (a chunk is at least one page)")
+      raise ValueError(
+          f"tiling needs ~{needed // 1024} KiB of shared memory per program (head dim "
+          f"{head_dim}, {itemsize}-byte compute dtype), over the {budget} KiB budget: "
+          f"lower pages_per_chunk={self.pages_per_chunk} (J = "
+          f"{self.pages_per_chunk * block_size} positions), num_stages={self.num_stages} or "
+          f"q_tile={self.q_tile} (M = {rows} rows)")
 
 
 def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, group: int,
-                   block_size: int, head_dim: int, blocks_per_seq: int) -> GpuTiling:
+                   block_size: int, head_dim: int, blocks_per_seq: int, itemsize: int = 4,
+                   sliding_window: int | None = None) -> GpuTiling:
   """Defaults derived from shapes.
 
   Q: 1 for a decode batch (one row per sequence: an item per row, M padded to 16). With
@@ -84,7 +128,10 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   size), growing towards M = 64 packed rows for prefill.
   R: J = R * Z near 64 KV positions (32 for D = 256, to bound registers).
   num_splits: enough programs to fill the GPU when the batch is small (one long sequence),
-  never more than the chunks the longest sequence can have.
+  never more than the chunks one item can have: the longest sequence's, or with a sliding
+  window the window's plus the tile's.
+  The result fits ``SHARED_MEMORY_BUDGET`` for the compute dtype's ``itemsize``: if the
+  first choice does not, Q, then R, then the pipeline stages shrink until it does.
   """
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   if rows_per_seq == 1:
@@ -97,14 +144,33 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   min_pages = next_pow2(-(-MIN_DOT_SIZE // block_size))  # J >= 16
   pages_per_chunk = max(min_pages, target_chunk // block_size)
   pages_per_chunk = max(min_pages, min(pages_per_chunk, next_pow2(blocks_per_seq)))
-  max_chunks = -(-blocks_per_seq // pages_per_chunk)
-  items = num_work_items(num_tokens, num_seq_rows, q_tile)
+  tiling = GpuTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk, num_splits=1,
+                     num_stages=2)
+  fits = lambda t: t.shared_memory_bytes(group=group, block_size=block_size,
+                                         head_dim=head_dim, itemsize=itemsize) \
+      <= SHARED_MEMORY_BUDGET
+  while not fits(tiling):
+    if packed_rows(tiling.q_tile, group) > MIN_DOT_SIZE and tiling.q_tile > 1:
+      tiling = dataclasses.replace(tiling, q_tile=tiling.q_tile // 2)
+    elif tiling.pages_per_chunk > min_pages:
+      tiling = dataclasses.replace(tiling, pages_per_chunk=tiling.pages_per_chunk // 2)
+    elif tiling.num_stages > 1:
+      tiling = dataclasses.replace(tiling, num_stages=tiling.num_stages - 1)
+    else:
+      break  # the smallest tiling; check_shapes reports it
+  rows = packed_rows(tiling.q_tile, group)
+  num_warps = 8 if rows * head_dim >= 64 * 128 else 4
+  chunk = tiling.pages_per_chunk * block_size
+  max_chunks = -(-blocks_per_seq // tiling.pages_per_chunk)
+  if sliding_window is not None:
+    # An item reads from the page holding its first query's window start to its last
+    # query: at most window + Q - 1 positions, starting anywhere in a page.
+    reach = sliding_window + tiling.q_tile - 1 + block_size - 1
+    max_chunks = min(max_chunks, -(-reach // chunk))
+  items = num_work_items(num_tokens, num_seq_rows, tiling.q_tile)
   num_splits = -(-TARGET_PROGRAMS // (items * num_kv_heads))
   num_splits = max(1, min(num_splits, max_chunks, MAX_SPLITS))
-  rows = packed_rows(q_tile, group)
-  num_warps = 8 if rows * head_dim >= 64 * 128 else 4
-  return GpuTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk, num_splits=num_splits,
-                   num_warps=num_warps, num_stages=2)
+  return dataclasses.replace(tiling, num_splits=num_splits, num_warps=num_warps)
 
 
 def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:

@@ -2,11 +2,18 @@
 
 One program per (work item w, KV head k, split x). The program holds the item's M packed
 query rows of KV head k (Q query rows times G heads), walks its share of the item's KV
-range R pages (J = R * Z positions) at a time through the block table, and keeps an online
-softmax in float32. Split x of an item covers chunks ``[x * c, min((x + 1) * c, n))`` with
-``n = cdiv(horizon, J)`` and ``c = cdiv(n, X)``, so a long decode sequence is spread over X
-programs (flash-decoding) and a short one leaves the extra programs empty. Each program
-writes its normalised partial output and its log-sum-exp; the caller merges them.
+range ``[begin, horizon)`` R pages (J = R * Z positions) at a time through the block
+table, and keeps an online softmax in float32. ``begin`` is 0, or with a sliding window the
+start of the page holding the item's first query's window start, so pages wholly before
+the window are never loaded. Split x of an item covers chunks ``[x * c, min((x + 1) * c,
+n))`` with ``n = cdiv(horizon - begin, J)`` and ``c = cdiv(n, X)``, so a long decode
+sequence is spread over X programs (flash-decoding) and a short one leaves the extra
+programs empty. Each program writes its normalised partial output and its log-sum-exp; the
+caller merges them. Sinks enter split 0 only, so the merge counts each once.
+
+Variants (static): ``soft_cap`` maps scores to ``c * tanh(s / c)`` before the mask;
+``sliding_window`` W hides keys at or before ``qpos - W``; ``kv_dtype`` bitcasts each
+loaded tile from the pool's storage bits.
 
 Pages are gathered with masked loads: positions at or past the item's horizon (its causal
 reach, never past the sequence's length) are masked off, so pages a sequence does not own,
@@ -24,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels.gpu.tiling import GpuTiling
 
 # A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
@@ -35,16 +43,20 @@ def _kernel(
     # Input
     layer_ref,      # i32[1]
     seq_ref,        # i32[W] sequence of each item
-    horizon_ref,    # i32[W] KV positions each item needs
-    tables_ref,     # i32[S, P'] block tables, P' a multiple of R
+    begin_ref,      # i32[W] first KV position each item reads (page-aligned)
+    horizon_ref,    # i32[W] KV positions each item needs (end of its range)
+    tables_ref,     # i32[S, P'] block tables, P' >= P + R
     qpos_ref,       # i32[M] (block of [W, M]) query position of each packed row, -1 = none
     q_ref,          # [M, D] (block of [W, K, M, D])
+    sinks_ref,      # f32[M] (block of [K, M]) sink logit of each packed row, or None
     k_pages_ref,    # [L, K, N, Z, D] whole pool, read through masked gathers
     v_pages_ref,    # [L, K, N, Z, D]
     # Output
     out_ref,        # f32[M, D] (block of [X, W, K, M, D]) normalised partial output
     lse_ref,        # f32[M] (block of [X, W, K, M]) log-sum-exp, -inf where nothing seen
-    *, sm_scale: float, pages_per_chunk: int, num_splits: int, compute_dtype):
+    pages_ref,      # i32[M] (block of [X, W, K, M]) pages loaded (count_pages), or None
+    *, sm_scale: float, pages_per_chunk: int, num_splits: int, compute_dtype,
+    sliding_window: int | None, soft_cap: float | None, kv_dtype):
   item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_blocks, block_size, head_dim = k_pages_ref.shape[2:]
   rows = q_ref.shape[0]
@@ -52,8 +64,9 @@ def _kernel(
 
   layer = layer_ref[0]
   seq = seq_ref[item]
+  begin = begin_ref[item]
   horizon = horizon_ref[item]
-  num_chunks = pl.cdiv(horizon, chunk)
+  num_chunks = pl.cdiv(jnp.maximum(horizon - begin, 0), chunk)
   per_split = pl.cdiv(num_chunks, num_splits)
   chunk_begin = jnp.minimum(split * per_split, num_chunks)
   chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
@@ -62,20 +75,24 @@ def _kernel(
   qpos_M = qpos_ref[...]
 
   dim_1D = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+  zero = 0 if jnp.issubdtype(k_pages_ref.dtype, jnp.integer) else 0.0
 
   def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD):
     # Every index is an array or a scalar, none a slice: one pointer per element of the
     # [J, D] tile (row j from page ``page_ids_J[j]``, slot ``offset_J[j]``), a gather that
-    # both the Triton lowering and the interpreter accept.
+    # both the Triton lowering and the interpreter accept. Storage bits are bitcast back
+    # to the logical dtype on the loaded tile only.
     index = (layer, kv_head, page_ids_J[:, None], offset_J[:, None], dim_1D)
-    x_JD = plgpu.load(pages_ref.at[index], mask=valid_JD, other=0.0)
-    return x_JD.astype(compute_dtype)
+    x_JD = plgpu.load(pages_ref.at[index], mask=valid_JD, other=zero)
+    return layout.from_storage(x_JD, kv_dtype).astype(compute_dtype)
 
   def body(c, carry):
-    max_M, sum_M, acc_MD = carry
-    pos_J = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    max_M, sum_M, acc_MD, pages = carry
+    # Chunks start at ``begin``, a page boundary: the pages before the item's window
+    # (all their positions before its first query's window) are never touched.
+    pos_J = begin + c * chunk + jnp.arange(chunk, dtype=jnp.int32)
     in_range_J = pos_J < horizon
-    # The table is padded to whole chunks, so this load is in bounds; each entry is read
+    # The table is padded by R entries, so this load is in bounds; each entry is read
     # once per row of its page (from cache).
     page_ids_J = plgpu.load(tables_ref.at[seq, pos_J // block_size])
     # A position past the horizon is never dereferenced: its page id is replaced and its
@@ -88,10 +105,17 @@ def _kernel(
     valid_JD = jnp.broadcast_to(read_J[:, None], (chunk, head_dim))
     k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD)
     v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD)
+    if pages_ref is not None:
+      # A page is loaded iff its first slot is (the chunk is page-aligned).
+      pages += jnp.sum((read_J & (offset_J == 0)).astype(jnp.int32))
 
     scores_MJ = plgpu.dot(q_MD, k_JD, trans_b=True, precision=lax.Precision.HIGHEST)
     scores_MJ = scores_MJ * sm_scale
+    if soft_cap is not None:
+      scores_MJ = soft_cap * jnp.tanh(scores_MJ / soft_cap)
     visible_MJ = (pos_J[None, :] <= qpos_M[:, None]) & in_range_J[None, :]
+    if sliding_window is not None:
+      visible_MJ &= pos_J[None, :] > qpos_M[:, None] - sliding_window
     scores_MJ = jnp.where(visible_MJ, scores_MJ, -jnp.inf)
 
     new_max_M = jnp.maximum(max_M, jnp.max(scores_MJ, axis=1))
@@ -100,67 +124,116 @@ def _kernel(
     sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
     acc_MD = acc_MD * rescale_M[:, None] + plgpu.dot(
         probs_MJ.astype(compute_dtype), v_JD, precision=lax.Precision.HIGHEST)
-    return new_max_M, sum_M, acc_MD
+    return new_max_M, sum_M, acc_MD, pages
 
-  init = (jnp.full((rows,), _MAX_FLOOR, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, head_dim), jnp.float32))
-  max_M, sum_M, acc_MD = lax.fori_loop(chunk_begin, chunk_end, body, init)
+  max_M = jnp.full((rows,), _MAX_FLOOR, jnp.float32)
+  sum_M = jnp.zeros((rows,), jnp.float32)
+  if sinks_ref is not None:
+    # The sink is one more logit with no value, counted once: split 0 starts from it
+    # (running max = sink, running sum = exp(sink - max) = 1), the other splits from
+    # nothing, and the merge adds the splits' sums. A -inf sink (padding rows) adds 0.
+    sink_M = sinks_ref[...]
+    first = split == 0
+    max_M = jnp.where(first, jnp.maximum(sink_M, _MAX_FLOOR), max_M)
+    sum_M = jnp.where(first, jnp.exp(sink_M - max_M), sum_M)
+  init = (max_M, sum_M, jnp.zeros((rows, head_dim), jnp.float32), jnp.int32(0))
+  max_M, sum_M, acc_MD, pages = lax.fori_loop(chunk_begin, chunk_end, body, init)
   seen_M = sum_M > 0.0
   safe_sum_M = jnp.where(seen_M, sum_M, 1.0)
   out_ref[...] = acc_MD / safe_sum_M[:, None]
   lse_ref[...] = jnp.where(seen_M, max_M + jnp.log(safe_sum_M), -jnp.inf)
+  if pages_ref is not None:
+    pages_ref[...] = jnp.full((rows,), pages, jnp.int32)
 
 
-def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, horizon_W,
-                    block_tables_SP, *, sm_scale: float, tiling: GpuTiling,
+def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W,
+                    horizon_W, block_tables_SP, sinks_KM=None, *, sm_scale: float,
+                    tiling: GpuTiling, sliding_window: int | None = None,
+                    soft_cap: float | None = None, kv_dtype=None, count_pages: bool = False,
                     interpret: bool = False):
   """Partial attention of every (item, KV head, split); see the module docstring.
 
   Args:
     q_WKMD: [W, K, M, D] packed queries (M a power of two >= 16).
     qpos_WM: i32[W, M] query position of each packed row; -1 for padding rows.
-    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (storage bits if ``kv_dtype``).
     layer: i32[] layer index.
-    seq_W, horizon_W: i32[W] item sequence and KV positions needed.
-    block_tables_SP: i32[S, P'] with P' a multiple of ``tiling.pages_per_chunk``.
+    seq_W, begin_W, horizon_W: i32[W] item sequence, first KV position read (a multiple
+      of Z) and end of the KV range.
+    block_tables_SP: i32[S, P'] with P' >= P + ``tiling.pages_per_chunk``.
+    sinks_KM: f32[K, M] sink logit of each packed row (-inf on padding rows), or None.
+    sm_scale, sliding_window, soft_cap: as ``ragged_paged_attention`` (static).
+    kv_dtype: logical dtype of the pages when they hold storage bits, else None.
+    count_pages: also return how many pages each program loaded (for tests and
+      benchmarks; interpret mode).
 
   Returns:
-    ``(out_XWKMD, lse_XWKM)`` float32, X = ``tiling.num_splits``.
+    ``(out_XWKMD, lse_XWKM)`` float32, X = ``tiling.num_splits``; with ``count_pages``
+    also ``pages_XWK`` i32.
   """
   num_items, num_kv_heads, rows, head_dim = q_WKMD.shape
   num_splits = tiling.num_splits
   # q arrives in the compute dtype; pages of another dtype are cast after loading.
   compute_dtype = q_WKMD.dtype
+  has_sinks = sinks_KM is not None
   kernel = functools.partial(_kernel, sm_scale=sm_scale,
                              pages_per_chunk=tiling.pages_per_chunk, num_splits=num_splits,
-                             compute_dtype=compute_dtype)
+                             compute_dtype=compute_dtype, sliding_window=sliding_window,
+                             soft_cap=soft_cap, kv_dtype=kv_dtype)
+  if not has_sinks or not count_pages:
+    # Absent operands arrive as None, in the kernel's argument order.
+    full_kernel = kernel
+
+    def kernel(*refs):
+      refs = list(refs)
+      if not has_sinks:
+        refs.insert(7, None)
+      if not count_pages:
+        refs.append(None)
+      return full_kernel(*refs)
+
   whole = lambda shape: pl.BlockSpec(shape, lambda w, k, x: (0,) * len(shape))
+  row_spec = pl.BlockSpec((None, None, None, rows), lambda w, k, x: (x, w, k, 0))
   layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-  return pl.pallas_call(
+  inputs = [layer_arr, seq_W, begin_W, horizon_W, block_tables_SP, qpos_WM, q_WKMD]
+  in_specs = [
+      whole(layer_arr.shape),
+      whole(seq_W.shape),
+      whole(begin_W.shape),
+      whole(horizon_W.shape),
+      whole(block_tables_SP.shape),
+      pl.BlockSpec((None, rows), lambda w, k, x: (w, 0)),
+      pl.BlockSpec((None, None, rows, head_dim), lambda w, k, x: (w, k, 0, 0)),
+  ]
+  if has_sinks:
+    inputs.append(sinks_KM)
+    in_specs.append(pl.BlockSpec((None, rows), lambda w, k, x: (k, 0)))
+  inputs += [k_pages_LKNZD, v_pages_LKNZD]
+  in_specs += [whole(k_pages_LKNZD.shape), whole(v_pages_LKNZD.shape)]
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, head_dim), lambda w, k, x: (x, w, k, 0, 0)),
+      row_spec,
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows, head_dim),
+                           jnp.float32),
+      jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows), jnp.float32),
+  ]
+  if count_pages:
+    out_specs.append(row_spec)
+    out_shape.append(
+        jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows), jnp.int32))
+  outs = pl.pallas_call(
       kernel,
       grid=(num_items, num_kv_heads, num_splits),
-      in_specs=[
-          whole(layer_arr.shape),
-          whole(seq_W.shape),
-          whole(horizon_W.shape),
-          whole(block_tables_SP.shape),
-          pl.BlockSpec((None, rows), lambda w, k, x: (w, 0)),
-          pl.BlockSpec((None, None, rows, head_dim), lambda w, k, x: (w, k, 0, 0)),
-          whole(k_pages_LKNZD.shape),
-          whole(v_pages_LKNZD.shape),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim), lambda w, k, x: (x, w, k, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda w, k, x: (x, w, k, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows, head_dim),
-                               jnp.float32),
-          jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, rows), jnp.float32),
-      ],
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                            num_stages=tiling.num_stages),
       interpret=interpret,
       name="ragged_paged_attention_split_k",
-  )(layer_arr, seq_W, horizon_W, block_tables_SP, qpos_WM, q_WKMD, k_pages_LKNZD,
-    v_pages_LKNZD)
+  )(*inputs)
+  if count_pages:
+    return outs[0], outs[1], outs[2][..., 0]
+  return outs[0], outs[1]

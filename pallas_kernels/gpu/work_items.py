@@ -55,6 +55,42 @@ def build_work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile:
                    row_live_WQ=row_live_WQ, qpos_WQ=qpos_WQ)
 
 
+def kv_begin(items: WorkItems, *, sliding_window: int | None, block_size: int):
+  """i32[W]: the first KV position each item reads, a multiple of Z.
+
+  0 without a window. With window W, the item's earliest live query at position p sees
+  nothing at or before ``p - W``, and no later query of the item sees more: the item
+  starts at the page holding position ``max(p - W + 1, 0)``, and every page lying wholly
+  before that window is skipped. 0 for an empty item (it reads nothing anyway).
+  """
+  num_items = items.horizon_W.shape[0]
+  if sliding_window is None:
+    return jnp.zeros((num_items,), jnp.int32)
+  big = jnp.iinfo(jnp.int32).max
+  first_qpos_W = jnp.min(jnp.where(items.row_live_WQ, items.qpos_WQ, big), axis=1)
+  start_W = jnp.maximum(first_qpos_W - (sliding_window - 1), 0)
+  start_W = jnp.where(items.horizon_W > 0, start_W, 0)
+  return (start_W // block_size * block_size).astype(jnp.int32)
+
+
+def pages_read(begin_W, horizon_W, *, block_size: int):
+  """i32[W]: pages an item's programs load together, ``[begin / Z, cdiv(horizon, Z))``.
+
+  Every KV head reads the same pages. Counts table entries, not distinct blocks.
+  """
+  pages_W = -(-horizon_W // block_size) - begin_W // block_size
+  return jnp.where(horizon_W > begin_W, pages_W, 0).astype(jnp.int32)
+
+
+def pack_sinks(sinks_H, *, num_kv_heads: int, q_tile: int, rows: int):
+  """f32[K, M]: the sink logit of each packed row (row ``q * G + g`` of KV head k holds
+  head ``k * G + g``); padding rows get -inf (no sink)."""
+  sinks_KG = sinks_H.astype(jnp.float32).reshape(num_kv_heads, -1)
+  sinks_KM = jnp.tile(sinks_KG, (1, q_tile))
+  pad = rows - sinks_KM.shape[1]
+  return jnp.pad(sinks_KM, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+
+
 def pack_queries(q_THD, items: WorkItems, *, num_kv_heads: int, rows: int, dtype):
   """``q_WKMD`` [W, K, M, D] and ``qpos_WM`` [W, M]: each item's queries, heads packed.
 
@@ -77,7 +113,9 @@ def pack_queries(q_THD, items: WorkItems, *, num_kv_heads: int, rows: int, dtype
 def combine_splits(out_XWKMD, lse_XWKM):
   """Merge split-K partials: X pieces, each normalised, weighted by ``exp(lse - max)``.
 
-  A row no piece saw (all ``lse = -inf``) comes out zero.
+  A row no piece saw (all ``lse = -inf``) comes out zero. A sink logit lives in exactly
+  one piece's lse (the kernel's split 0), where it weighs as a piece with a zero output:
+  the merge then divides by the sink's weight plus every piece's, as the softmax does.
   """
   if out_XWKMD.shape[0] == 1:
     return out_XWKMD[0]

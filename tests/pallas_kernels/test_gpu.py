@@ -21,6 +21,7 @@ from paged_jax.pallas_kernels.gpu import GpuTiling
 from paged_jax.pallas_kernels.gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.gpu import work_items
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
+from tests import attention_cases
 
 NO_BLOCK = -1
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
@@ -316,12 +317,18 @@ def test_traced_layer_and_mixed_dtypes():
 
 
 def test_through_paged_attention_entry_point():
-  case = make_case(17, group=4, block_size=16)
-  cache = paged_jax.KVCache(k_pages=case["k_pages"], v_pages=case["v_pages"])
-  out = paged_jax.paged_attention(case["q"], cache, case["layer"], case["kv_lens"],
-                                  case["block_tables"], case["cu_q_lens"],
-                                  case["num_seqs"], impl="pallas_gpu", interpret=True)
-  check_close(out, case, reference=True)
+  # With every variant on: paged_attention passes them (and the cache's pages) through.
+  q_lens, kv_lens = [1, 6, 0, 3], [40, 30, 5, 3]
+  case = attention_cases.make_case(17, q_lens=q_lens, kv_lens=kv_lens, group=4,
+                                   block_size=16, head_dim=32)
+  variant = dict(sliding_window=9, soft_cap=3.0,
+                 sinks=attention_cases.make_sinks(17, case.num_q_heads))
+  q, k_pages, v_pages, *rest = case.jax_args()
+  cache = paged_jax.KVCache(k_pages=k_pages, v_pages=v_pages)
+  out = paged_jax.paged_attention(q, cache, *rest, impl="pallas_gpu", interpret=True,
+                                  **_variant_kwargs(variant))
+  np.testing.assert_allclose(np.asarray(out), attention_cases.oracle(case, **variant),
+                             rtol=1e-5, atol=1e-5)
 
 
 # --- Tiling: validation and defaults. ---
@@ -404,3 +411,387 @@ def test_lowers_for_cuda(name, T, S, H, K, D, Z, dtype):
   assert "ragged_paged_attention_split_k" in text
   # The pool goes to the kernel whole (%arg1, %arg2): no layer is sliced out before it.
   assert "%arg1, %arg2" in calls[0]
+
+
+# --- Attention variants (issue 19): sliding window, soft cap, sinks, storage bits. ---
+
+def _one_query_case(k_JD, v_JD, *, block_size=16, num_q_heads=1):
+  """One sequence whose last position queries keys ``k_JD`` (values ``v_JD``), laid out
+  in order over shuffled-free pages; slots past the keys are NaN. Returns the positional
+  arguments of the kernel (q to be filled by the caller: row 0 live, row 1 padding)."""
+  kv_len, head_dim = k_JD.shape
+  num_blocks = -(-kv_len // block_size)
+  k_pages = np.full((1, 1, num_blocks * block_size, head_dim), np.nan, np.float32)
+  v_pages = np.full_like(k_pages, np.nan)
+  k_pages[0, 0, :kv_len], v_pages[0, 0, :kv_len] = k_JD, v_JD
+  shape = (1, 1, num_blocks, block_size, head_dim)
+  q = np.zeros((2, num_q_heads, head_dim), np.float32)
+  return dict(q=q, k_pages=jnp.asarray(k_pages.reshape(shape)),
+              v_pages=jnp.asarray(v_pages.reshape(shape)), layer=0,
+              kv_lens=jnp.array([kv_len], jnp.int32),
+              block_tables=jnp.arange(num_blocks, dtype=jnp.int32)[None, :],
+              cu_q_lens=jnp.array([0, 1], jnp.int32), num_seqs=jnp.int32(1))
+
+
+def _run_one(case, **kwargs):
+  case = dict(case, q=jnp.asarray(case["q"]))
+  return np.asarray(gpu.ragged_paged_attention(*args_of(case), interpret=True, **kwargs))
+
+
+def test_hand_computed_window_hides_one_key():
+  # kv_len 3, the query at position 2 with W = 2 sees keys 1 and 2 (2 - 2 < k <= 2): key 0
+  # alone is hidden. q = e0, sm_scale 1: k0 = 10 e0 would score 10 and take nearly all
+  # the mass; k1 = k2 = 0 score 0 each, so out = (v1 + v2) / 2 = (2 e1 + 4 e1) / 2 = 3 e1.
+  # Without the window: weights (e^10, 1, 1) / (e^10 + 2), out ~ v0 = 100 e1.
+  head_dim = 16
+  k, v = np.zeros((3, head_dim), np.float32), np.zeros((3, head_dim), np.float32)
+  k[0, 0] = 10.0
+  v[0, 1], v[1, 1], v[2, 1] = 100.0, 2.0, 4.0
+  case = _one_query_case(k, v)
+  case["q"][0, 0, 0] = 1.0
+  out = _run_one(case, sm_scale=1.0, sliding_window=2)
+  expected = np.zeros((2, 1, head_dim), np.float32)
+  expected[0, 0, 1] = 3.0
+  np.testing.assert_allclose(out, expected, atol=1e-6)
+  e10 = np.exp(10.0)
+  np.testing.assert_allclose(_run_one(case, sm_scale=1.0)[0, 0, 1],
+                             (100 * e10 + 6.0) / (e10 + 2), rtol=1e-5)
+
+
+def test_hand_computed_cap_changes_the_argmax():
+  # Four keys, q = e0, sm_scale 1: k0 = 10 e0 scores 10, k1..k3 = 0 score 0. v0 = e0,
+  # v1 = v2 = v3 = e1. Uncapped: out = (e^10 e0 + 3 e1) / (e^10 + 3) = 0.99986 e0 +
+  # 0.00014 e1, argmax 0. soft_cap c = 1: scores (tanh 10, 0, 0, 0) = (0.99999999588, 0,
+  # 0, 0): out = (2.7182818 e0 + 3 e1) / 5.7182818 = 0.47537 e0 + 0.52463 e1, argmax 1.
+  head_dim = 16
+  k, v = np.zeros((4, head_dim), np.float32), np.zeros((4, head_dim), np.float32)
+  k[0, 0], v[0, 0], v[1:, 1] = 10.0, 1.0, 1.0
+  case = _one_query_case(k, v)
+  case["q"][0, 0, 0] = 1.0
+  plain = _run_one(case, sm_scale=1.0)[0, 0, :2]
+  capped = _run_one(case, sm_scale=1.0, soft_cap=1.0)[0, 0, :2]
+  e10, et = np.exp(10.0), np.exp(np.tanh(10.0))
+  np.testing.assert_allclose(plain, [e10 / (e10 + 3), 3 / (e10 + 3)], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(capped, [et / (et + 3), 3 / (et + 3)], rtol=1e-5)
+  np.testing.assert_allclose(capped, [0.47537, 0.52463], atol=1e-5)
+  assert np.argmax(plain) == 0 and np.argmax(capped) == 1
+
+
+@pytest.mark.parametrize("num_splits", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(4, marks=pytest.mark.slow)])
+def test_hand_computed_sink_takes_half_the_mass(num_splits):
+  # 17 keys, all k = 0 (score 0), all v = 2 e0; two query heads on one KV head (G = 2).
+  # Head 0's sink is ln 17: denominator e^(ln 17) + 17 * e^0 = 34, out = 17 * 2 / 34 = 1,
+  # half of the sinkless 2. Head 1's sink is 0: out = 34 / (1 + 17) = 1.8889.
+  # J = 16 (R = 1, Z = 16), so the keys span 2 chunks: with 2 or 4 splits the pieces
+  # are merged, and a sink counted twice would give head 0 34 / 51 = 0.667.
+  head_dim = 16
+  k, v = np.zeros((17, head_dim), np.float32), np.zeros((17, head_dim), np.float32)
+  v[:, 0] = 2.0
+  case = _one_query_case(k, v, num_q_heads=2)
+  case["q"][0] = 1.0
+  sinks = jnp.array([np.log(17.0), 0.0], jnp.float32)
+  tiling = GpuTiling(q_tile=1, pages_per_chunk=1, num_splits=num_splits)
+  out = _run_one(case, sm_scale=1.0, sinks=sinks, tiling=tiling)
+  np.testing.assert_allclose(out[0, :, 0], [1.0, 34.0 / 18.0], rtol=1e-6)
+  np.testing.assert_array_equal(out[0, :, 1:], 0.0)
+  np.testing.assert_array_equal(out[1], 0.0)  # padding row
+
+
+def _variant_kwargs(kwargs):
+  """The oracle's keyword arguments as the kernel takes them (sinks a jnp array)."""
+  kwargs = dict(kwargs)
+  if kwargs.get("sinks") is not None:
+    kwargs["sinks"] = jnp.asarray(kwargs["sinks"])
+  return kwargs
+
+
+def _check_variant(case, variant, *, tiling=None, reference=False):
+  """The kernel against the float64 oracle (and the jnp reference if asked); bf16 and f16
+  pools go in as storage bits with ``kv_dtype``."""
+  storage = case.kv_dtype != jnp.float32
+  kv_dtype = case.kv_dtype if storage else None
+  kwargs = _variant_kwargs(variant)
+  sm_scale = case.q_THD.shape[-1] ** -0.5
+  out = gpu.ragged_paged_attention(*case.jax_args(storage=storage), sm_scale=sm_scale,
+                                   kv_dtype=kv_dtype, tiling=tiling, interpret=True,
+                                   **kwargs)
+  assert out.dtype == case.q_THD.dtype and out.shape == case.q_THD.shape
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(out))
+  tol = attention_cases.tolerance(case.kv_dtype)
+  np.testing.assert_allclose(out, attention_cases.oracle(case, sm_scale, **variant), **tol)
+  if reference:
+    ref = ragged_paged_attention_reference(*case.jax_args(storage=storage),
+                                           sm_scale=sm_scale, kv_dtype=kv_dtype, **kwargs)
+    np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **tol)
+  live_rows = int(case.cu_q_lens[case.num_seqs])
+  np.testing.assert_array_equal(out[live_rows:], 0.0)
+
+
+def _variant_case(seed, dtype, group, head_dim, block_size):
+  q_lens, kv_lens = attention_cases.mixed_lengths(block_size)
+  return attention_cases.make_case(seed, q_lens=q_lens, kv_lens=kv_lens, group=group,
+                                   head_dim=head_dim, block_size=block_size, dtype=dtype)
+
+
+def _named_variant(case, name):
+  context = int(max(case.kv_lens_S[:case.num_seqs]))
+  return dict(attention_cases.variant_grid(context, case.num_q_heads))[name]
+
+
+# A covering subset: each variant family, GQA 1/4/8, head dims 64/128/256, float32 and
+# bfloat16 storage bits, the default tiling and a split-K tiling with Q > 1.
+FAST_VARIANTS = (
+    # (dtype, G, D, Z, variant, tiling)
+    (jnp.float32, 4, 64, 8, "all", None),
+    (jnp.float32, 1, 128, 16, "window1_sinks", GpuTiling(q_tile=4, pages_per_chunk=1,
+                                                         num_splits=3)),
+    (jnp.bfloat16, 8, 256, 16, "all", None),
+    (jnp.bfloat16, 4, 64, 8, "window_cap", GpuTiling(q_tile=3, pages_per_chunk=2,
+                                                     num_splits=2)),
+)
+
+
+def _variant_id(params):
+  dtype, group, head_dim, block_size, variant, tiling = params
+  split = "" if tiling is None else f"-Q{tiling.q_tile}X{tiling.num_splits}"
+  return f"{jnp.dtype(dtype).name}-G{group}-D{head_dim}-Z{block_size}-{variant}{split}"
+
+
+@pytest.mark.parametrize("params", FAST_VARIANTS, ids=_variant_id)
+def test_variants_match_oracle(params):
+  dtype, group, head_dim, block_size, variant, tiling = params
+  case = _variant_case(zlib.crc32(_variant_id(params).encode()), dtype, group, head_dim,
+                       block_size)
+  _check_variant(case, _named_variant(case, variant), tiling=tiling)
+
+
+VARIANT_SHAPES = ((jnp.float32, 1, 64, 8), (jnp.float32, 4, 128, 16),
+                  (jnp.float32, 8, 256, 8), (jnp.bfloat16, 1, 256, 16),
+                  (jnp.bfloat16, 4, 64, 16), (jnp.bfloat16, 8, 128, 8))
+VARIANT_NAMES = tuple(name for name, _ in attention_cases.variant_grid(10, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("shape", VARIANT_SHAPES,
+                         ids=lambda s: f"{jnp.dtype(s[0]).name}-G{s[1]}-D{s[2]}-Z{s[3]}")
+def test_variants_full_grid(shape, variant):
+  dtype, group, head_dim, block_size = shape
+  case = _variant_case(len(variant) + head_dim + group, dtype, group, head_dim, block_size)
+  _check_variant(case, _named_variant(case, variant), reference=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ("window_small", "window_sinks", "all"))
+def test_variants_split_k_long_sequences(variant):
+  # Long decode and chunked prefill rows with a forced split-K and Q = 4 tiles.
+  case = attention_cases.make_case(21, q_lens=[1, 9, 1], kv_lens=[300, 250, 7], group=4,
+                                   num_kv_heads=1, head_dim=64, block_size=8)
+  variant = dict(attention_cases.variant_grid(300, case.num_q_heads))[variant]
+  _check_variant(case, variant, tiling=GpuTiling(q_tile=4, pages_per_chunk=2, num_splits=4),
+                 reference=True)
+
+
+# --- Cost follows the window: pages the kernel loads. ---
+
+def _expected_pages(case, *, q_tile, window):
+  """Pages each (query tile, sequence) item must load, from the case alone: those
+  overlapping ``[first_qpos - W + 1, last_qpos]`` within the sequence. Sorted list."""
+  z = case.k_pages_LKNZD.shape[3]
+  counts = []
+  for i in range(case.num_seqs):
+    start, end = int(case.cu_q_lens[i]), int(case.cu_q_lens[i + 1])
+    kv_len = int(case.kv_lens_S[i])
+    for tile in range(start // q_tile, -(-end // q_tile)):
+      rows = range(max(start, tile * q_tile), min(end, (tile + 1) * q_tile))
+      if not rows:
+        continue
+      first = kv_len - (end - start) + (rows[0] - start)
+      last = kv_len - (end - start) + (rows[-1] - start)
+      lo = 0 if window is None else max(0, first - window + 1)
+      counts.append(-(-(last + 1) // z) - lo // z)
+  return sorted(counts)
+
+
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 20, 1])
+def test_window_bounds_the_pages_loaded(window):
+  # Decode at 200 and 77 tokens, a 13-row chunked prefill at 120, Z = 8, Q = 4 (tiles
+  # split the prefill and cross sequence boundaries), 3 splits. The kernel's own page
+  # counter (``loaded_pages``: a page counts when its first slot is loaded) must equal
+  # the pages each item's window overlaps, computed here from the case, and the helper
+  # the wrapper uses for the loop bounds (``work_items.pages_read``).
+  case = attention_cases.make_case(22, q_lens=[1, 13, 1], kv_lens=[200, 120, 77],
+                                   num_kv_heads=2, head_dim=16, block_size=8)
+  tiling = GpuTiling(q_tile=4, pages_per_chunk=2, num_splits=3)
+  pages_WK, seq_W, live_W = gpu.loaded_pages(*case.jax_args(), sm_scale=0.25,
+                                             sliding_window=window, tiling=tiling)
+  pages_WK, live_W = np.asarray(pages_WK), np.asarray(live_W)
+  assert np.all(pages_WK == pages_WK[:, :1])  # every KV head loads the same pages
+  counted = sorted(pages_WK[live_W, 0].tolist())
+  assert counted == _expected_pages(case, q_tile=4, window=window)
+  assert np.all(pages_WK[~live_W] == 0)
+  if window == 1:  # a decode item reads one page; a 4-row prefill tile at most two
+    assert max(counted) <= 2
+  if window is None:
+    assert max(counted) == 25  # all of the 200-token sequence
+
+
+def test_pages_before_the_window_are_never_read():
+  # Poison with NaN every page lying wholly before a sequence's first window (its first
+  # query's position - W): the kernel, in interpret mode, would carry a NaN into the
+  # output through the probability-times-V dot if it loaded any of them.
+  window = 11
+  case = attention_cases.make_case(23, q_lens=[1, 6, 2], kv_lens=[90, 64, 41],
+                                   num_kv_heads=1, group=4, head_dim=32, block_size=8)
+  z = case.k_pages_LKNZD.shape[3]
+  case.k_pages_LKNZD, case.v_pages_LKNZD = case.k_pages_LKNZD.copy(), case.v_pages_LKNZD.copy()
+  poisoned = 0
+  for i in range(case.num_seqs):
+    q_len = int(case.cu_q_lens[i + 1] - case.cu_q_lens[i])
+    first = int(case.kv_lens_S[i]) - q_len
+    for p in range(max(0, first - window + 1) // z):  # pages wholly before the window
+      block = case.block_tables_SP[i, p]
+      case.k_pages_LKNZD[:, :, block] = np.nan
+      case.v_pages_LKNZD[:, :, block] = np.nan
+      poisoned += 1
+  assert poisoned >= 10
+  _check_variant(case, dict(sliding_window=window),
+                 tiling=GpuTiling(q_tile=2, pages_per_chunk=2, num_splits=2))
+
+
+def test_pages_read_helper_and_window_begin():
+  # qpos of a 2-row item are 40, 41; W = 10: window of the first query starts at 31, so
+  # with Z = 8 the item starts at page 3 (position 24) and reads pages 3, 4, 5 (to 41).
+  items = work_items.WorkItems(
+      seq_W=jnp.array([0, 0], jnp.int32), horizon_W=jnp.array([42, 0], jnp.int32),
+      row_WQ=jnp.array([[0, 1], [2, 3]], jnp.int32),
+      row_live_WQ=jnp.array([[True, True], [False, False]]),
+      qpos_WQ=jnp.array([[40, 41], [-1, -1]], jnp.int32))
+  begin_W = work_items.kv_begin(items, sliding_window=10, block_size=8)
+  np.testing.assert_array_equal(np.asarray(begin_W), [24, 0])
+  np.testing.assert_array_equal(
+      np.asarray(work_items.pages_read(begin_W, items.horizon_W, block_size=8)), [3, 0])
+  no_window = work_items.kv_begin(items, sliding_window=None, block_size=8)
+  np.testing.assert_array_equal(
+      np.asarray(work_items.pages_read(no_window, items.horizon_W, block_size=8)), [6, 0])
+
+
+# --- Variant validation and the shared-memory budget (no kernel runs). ---
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(sliding_window=2.5), "sliding_window"),
+    (dict(soft_cap=0.0), "soft_cap"),
+    (dict(soft_cap=float("inf")), "soft_cap"),
+    (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks"),
+    (dict(sinks=jnp.zeros((2,), jnp.bfloat16)), "sinks"),
+    (dict(kv_dtype=jnp.int32), "kv_dtype"),
+    (dict(kv_dtype=jnp.bfloat16), "k_pages"),  # float32 pages are not bf16's storage
+])
+def test_variant_arguments_are_validated(kwargs, name):
+  case = make_case(24, seqs=((1, 5),))  # H = 2, float32 pages
+  with pytest.raises(ValueError, match=name):
+    run_gpu(case, **kwargs)
+
+
+def test_shared_memory_estimate_by_hand():
+  # Q = 1, G = 8: M = 16 rows; R = 2, Z = 16: J = 32; D = 256; bf16 (2 bytes); 2 stages.
+  # K and V tiles: 2 stages * 2 * 32 * 256 * 2 = 65536; Q operand 16 * 256 * 2 = 8192;
+  # probabilities 16 * 32 * 2 = 1024; float32 accumulator scratch 16 * 256 * 4 = 16384.
+  tiling = GpuTiling(q_tile=1, pages_per_chunk=2, num_splits=1, num_stages=2)
+  assert tiling.shared_memory_bytes(group=8, block_size=16, head_dim=256,
+                                    itemsize=2) == 65536 + 8192 + 1024 + 16384
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("num_tokens, num_seq_rows, group, block_size", [
+    (1, 1, 8, 16), (256, 256, 2, 16), (2048, 4, 1, 16), (2048, 4, 2, 64), (512, 8, 1, 8),
+    (96, 3, 16, 32)])
+def test_default_tiling_fits_shared_memory_at_head_dim_256(num_tokens, num_seq_rows, group,
+                                                            block_size, itemsize):
+  tiling = tiling_lib.default_tiling(
+      num_tokens=num_tokens, num_seq_rows=num_seq_rows, num_kv_heads=4, group=group,
+      block_size=block_size, head_dim=256, blocks_per_seq=256, itemsize=itemsize)
+  tiling.check_shapes(group=group, block_size=block_size, head_dim=256, itemsize=itemsize)
+  assert tiling.shared_memory_bytes(group=group, block_size=block_size, head_dim=256,
+                                    itemsize=itemsize) <= tiling_lib.SHARED_MEMORY_BUDGET
+
+
+def test_tiling_over_the_shared_memory_budget_is_refused():
+  # J = 8 * 16 = 128 positions, 3 stages, f32, D = 256: the K/V tiles alone need
+  # 3 * 2 * 128 * 256 * 4 = 786432 bytes (768 KiB), over 227 KiB.
+  tiling = GpuTiling(q_tile=16, pages_per_chunk=8, num_splits=1, num_stages=3)
+  with pytest.raises(ValueError, match="pages_per_chunk=8"):
+    tiling.check_shapes(group=1, block_size=16, head_dim=256, itemsize=4)
+  case = make_case(25, seqs=((1, 20),), block_size=16, head_dim=256)
+  with pytest.raises(ValueError, match="shared memory"):
+    run_gpu(case, tiling=tiling)
+  tiling.check_shapes(group=1, block_size=16, head_dim=64, itemsize=2)  # fits there
+
+
+def test_page_too_large_for_float32_at_head_dim_256():
+  # A chunk is at least one page: Z = 128, D = 256, f32 needs 2 * 128 * 256 * 4 = 256 KiB
+  # for one page of K and V. The smallest tiling is refused, naming the block size; the
+  # bf16 default (128 KiB of K/V with one stage) fits.
+  kwargs = dict(num_tokens=64, num_seq_rows=4, num_kv_heads=4, group=1, block_size=128,
+                head_dim=256, blocks_per_seq=16)
+  with pytest.raises(ValueError, match="block_size Z=128"):
+    tiling_lib.default_tiling(**kwargs, itemsize=4).check_shapes(
+        group=1, block_size=128, head_dim=256, itemsize=4)
+  tiling_lib.default_tiling(**kwargs, itemsize=2).check_shapes(
+      group=1, block_size=128, head_dim=256, itemsize=2)
+
+
+def test_window_caps_the_default_splits():
+  # One decode row at up to 4096 positions: 64 splits without a window; with W = 100
+  # an item reads at most cdiv(100 + 15, 64) = 2 chunks of J = 64, so 2 splits.
+  kwargs = dict(num_tokens=1, num_seq_rows=1, num_kv_heads=1, group=8, block_size=16,
+                head_dim=128, blocks_per_seq=256)
+  assert tiling_lib.default_tiling(**kwargs).num_splits == tiling_lib.MAX_SPLITS
+  assert tiling_lib.default_tiling(**kwargs, sliding_window=100).num_splits == 2
+
+
+# --- Lowering for CUDA with each variant on, bf16 pools as storage bits. ---
+
+MODEL_SHAPES = [
+    # (name, H, K, D, Z)
+    ("llama3_8b", 32, 8, 128, 16),
+    ("gemma3", 8, 4, 256, 16),
+    ("gpt_oss", 64, 8, 64, 16),
+]
+LOWERING_VARIANTS = {
+    "window": dict(sliding_window=128),
+    "soft_cap": dict(soft_cap=50.0),
+    "sinks": dict(sinks=True),
+    "all": dict(sliding_window=128, soft_cap=50.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("variant", tuple(LOWERING_VARIANTS))
+@pytest.mark.parametrize("model", MODEL_SHAPES, ids=[row[0] for row in MODEL_SHAPES])
+def test_variants_lower_for_cuda(model, variant):
+  # A mixed batch: 96 query rows over 8 sequences (prefill chunks and decodes).
+  name, H, K, D, Z = model
+  T, S, num_blocks, blocks_per_seq, num_layers = 96, 8, 256, 64, 2
+  kwargs = dict(LOWERING_VARIANTS[variant])
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = [jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16),
+          jax.ShapeDtypeStruct((num_layers, K, num_blocks, Z, D), jnp.uint16),
+          jax.ShapeDtypeStruct((num_layers, K, num_blocks, Z, D), jnp.uint16),
+          i32(), i32(S), i32(S, blocks_per_seq), i32(S + 1), i32()]
+  if kwargs.pop("sinks", False):
+    args.append(jax.ShapeDtypeStruct((H,), jnp.float32))
+    f = lambda *a: gpu.ragged_paged_attention(*a[:8], sinks=a[8], sm_scale=D ** -0.5,
+                                              kv_dtype=jnp.bfloat16, **kwargs)
+  else:
+    f = lambda *a: gpu.ragged_paged_attention(*a, sm_scale=D ** -0.5,
+                                              kv_dtype=jnp.bfloat16, **kwargs)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 1, name
+  assert "ragged_paged_attention_split_k" in text
+  # The storage-bit pools go to the kernel whole and as they are (no convert of the pool).
+  assert "%arg1, %arg2" in calls[0]
+  assert f"{Z}x{D}xui16>" in calls[0]
