@@ -202,3 +202,21 @@ def test_quantised_pages_need_their_scales(impl):
   with pytest.raises(ValueError, match="k_scales must be None"):
     KERNELS[impl](*float_args, sm_scale=_SCALE, k_scales=kwargs["k_scales"],
                   v_scales=kwargs["v_scales"])
+
+
+# --- cost: what is gathered, never the pool --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("impl", list(KERNELS))
+def test_quantised_attention_temporaries_do_not_grow_with_the_pool(impl, dtype):
+  # Dequantising the whole pool (or its scales) would add pool-sized temporaries: compile at
+  # 64 and 1024 blocks and compare (the method of test_pool_size_cost.py).
+  from tests.paged_jax.test_pool_size_cost import _cache, _pool_bytes, _temp_bytes
+
+  q = jnp.ones((4, 4, 32), jnp.float32)
+  tables = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+  kv_lens, cu = jnp.array([20, 9, 1, 17], jnp.int32), jnp.arange(5, dtype=jnp.int32)
+  attend = lambda c, q, t: paged_attention(q, c, 0, kv_lens, t, cu, jnp.int32(4), impl=impl)
+  small, large = (_temp_bytes(attend, _cache(n, dtype), q, tables) for n in (64, 1024))
+  assert large - small < _pool_bytes(64, dtype), (small, large)
