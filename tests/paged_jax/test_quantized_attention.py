@@ -196,7 +196,8 @@ def test_quantised_pages_need_their_scales(impl):
   args, kwargs = cases.quantized_args(_MIXED, jnp.int8)
   with pytest.raises(ValueError, match="v_scales is required"):
     KERNELS[impl](*args, sm_scale=_SCALE, kv_dtype=jnp.int8, k_scales=kwargs["k_scales"])
-  with pytest.raises(ValueError, match=r"k_scales is float32\[2, 2, 9, 8\]; must be float32 \[2, 2, 16, 8\]"):
+  with pytest.raises(ValueError,
+                     match=r"k_scales is float32\[2, 2, 9, 8\]; must be float32 \[2, 2, 16, 8\]"):
     KERNELS[impl](*args, sm_scale=_SCALE, **dict(kwargs, k_scales=kwargs["k_scales"][:, :, :9]))
   float_args = _MIXED.jax_args()
   with pytest.raises(ValueError, match="k_scales must be None"):
