@@ -2,7 +2,10 @@
 
 Simple and obviously right rather than fast: every query row gathers all the pages its
 sequence owns and runs an ordinary masked softmax in float32, the attention variants
-(sliding window, logit soft cap, sinks) applied as the contract writes them.
+(sliding window, logit soft cap, sinks) applied as the contract writes them. A quantised
+pool (int8 / float8 bits with one scale per token and KV head) is dequantised to float32
+right after the gather (the gathered pages and their scale rows only), then the same
+float32 softmax runs on the values.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
                                      block_tables_SP, cu_q_lens, num_seqs, *,
                                      sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None, sinks=None,
-                                     kv_dtype=None):
+                                     kv_dtype=None, k_scales=None, v_scales=None):
   """Causal attention of a ragged batch of queries over a paged KV cache.
 
   Args:
@@ -43,10 +46,15 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
       no value.
     kv_dtype: the logical K/V dtype when the pages hold its storage bits
       (``layout.storage_dtype``); None when they hold K/V as they are.
+    k_scales, v_scales: f32[L, K, N, Z] for a quantised ``kv_dtype`` (int8, float8): one
+      scale per token and KV head, value = stored * scale; None otherwise.
 
   Returns:
     [T, H, D] in q's dtype; padding rows are zero.
   """
+  validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    k_scales=k_scales, v_scales=v_scales)
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
@@ -69,9 +77,14 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
   block_ids_TP = jnp.where(owned_TP, ids_TP, num_blocks)
   k_TPKZD = k_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   v_TPKZD = v_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
-  # What was gathered (never the whole pool) back from storage bits to the logical dtype.
-  k_TPKZD = layout.from_storage(k_TPKZD, kv_dtype)
-  v_TPKZD = layout.from_storage(v_TPKZD, kv_dtype)
+  # What was gathered (never the whole pool) back from storage bits to the logical dtype;
+  # a quantised pool's gathered pages times their gathered scale rows, in float32.
+  k_scales_TPKZ = v_scales_TPKZ = None
+  if k_scales is not None:
+    k_scales_TPKZ = k_scales.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
+    v_scales_TPKZ = v_scales.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
+  k_TPKZD = layout.dequantize(k_TPKZD, k_scales_TPKZ, kv_dtype)
+  v_TPKZD = layout.dequantize(v_TPKZD, v_scales_TPKZ, kv_dtype)
   # Advanced indices split by a slice go first: [T, P, K, Z, D] -> [T, K, P * Z, D].
   k_TKJD = k_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)
   v_TKJD = v_TPKZD.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, -1, head_dim)

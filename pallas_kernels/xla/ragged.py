@@ -23,6 +23,11 @@ rather than the context. A soft cap squashes the scaled scores before the mask; 
 start each row's running max at its head's sink logit and its running sum at 1 (the sink's
 own exp(sink - max)), and take no value. With ``kv_dtype``, the pages hold storage bits and
 each gathered chunk is bitcast back (``layout.from_storage``), never the whole pool.
+
+Quantised pools (int8 / float8 bits, ``k_scales`` / ``v_scales`` [L, K, N, Z]): each unit
+gathers the ``[Z]`` scale rows of exactly the pages it gathers (same rows, same
+out-of-range fill) and dequantises the chunk to float32 before the dot; the softmax and
+both products stay float32.
 """
 
 from __future__ import annotations
@@ -180,8 +185,12 @@ def plan_work(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, block_size: in
 def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           sinks=None, kv_dtype=None, tiling: XlaTiling | None = None):
+                           sinks=None, kv_dtype=None, k_scales=None, v_scales=None,
+                           tiling: XlaTiling | None = None):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``."""
+  validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    k_scales=k_scales, v_scales=v_scales)
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
@@ -239,14 +248,19 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                     * num_blocks + ids_UR[None])
     page_row_KUR = jnp.where(owned_UR[None], page_row_KUR, num_page_rows)
 
-    def gather(pages):  # [K, U, R] rows of Z * D -> [K, U, J, D]
+    def gather(pages, scales):  # [K, U, R] rows of Z * D (scales: Z) -> [K, U, J, D]
       chunk = jnp.take(pages.reshape(num_page_rows, block_size * head_dim), page_row_KUR,
                        axis=0, mode="fill", fill_value=0)
-      chunk = layout.from_storage(chunk, kv_dtype)  # the gathered chunk only
-      return chunk.reshape(num_kv_heads, units_per_step, chunk_len, head_dim).astype(
-          jnp.float32)
+      chunk = chunk.reshape(num_kv_heads, units_per_step, chunk_len, head_dim)
+      if scales is not None:  # the same page rows' scales: [K, U, R, Z] -> [K, U, J]
+        scales = jnp.take(scales.reshape(num_page_rows, block_size), page_row_KUR, axis=0,
+                          mode="fill", fill_value=0)
+        scales = scales.reshape(num_kv_heads, units_per_step, chunk_len)
+      # The gathered chunk only: bits back to values (times their scales), float32.
+      return layout.dequantize(chunk, scales, kv_dtype).astype(jnp.float32)
 
-    k_KUJD, v_KUJD = gather(k_pages_LKNZD), gather(v_pages_LKNZD)
+    k_KUJD = gather(k_pages_LKNZD, k_scales)
+    v_KUJD = gather(v_pages_LKNZD, v_scales)
     kv_pos_UJ = first_page_U[:, None] * block_size + jnp.arange(chunk_len)[None, :]
     horizon_U = jnp.where(live_U, plan.horizon_W[item_U], 0)
     visible_UJ = kv_pos_UJ < horizon_U[:, None]
