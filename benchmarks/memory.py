@@ -27,8 +27,17 @@ vLLM paper's 20.4%-38.2% figure); peak and mean concurrent sequences; steps to d
 queue. matplotlib (if importable) plots blocks in use and utilisation over time into
 ``memory_blocks.png`` beside RESULTS.md.
 
+A second mode compares pool dtypes at one byte budget: the paged policy on the same
+queue with the blocks a bfloat16, an int8 and a float8_e4m3fn pool get from
+``KVCacheSpec.from_budget`` (scales counted: 4 bytes per token, KV head and K or V) for a
+Llama-3-8B-shaped cache (L = 32, K = 8, D = 128, Z = 16) and the budget of the bfloat16
+pool of ``num_blocks`` blocks (4 GiB for LONG_TAIL); ``max_seqs`` is raised so that only
+memory bounds the batch. Reported: blocks, peak concurrent sequences, mean concurrent while
+requests are still queued (the memory-bound phase), steps to drain.
+
     python benchmarks/memory.py            # full; writes memory_RESULTS_section.md (+ PNG)
     python benchmarks/memory.py --quick    # seconds; never writes
+    python benchmarks/memory.py --pool-dtypes [--quick]   # equal budget, three pool dtypes
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import allocator
+from paged_jax import KVCacheSpec, allocator
 
 HERE = pathlib.Path(__file__).parent
 RESULTS_PATH = HERE / "memory_RESULTS_section.md"
@@ -111,7 +120,7 @@ def simulate_paged(w: MemoryWorkload, prompt_R, output_R) -> dict:
   admitted_at_S = np.zeros(s, np.int64)
   num_free = n
   release_S = np.zeros(s, bool)
-  blocks_t, live_t, running_t = [], [], []
+  blocks_t, live_t, running_t, queued_t = [], [], [], []
   preemptions = step = 0
   while queue or (owner_S >= 0).any():
     num_new_S = np.where(owner_S >= 0, 1, 0)
@@ -154,11 +163,12 @@ def simulate_paged(w: MemoryWorkload, prompt_R, output_R) -> dict:
     blocks_t.append(n - num_free)
     live_t.append(live)
     running_t.append(int(((owner_S >= 0) | done_S).sum()))
+    queued_t.append(len(queue))
     len_S = np.where(done_S, 0, len_S)
     step += 1
   blocks_t, live_t = np.asarray(blocks_t), np.asarray(live_t)
   return dict(reserved_t=blocks_t * z, live_t=live_t, running_t=np.asarray(running_t),
-              steps=step, preemptions=preemptions)
+              queued_t=np.asarray(queued_t), steps=step, preemptions=preemptions)
 
 
 def simulate_contiguous(w: MemoryWorkload, prompt_R, output_R, *, oracle: bool) -> dict:
@@ -218,12 +228,63 @@ def plot(sims: dict, w: MemoryWorkload, path: pathlib.Path) -> str:
   return f"plot written to {path}"
 
 
+# The cache shape the pool-dtype comparison prices blocks with (Llama-3-8B: 32 layers, 8 KV
+# heads of 128).
+MODEL_SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+POOL_DTYPES = (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
+
+
+def compare_pool_dtypes(w: MemoryWorkload) -> tuple[list[dict], str]:
+  """The paged policy on ``w``'s queue with the blocks each pool dtype gets from the byte
+  budget of ``w.num_blocks`` bfloat16 blocks; ``max_seqs`` raised to the request count."""
+  prompt_R, output_R = lengths(w)
+  base = KVCacheSpec(block_size=w.block_size, num_blocks=w.num_blocks, dtype=jnp.bfloat16,
+                     **MODEL_SHAPE)
+  budget = base.total_bytes
+  rows = []
+  for dtype in POOL_DTYPES:
+    spec = KVCacheSpec.from_budget(budget, block_size=w.block_size, dtype=dtype, **MODEL_SHAPE)
+    wd = dataclasses.replace(w, num_blocks=spec.num_blocks, max_seqs=w.num_requests)
+    sim = simulate_paged(wd, prompt_R, output_R)
+    queued = sim["queued_t"] > 0
+    rows.append(dict(dtype=jnp.dtype(dtype).name, block_bytes=spec.block_bytes,
+                     num_blocks=spec.num_blocks, total_bytes=spec.total_bytes,
+                     peak_concurrent=int(sim["running_t"].max()),
+                     mean_concurrent_queued=float(sim["running_t"][queued].mean()
+                                                  if queued.any() else np.nan),
+                     steps=int(sim["steps"]), preemptions=int(sim["preemptions"])))
+  for row in rows:
+    row["peak_vs_bf16"] = row["peak_concurrent"] / rows[0]["peak_concurrent"]
+    row["mean_vs_bf16"] = row["mean_concurrent_queued"] / rows[0]["mean_concurrent_queued"]
+  lines = ["| pool dtype | bytes per block (scales incl.) | blocks in budget | peak concurrent "
+           "| vs bfloat16 | mean concurrent while queued | vs bfloat16 | steps to drain "
+           "| preemptions |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['dtype']} | {r['block_bytes']:,} | {r['num_blocks']} | "
+                 f"{r['peak_concurrent']} | {r['peak_vs_bf16']:.2f}x | "
+                 f"{r['mean_concurrent_queued']:.1f} | {r['mean_vs_bf16']:.2f}x | {r['steps']} "
+                 f"| {r['preemptions']} |")
+  desc = (f"budget {budget / 2 ** 30:.2f} GiB = {w.num_blocks} bfloat16 blocks of Z="
+          f"{w.block_size} for L={MODEL_SHAPE['num_layers']}, K={MODEL_SHAPE['num_kv_heads']}, "
+          f"D={MODEL_SHAPE['head_dim']}; {w.num_requests} requests queued at t=0 (the "
+          f"workload above), max_seqs={w.num_requests}")
+  return rows, "\n".join(lines) + f"\n\n{desc}."
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small workload, seconds; no files")
+  parser.add_argument("--pool-dtypes", action="store_true",
+                      help="compare bfloat16 / int8 / float8 pools at one byte budget instead")
   args = parser.parse_args(argv)
   w = QUICK if args.quick else LONG_TAIL
+  if args.pool_dtypes:
+    start = time.perf_counter()
+    rows, table = compare_pool_dtypes(w)
+    print(table)
+    print(f"\n{time.perf_counter() - start:.1f} s")
+    return rows
   prompt_R, output_R = lengths(w)
   budget_slots = w.num_blocks * w.block_size
   start = time.perf_counter()

@@ -201,6 +201,112 @@ def mixed_lengths(block_size: int):
   return q_lens, kv_lens
 
 
+# --- quantised pools (issue 20) -------------------------------------------------------------
+
+
+def with_kv_structure(case: Case, seed: int, *, head_ratio: float = 10.0,
+                      num_outliers: int = 3, outlier_v_gain: float = 8.0,
+                      outlier_k_gain: float = 1.0) -> Case:
+  """``case`` with K/V shaped like real activations, the structure quantisation must survive:
+
+  - KV head k's K and V are scaled by ``head_ratio ** (k / (K - 1))`` (heads 1x .. 10x);
+    q is divided by its KV head's factor, so the logits stay O(1) (std ~1, as with unit
+    normal q and k) and the heads' outputs differ by the same factor as their V;
+  - ``num_outliers`` tokens (positions live sequences hold, in the case's layer) have V
+    ``outlier_v_gain`` times larger and K ``outlier_k_gain`` times larger in every head
+    (massive-activation tokens). A K gain above 1 makes those tokens' logits that many
+    times larger, and so their logit errors under any 8-bit K: kept at 1 by default, swept
+    in ``benchmarks/kv_quant_accuracy.py``.
+  Unused memory stays NaN.
+  """
+  rng = np.random.default_rng(seed)
+  k = case.k_pages_LKNZD.astype(np.float32)
+  v = case.v_pages_LKNZD.astype(np.float32)
+  q = case.q_THD.astype(np.float32)
+  num_kv_heads, block_size = k.shape[1], k.shape[3]
+  group = q.shape[1] // num_kv_heads
+  head_K = head_ratio ** (np.arange(num_kv_heads) / max(1, num_kv_heads - 1))
+  k = k * head_K[None, :, None, None, None]
+  v = v * head_K[None, :, None, None, None]
+  q = q / np.repeat(head_K, group)[None, :, None]
+  held = [(i, pos) for i in range(case.num_seqs) for pos in range(int(case.kv_lens_S[i]))]
+  for j in rng.choice(len(held), size=min(num_outliers, len(held)), replace=False):
+    i, pos = held[j]
+    block, offset = case.block_tables_SP[i, pos // block_size], pos % block_size
+    k[case.layer, :, block, offset] *= outlier_k_gain
+    v[case.layer, :, block, offset] *= outlier_v_gain
+  cast = lambda x, like: np.asarray(jnp.asarray(x, like.dtype))
+  return dataclasses.replace(case, q_THD=cast(q, case.q_THD),
+                             k_pages_LKNZD=cast(k, case.k_pages_LKNZD),
+                             v_pages_LKNZD=cast(v, case.v_pages_LKNZD))
+
+
+def quant_accuracy_case(seed: int = 20, **structure) -> Case:
+  """The batch the quantised-KV accuracy bounds are measured on (issue 20), shared by every
+  impl's test and ``benchmarks/kv_quant_accuracy.py``: four KV heads (1x, 2.2x, 4.6x, 10x),
+  GQA 2, D = 128, Z = 16; decodes at 9, 130 and 200 tokens, a 24-row prefill chunk at 64
+  and a 3-row one at 50; three outlier tokens (``with_kv_structure``, ``structure``
+  overriding its defaults). Use ``sm_scale = 128 ** -0.5``."""
+  case = make_case(seed, q_lens=[1, 1, 24, 1, 3], kv_lens=[9, 200, 64, 130, 50],
+                   num_kv_heads=4, group=2, head_dim=128, block_size=16)
+  return with_kv_structure(case, seed + 1, **structure)
+
+
+def _quantize_pages(pages, dtype, per_tensor: bool):
+  """``(bits, scales)`` of float ``pages [L, K, N, Z, D]``: ``layout.quantize`` (one scale per
+  token and KV head) or, ``per_tensor``, one scale for the whole array (amax of its finite
+  values), written out in the same ``[L, K, N, Z]`` scale layout. A token row holding NaN
+  (unused memory) gets a NaN scale either way, so reading it poisons the output whatever
+  the bits hold (int8 has no NaN)."""
+  x = jnp.asarray(pages, jnp.float32)
+  if per_tensor:
+    dtype = jnp.dtype(dtype)
+    limit = float(jnp.iinfo(dtype).max if dtype == jnp.int8 else jnp.finfo(dtype).max)
+    scale = jnp.nanmax(jnp.abs(x)) / limit
+    scaled = jnp.clip(x / scale, -limit, limit)
+    bits = layout.to_storage(jnp.round(scaled) if dtype == jnp.int8 else scaled, dtype)
+    scales = jnp.full(x.shape[:-1], scale, layout.SCALE_DTYPE)
+  else:
+    bits, scales = layout.quantize(x, dtype)
+  scales = jnp.where(jnp.isnan(x).any(axis=-1), jnp.nan, scales).astype(layout.SCALE_DTYPE)
+  return bits, scales
+
+
+def quantized_args(case: Case, dtype, *, per_tensor: bool = False):
+  """``(args, kwargs)`` for any kernel on ``case``'s K/V quantised to ``dtype`` (int8,
+  float8_e4m3fn): ``args`` the eight positional arguments with the pages as storage bits,
+  ``kwargs`` = ``dict(kv_dtype=dtype, k_scales=..., v_scales=...)``. Call
+  ``kernel(*args, sm_scale=..., **kwargs, **variants)``. Unused (NaN) memory keeps NaN
+  scales. ``per_tensor``: one scale per pool (K and V apart) instead of one per token and
+  KV head, the coarse baseline."""
+  k_bits, k_scales = _quantize_pages(case.k_pages_LKNZD, dtype, per_tensor)
+  v_bits, v_scales = _quantize_pages(case.v_pages_LKNZD, dtype, per_tensor)
+  q, _, _, *rest = case.jax_args()
+  return ((q, k_bits, v_bits, *rest),
+          dict(kv_dtype=jnp.dtype(dtype), k_scales=k_scales, v_scales=v_scales))
+
+
+def dequantized_case(case: Case, dtype, *, per_tensor: bool = False) -> Case:
+  """``case`` with the float32 K/V a ``dtype`` pool holds after quantising it
+  (``quantized_args``): ``oracle`` of it is the exact answer for the quantised cache."""
+  (_, k_bits, v_bits, *_), kw = quantized_args(case, dtype, per_tensor=per_tensor)
+  k = layout.dequantize(k_bits, kw["k_scales"], kw["kv_dtype"])
+  v = layout.dequantize(v_bits, kw["v_scales"], kw["kv_dtype"])
+  return dataclasses.replace(case, k_pages_LKNZD=np.asarray(k), v_pages_LKNZD=np.asarray(v))
+
+
+def relative_error(out, expected, case: Case, *, per_head: bool = False) -> float:
+  """max |out - expected| / max |expected| over the live query rows; ``per_head``: that
+  ratio for each query head apart (its own max), the worst head's (a head 10x smaller than
+  the others is held to its own scale)."""
+  live = int(case.cu_q_lens[case.num_seqs])
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)[:live]
+  expected = np.asarray(expected, np.float64)[:live]
+  axes = (0, 2) if per_head else None
+  return float(np.max(np.max(np.abs(out - expected), axis=axes)
+                      / np.max(np.abs(expected), axis=axes)))
+
+
 def tolerance(dtype) -> dict:
   if jnp.dtype(dtype) == jnp.float32:
     return dict(rtol=1e-5, atol=1e-5)
