@@ -9,7 +9,6 @@ head dim), and the full product is marked slow. Lowering for real TPUs is checke
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -84,10 +83,11 @@ def _call_fast(key, fn, *args):
 
 
 def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None, storage=False,
-         sliding_window=None, soft_cap=None, sinks=None, quantized=None):
+         sliding_window=None, soft_cap=None, sinks=None, quantized=None, per_tensor=False):
   """The kernel on ``case`` (``storage=True``: the pages as storage bits with ``kv_dtype``;
-  ``quantized``: a ``_Quantized`` pool of the case, given instead of its pages); the
-  variants' statics key the compiled executable, ``sinks`` and scales are traced."""
+  ``quantized``: int8 / float8, the pages quantised by ``cases.quantized_args``, one scale
+  per token and KV head or ``per_tensor``); the variants' statics key the compiled
+  executable, ``sinks`` and the scales are traced."""
   head_dim = case.q_THD.shape[-1]
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   kv_dtype = case.kv_dtype if storage else None
@@ -97,9 +97,10 @@ def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None, sto
   if sinks is not None:
     traced["sinks"] = jnp.asarray(sinks, jnp.float32)
   if quantized is not None:
-    args = (args[0], quantized.k_bits, quantized.v_bits) + args[3:]
-    traced["k_scales"], traced["v_scales"] = quantized.k_scales, quantized.v_scales
-    kv_dtype = quantized.dtype
+    pool, pool_kwargs = cases.quantized_args(case, quantized, per_tensor=per_tensor)
+    args = (args[0], pool[1], pool[2]) + args[3:]
+    traced["k_scales"], traced["v_scales"] = pool_kwargs["k_scales"], pool_kwargs["v_scales"]
+    kv_dtype = pool_kwargs["kv_dtype"]
   statics = dict(sm_scale=scale, tiling=tiling, interpret=interpret, kv_dtype=kv_dtype,
                  sliding_window=sliding_window, soft_cap=soft_cap)
   names = tuple(traced)
@@ -625,53 +626,10 @@ def test_lowers_for_tpu_with_variants(model, variant):
 
 # --- Quantised pools: int8 / float8 bits with one float32 scale per token and KV head. ---
 
-@dataclasses.dataclass(frozen=True)
-class _Quantized:
-  """A quantised pool of a case's pages: storage bits and [L, K, N, Z] float32 scales."""
-  k_bits: jax.Array
-  v_bits: jax.Array
-  k_scales: jax.Array
-  v_scales: jax.Array
-  dtype: jnp.dtype
-
-  def dequantized(self, case: cases.Case) -> cases.Case:
-    """``case`` over the float32 values this pool holds (what the oracle should see)."""
-    k = layout.dequantize(self.k_bits, self.k_scales, self.dtype)
-    v = layout.dequantize(self.v_bits, self.v_scales, self.dtype)
-    return dataclasses.replace(case, k_pages_LKNZD=np.asarray(k), v_pages_LKNZD=np.asarray(v))
-
-
-def _per_tensor(x, dtype):
-  """``(bits, scales)`` of ``x [..., D]`` with ONE scale for the whole tensor (its amax over
-  the format's largest value), written in the per-token layout (every scale equal): the
-  coarse baseline to show beside per-token scales."""
-  limit = 127.0 if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
-  x = jnp.asarray(x, jnp.float32)
-  scale = jnp.nanmax(jnp.abs(x)) / limit
-  scaled = jnp.clip(x / scale, -limit, limit)
-  if jnp.dtype(dtype) == jnp.int8:
-    scaled = jnp.round(scaled)
-  scales = jnp.broadcast_to(scale, x.shape[:-1])
-  return layout.to_storage(scaled, dtype), scales.astype(jnp.float32)
-
-
-def _quantize(case: cases.Case, dtype, *, per_tensor=False) -> _Quantized:
-  """The case's pages as a quantised pool (``layout.quantize``: a scale per token and KV
-  head), or per tensor. Every NaN slot (unused pages, slots past a sequence's length) gets
-  a NaN scale, so a kernel that reads one, or lets it reach a product, returns NaN
-  (``layout.quantize`` itself stores an all-NaN int8 row as zeros with scale 1)."""
-  quantize = _per_tensor if per_tensor else layout.quantize
-  pool = []
-  for pages in (case.k_pages_LKNZD, case.v_pages_LKNZD):
-    bits, scales = quantize(jnp.asarray(pages, jnp.float32), dtype)
-    pool += [bits, jnp.where(np.isnan(pages).any(axis=-1), jnp.nan, scales)]
-  k_bits, k_scales, v_bits, v_scales = pool
-  return _Quantized(k_bits, v_bits, k_scales, v_scales, jnp.dtype(dtype))
-
-
-def _check_quantized(case: cases.Case, pool: _Quantized, out, scale, **variants):
-  """Against the jnp reference on the SAME quantised pool (bits and scales) and the float64
-  oracle on its dequantised values; finite, padding rows zero."""
+def _check_quantized(case: cases.Case, kv_dtype, out, scale, **variants):
+  """Against the jnp reference on the SAME quantised pool (``cases.quantized_args``: bits,
+  scales, NaN scales on unused memory) and the float64 oracle of its dequantised values;
+  finite, padding rows zero. Returns the output as float32 numpy."""
   dtype = case.q_THD.dtype
   assert out.dtype == dtype and out.shape == case.q_THD.shape
   out = np.asarray(out.astype(jnp.float32))
@@ -679,22 +637,15 @@ def _check_quantized(case: cases.Case, pool: _Quantized, out, scale, **variants)
   traced = dict(variants)
   if traced.get("sinks") is not None:
     traced["sinks"] = jnp.asarray(traced["sinks"])
-  q, _, _, *rest = case.jax_args()
-  reference = ragged_paged_attention_reference(
-      q, pool.k_bits, pool.v_bits, *rest, sm_scale=scale, kv_dtype=pool.dtype,
-      k_scales=pool.k_scales, v_scales=pool.v_scales, **traced)
+  args, pool_kwargs = cases.quantized_args(case, kv_dtype)
+  reference = ragged_paged_attention_reference(*args, sm_scale=scale, **pool_kwargs, **traced)
   reference = np.asarray(reference.astype(jnp.float32))
   assert np.abs(reference).max() > 0.1  # the comparisons are not vacuous
   np.testing.assert_allclose(out, reference, **cases.tolerance(dtype))
-  expected = cases.oracle(pool.dequantized(case), scale, **variants)
+  expected = cases.oracle(cases.dequantized_case(case, kv_dtype), scale, **variants)
   np.testing.assert_allclose(out, expected, **cases.tolerance(dtype))
   assert np.all(out[int(case.cu_q_lens[case.num_seqs]):] == 0.0)
   return out
-
-
-def _relative_error(out, expected) -> float:
-  """max abs error / max abs expected (issue 20's measure)."""
-  return float(np.abs(np.asarray(out, np.float64) - expected).max() / np.abs(expected).max())
 
 
 def _quant_id(params):
@@ -727,21 +678,20 @@ def _check_quantized_variant(params):
   seed = sum(ord(c) for c in _quant_id(params))
   case = _mixed_case(seed, dtype=q_dtype, block_size=block_size, group=group,
                      head_dim=head_dim)
-  pool = _quantize(case, kv_dtype)
   variants = _variant(case, name, seed)
-  out, scale = _run(case, quantized=pool, **variants)
+  out, scale = _run(case, quantized=kv_dtype, **variants)
   if variants.get("sliding_window"):
     # Pages (and so scale rows) wholly before every window of a sequence as NaN: never
     # copied, so the output is bit for bit the same (same executable).
     poisoned = cases.poison_before_window(case, variants["sliding_window"])
-    poisoned_out, _ = _run(poisoned, quantized=_quantize(poisoned, kv_dtype), **variants)
+    poisoned_out, _ = _run(poisoned, quantized=kv_dtype, **variants)
     np.testing.assert_array_equal(np.asarray(poisoned_out), np.asarray(out))
-  out = _check_quantized(case, pool, out, scale, **variants)
+  out = _check_quantized(case, kv_dtype, out, scale, **variants)
   # Quantisation changed the answer a little (so the pool, not float K/V, was read), and
   # the variant changed it a lot.
   exact = cases.oracle(case, scale, **variants)
-  assert 1e-5 < _relative_error(out, exact) < 0.1
-  plain = cases.oracle(pool.dequantized(case), scale)
+  assert 1e-5 < cases.relative_error(out, exact, case) < 0.1
+  plain = cases.oracle(cases.dequantized_case(case, kv_dtype), scale)
   if name not in ("window_large", "window_eq"):
     assert np.abs(out - plain).max() > 0.05
 
@@ -757,44 +707,26 @@ def test_quantized_matches_reference_full_grid(params):
   _check_quantized_variant(params)
 
 
-def _structured_case(seed: int) -> cases.Case:
-  """K/V with the structure issue 20 asks for: head-wise scales differing 10x (KV head 0:
-  K of std 0.1, V of std 10; KV head 1: K of std 1, V of std 1, so attention logits have
-  std 0.1 and 1) and 4 outlier tokens (every head) whose V is 20x the rest; decode, chunked
-  and full prefill over contexts up to 96, float32.
-
-  Sharper attention costs per-token int8 more: with logits of std 3 and outlier tokens
-  whose K is 2x too, the same comparison gives up to 3e-2 (on the reference as well: it
-  is the scale granularity, not a kernel)."""
-  rng = np.random.default_rng(seed)
-  case = cases.make_case(seed, q_lens=[1, 16, 1, 7], kv_lens=[96, 64, 40, 7],
-                         num_kv_heads=2, group=4, head_dim=128, block_size=16)
-  k_scale = np.array([0.1, 1.0], np.float32)[None, :, None, None, None]
-  v_scale = np.array([10.0, 1.0], np.float32)[None, :, None, None, None]
-  k, v = case.k_pages_LKNZD * k_scale, case.v_pages_LKNZD * v_scale
-  live = np.argwhere(np.isfinite(k[case.layer, 0, :, :, 0]))  # (block, slot) pairs
-  for block, slot in live[rng.choice(len(live), 4, replace=False)]:
-    v[:, :, block, slot] *= 20.0
-  return dataclasses.replace(case, k_pages_LKNZD=k, v_pages_LKNZD=v)
+# Issue 20's accuracy batch, shared with every impl's test and
+# benchmarks/kv_quant_accuracy.py: four KV heads 1x..10x apart, three outlier tokens.
+_ACCURACY_CASE = cases.quant_accuracy_case()
 
 
 @pytest.mark.parametrize("kv_dtype,bound", [(jnp.int8, 1.5e-2), (jnp.float8_e4m3fn, 6e-2)],
                          ids=["int8", "float8_e4m3fn"])
 def test_quantized_accuracy_against_float32_kv(kv_dtype, bound):
   # Issue 20's bound: max abs error / max abs output against the same attention over the
-  # unquantised float32 K/V (float64 oracle). Measured: int8 4.4e-3, float8_e4m3fn 3.6e-2
-  # (fp8's 3 mantissa bits round a lone value by up to 2^-4 whatever its scale).
-  case = _structured_case(20)
-  exact = cases.oracle(case, 128 ** -0.5)
-  out, _ = _run(case, quantized=_quantize(case, kv_dtype))
-  per_token = _relative_error(out, exact)
+  # unquantised float32 K/V (float64 oracle). For int8, one scale per tensor on the same
+  # data (same executable, only the scales differ) is the negative control: over the bound.
+  case, scale = _ACCURACY_CASE, 128 ** -0.5
+  exact = cases.oracle(case, scale)
+  out, _ = _run(case, quantized=kv_dtype)
+  per_token = cases.relative_error(out, exact, case)
   assert per_token <= bound, per_token
   if kv_dtype == jnp.int8:
-    # The same data with ONE int8 scale per tensor (same executable, only the scales
-    # differ): the outliers' step swamps the rest, 9.1e-2. The data can fail the bound.
-    out_tensor, _ = _run(case, quantized=_quantize(case, kv_dtype, per_tensor=True))
-    per_tensor = _relative_error(out_tensor, exact)
-    assert per_tensor > bound, (per_token, per_tensor)
+    out_tensor, _ = _run(case, quantized=kv_dtype, per_tensor=True)
+    per_tensor = cases.relative_error(out_tensor, exact, case)
+    assert per_tensor > bound and per_tensor > 2 * per_token, (per_token, per_tensor)
 
 
 def test_quantized_no_races_and_no_out_of_bounds_reads():
@@ -802,16 +734,15 @@ def test_quantized_no_races_and_no_out_of_bounds_reads():
   # read (unused table entries point far outside the pool), uninitialised VMEM (scale
   # buffers included) as NaN; a window, so items start past page 0.
   case = _small_case(4)
-  pool = _quantize(case, jnp.int8)
   params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                  uninitialized_memory="nan", num_cores_or_threads=2)
   try:
-    out, scale = _run(case, interpret=params, quantized=pool, sliding_window=9)
+    out, scale = _run(case, interpret=params, quantized=jnp.int8, sliding_window=9)
     out.block_until_ready()
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
   finally:
     pltpu.reset_tpu_interpret_mode_state()
-  _check_quantized(case, pool, out, scale, sliding_window=9)
+  _check_quantized(case, jnp.int8, out, scale, sliding_window=9)
 
 
 def test_quantized_public_entry_point():
@@ -827,7 +758,7 @@ def test_quantized_public_entry_point():
 
   out = _call_fast("public_quantized", attend, q, k_pages, v_pages, jnp.int32(layer), kv_lens,
                    tables, cu_q_lens, num_seqs)
-  _check_quantized(case, _quantize(case, jnp.float8_e4m3fn), out, 64 ** -0.5, soft_cap=3.0)
+  _check_quantized(case, jnp.float8_e4m3fn, out, 64 ** -0.5, soft_cap=3.0)
 
 
 @pytest.mark.parametrize("kwargs,match", [
