@@ -939,3 +939,22 @@ def test_lowers_for_tpu(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, hea
   assert "cost_estimate" in module  # the pl.CostEstimate reaches XLA
   assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
   assert exported.out_avals[0].dtype == dtype
+
+
+@pytest.mark.slow
+def test_tpu_benchmark_dry_run_with_quantized_pools(tmp_path):
+  # benchmarks/tpu/run.py's int8 / float8 checks and timing rows run (CPU, interpret mode):
+  # the quantised pool matches the reference on the same bits and scales, and ours and the
+  # XLA path agree on it.
+  from benchmarks.tpu import run as tpu_run
+  results = tpu_run.main(["--dry-run", "--kv-dtypes", "int8,float8_e4m3fn",
+                          "--out", str(tmp_path)])
+  checks = {c["kv_dtype"]: c for c in results["checks"]}
+  assert set(checks) == {"bfloat16", "int8", "float8_e4m3fn"}
+  assert all(c["ok"] for c in checks.values()), checks
+  quantised = [t for t in results["timings"] if t["kv_dtype"] != "bfloat16"]
+  assert {(t["kv_dtype"], t["impl"]) for t in quantised} == {
+      (d, impl) for d in ("int8", "float8_e4m3fn") for impl in (tpu_run.OURS, tpu_run.XLA)}
+  for t in quantised:
+    assert "error" not in t, t
+    assert t.get("max_abs_diff_vs_ours", 0.0) < 1e-2, t
