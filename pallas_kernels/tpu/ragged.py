@@ -36,6 +36,9 @@ Attention variants (design.md, "Contract, second wave"):
   (its query head); the running max starts at it and the denominator at 1.
 - ``kv_dtype``: the pages hold storage bits (``layout.storage_dtype``); the VMEM buffers
   keep those bits and each loaded tile is bitcast back as a value (``layout.from_storage``).
+- Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
+  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32, and
+  one-byte quantised K/V with their scale buffers.
 
 Quantised pools (``kv_dtype`` int8 / float8, ``k_scales`` / ``v_scales`` f32[L, K, N, Z]):
 each page copy also copies that page's ``[Z]`` scale row (``scales[layer, k, n]``, one
@@ -50,12 +53,10 @@ reshape); scales of rows not copied or past the horizon are zeroed first, so NaN
 unused slots cannot leak through it. Both products and the softmax stay float32 (with a
 bfloat16 q, q . k_bits runs on bfloat16 operands: int8 and float8 values are exact in
 bfloat16, and the MXU accumulates in float32).
-- Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
-  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32.
 
 Precision: float32 KV is computed in float32 (``Precision.HIGHEST``); bfloat16 q and KV
-feed the MXU in bfloat16 with float32 accumulation; quantised KV as above. The online softmax state (row max,
-denominator, accumulator) lives in float32 VMEM scratch.
+feed the MXU in bfloat16 with float32 accumulation; quantised KV as above. The online
+softmax state (row max, denominator, accumulator) lives in float32 VMEM scratch.
 
 No ref reshapes or bitcasts happen in the kernel (the TPU interpreter on CPU cannot run
 them): q and the output are laid out ``[K, tiles, M, D]`` by the wrapper.
