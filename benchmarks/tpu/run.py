@@ -19,6 +19,11 @@ TPU jax installed (``pip install -e ".[tpu]"``); nothing here needs the network.
    Achieved HBM bandwidth = bytes of the K/V pages the batch owns / median time, beside the
    measured device-to-device copy bandwidth (read + write). Every timed output is also
    compared with ours (max abs difference), which catches a wrong layout adaptation.
+3. Quantised pools (``--kv-dtypes``, default int8 and float8_e4m3fn): the same pages
+   quantised with one float32 scale per token and KV head (``layout.quantize``; NaN slots
+   keep NaN scales), checked against the reference on the same pool and timed for ours and
+   the XLA path (JAX's kernels take no per-token scales) at decode B=32 x 1k / 8k and on the
+   mixed batch; KV bytes then count the one-byte pages and their scales.
 
 Every case runs in its own try/except (the error is printed and recorded); a time budget
 skips what is left once spent. Writes ``results.json`` and ``results.md`` under $OUT
@@ -34,6 +39,7 @@ Without a TPU (the test suite runs this, so the script cannot rot):
 
     PYTHONPATH=. python benchmarks/tpu/run.py --dry-run        # CPU, TPU interpret mode,
                                                                # one tiny case; not timings
+    PYTHONPATH=. python benchmarks/tpu/run.py --dry-run --kv-dtypes int8   # + an int8 pool
 """
 
 from __future__ import annotations
@@ -117,6 +123,10 @@ def parse_args(argv=None):
   parser.add_argument("--samples", type=int, default=30,
                       help="timed samples per implementation; the median is reported")
   parser.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+  parser.add_argument("--kv-dtypes", default=None,
+                      help="comma-separated quantised pool dtypes to check and time besides "
+                           "bfloat16 (int8, float8_e4m3fn, float8_e5m2; 'none' for none; "
+                           "default int8,float8_e4m3fn, and none in a dry run)")
   parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
                       help="no TPU: one tiny case on CPU, Pallas kernels in TPU interpret "
                            "mode (checks the plumbing; its times mean nothing)")
@@ -158,7 +168,9 @@ def random_normal(key, shape, dtype):
 
 @dataclasses.dataclass
 class Batch:
-  """One ragged batch over a ``[K, N, Z, D]`` pool (one layer; ours gets ``[None]``)."""
+  """One ragged batch over a ``[K, N, Z, D]`` pool (one layer; ours gets ``[None]``). A
+  quantised pool (``kv_dtype`` int8 / float8) holds storage bits with ``[K, N, Z]`` float32
+  scales; ``args()`` then ends with the two scale arrays."""
   q_THD: jax.Array
   k_pages_KNZD: jax.Array
   v_pages_KNZD: jax.Array
@@ -168,10 +180,14 @@ class Batch:
   num_seqs: jax.Array
   q_lens: tuple[int, ...]
   kv_lens: tuple[int, ...]
+  kv_dtype: jnp.dtype | None = None
+  k_scales_KNZ: jax.Array | None = None
+  v_scales_KNZ: jax.Array | None = None
 
   def args(self):
+    scales = () if self.kv_dtype is None else (self.k_scales_KNZ, self.v_scales_KNZ)
     return (self.q_THD, self.k_pages_KNZD, self.v_pages_KNZD, self.kv_lens_S,
-            self.block_tables_SP, self.cu_q_lens, self.num_seqs)
+            self.block_tables_SP, self.cu_q_lens, self.num_seqs) + scales
 
   @property
   def is_decode(self) -> bool:
@@ -215,41 +231,70 @@ def make_batch(key, seqs, dtype, mode: Mode, *, nan_unused: bool = False,
                jnp.asarray(cu), jnp.int32(len(seqs)), q_lens, kv_lens)
 
 
+def quantize_batch(batch: Batch, kv_dtype) -> Batch:
+  """``batch`` over a quantised pool: its pages as ``kv_dtype`` storage bits with one float32
+  scale per token and KV head (``layout.quantize``); NaN slots keep a NaN scale."""
+  from paged_jax.pallas_kernels import layout
+
+  @jax.jit
+  def quantize(pages_KNZD):
+    bits, scales = layout.quantize(pages_KNZD.astype(jnp.float32), kv_dtype)
+    return bits, jnp.where(jnp.isnan(pages_KNZD).any(axis=-1), jnp.nan, scales)
+
+  (k_bits, k_scales), (v_bits, v_scales) = (
+      jax.block_until_ready(quantize(p)) for p in (batch.k_pages_KNZD, batch.v_pages_KNZD))
+  return dataclasses.replace(batch, k_pages_KNZD=k_bits, v_pages_KNZD=v_bits,
+                             kv_dtype=jnp.dtype(kv_dtype), k_scales_KNZ=k_scales,
+                             v_scales_KNZ=v_scales)
+
+
 def kv_bytes(batch: Batch) -> int:
-  """Bytes of the K and V pages the batch's sequences own (what a kernel must read)."""
+  """Bytes of the K and V pages the batch's sequences own (what a kernel must read), their
+  scales included for a quantised pool."""
   k = batch.k_pages_KNZD
   _, _, z, d = k.shape
   pages = sum(-(-n // z) for n in batch.kv_lens)
-  return 2 * pages * k.shape[0] * z * d * k.dtype.itemsize
+  per_token = d * k.dtype.itemsize + (0 if batch.kv_dtype is None else 4)
+  return 2 * pages * k.shape[0] * z * per_token
+
+
+def _pool_kwargs(kv_dtype, scales):
+  """The kernels' keywords for a one-layer quantised pool (scales [K, N, Z] each)."""
+  if kv_dtype is None:
+    return {}
+  k_scales, v_scales = scales
+  return dict(kv_dtype=kv_dtype, k_scales=k_scales[None], v_scales=v_scales[None])
 
 
 # --- Implementations; each builder returns (fn, args) for fn(*args) -> [T, H, D]. ---
 
-def ours_fn(mode: Mode):
+def ours_fn(mode: Mode, kv_dtype=None):
   from paged_jax.pallas_kernels import tpu
 
-  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+  def f(q, k, v, kv_lens, tables, cu, num_seqs, *scales):
     return tpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
-                                      sm_scale=mode.sm_scale, interpret=mode.interpret)
+                                      sm_scale=mode.sm_scale, interpret=mode.interpret,
+                                      **_pool_kwargs(kv_dtype, scales))
   return f
 
 
-def xla_fn(mode: Mode):
+def xla_fn(mode: Mode, kv_dtype=None):
   from paged_jax.pallas_kernels import xla
 
-  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+  def f(q, k, v, kv_lens, tables, cu, num_seqs, *scales):
     return xla.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
-                                      sm_scale=mode.sm_scale)
+                                      sm_scale=mode.sm_scale, **_pool_kwargs(kv_dtype, scales))
   return f
 
 
-def reference_fn(mode: Mode):
+def reference_fn(mode: Mode, kv_dtype=None):
   from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 
-  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+  def f(q, k, v, kv_lens, tables, cu, num_seqs, *scales):
     with jax.default_matmul_precision("highest"):
       return ragged_paged_attention_reference(q, k[None], v[None], 0, kv_lens, tables, cu,
-                                              num_seqs, sm_scale=mode.sm_scale)
+                                              num_seqs, sm_scale=mode.sm_scale,
+                                              **_pool_kwargs(kv_dtype, scales))
   return f
 
 
@@ -309,8 +354,10 @@ def dense_fn(mode: Mode):
 def builders(batch: Batch, mode: Mode):
   """(name, build) pairs; build() makes the implementation's inputs only when it runs, so
   at most one extra copy of the KV cache (JAX's pool or the dense cache) lives at a time."""
-  out = [(OURS, lambda: (ours_fn(mode), batch.args(), mode.interpret)),
-         (XLA, lambda: (xla_fn(mode), batch.args(), False))]
+  out = [(OURS, lambda: (ours_fn(mode, batch.kv_dtype), batch.args(), mode.interpret)),
+         (XLA, lambda: (xla_fn(mode, batch.kv_dtype), batch.args(), False))]
+  if batch.kv_dtype is not None:  # JAX's kernels and dense XLA take no per-token scales
+    return out
   if batch.is_decode:
     out.append((JAX_DECODE, lambda: (jax_decode_fn(mode, batch.block_tables_SP.shape[1]),
                                      batch.args(), mode.interpret)))
@@ -390,24 +437,37 @@ def copy_bandwidth(mode: Mode, num_elements: int) -> float:
 
 # --- Correctness. ---
 
+_MIXED_CHECK_SEQS = [(1, 1000), (1, 2999), (1, 16), (64, 1500), (200, 200), (0, 77),
+                     (1, 4096), (7, 300)]
 CHECKS = [
     # (name, dtype, seqs, num_q_heads, atol = rtol, padding query rows)
-    ("llama3_8b_mixed_bf16", jnp.bfloat16,
-     [(1, 1000), (1, 2999), (1, 16), (64, 1500), (200, 200), (0, 77), (1, 4096), (7, 300)],
-     NUM_Q_HEADS, 2e-2, 3),
+    ("llama3_8b_mixed_bf16", jnp.bfloat16, _MIXED_CHECK_SEQS, NUM_Q_HEADS, 2e-2, 3),
     ("long_decode_f32", jnp.float32, [(1, 8192), (1, 5000), (1, 33)], NUM_Q_HEADS, 1e-4, 3),
     ("mqa_bf16", jnp.bfloat16, [(1, 700), (33, 512), (1, 2048)], NUM_KV_HEADS, 2e-2, 3),
+]
+# Quantised pools, per kv dtype: the reference reads the same bits and scales. A float32 q
+# is computed in float32 (tight); a bfloat16 q's output is rounded to bfloat16.
+QUANT_CHECKS = [
+    ("llama3_8b_mixed_{}", jnp.bfloat16, _MIXED_CHECK_SEQS, NUM_Q_HEADS, 2e-2, 3),
+    ("long_decode_f32q_{}", jnp.float32, [(1, 8192), (1, 5000), (1, 33)], NUM_Q_HEADS, 1e-4,
+     3),
 ]
 # The dry run's one timing case.
 DRY_RUN_SEQS = [(1, 64), (1, 37)]
 # Its shapes, so that the check's executable of our kernel serves the timing too.
 DRY_RUN_CHECKS = [("dry_run_decode_bf16", jnp.bfloat16, DRY_RUN_SEQS, DRY_RUN.num_q_heads,
                    2e-2, 0)]
+DRY_RUN_QUANT_CHECKS = [("dry_run_decode_{}", jnp.bfloat16, DRY_RUN_SEQS,
+                         DRY_RUN.num_q_heads, 2e-2, 0)]
 
 
-def run_checks(results, checks, mode: Mode, executables):
+def run_checks(results, checks, mode: Mode, executables, kv_dtype=None):
+  """``checks`` on bfloat16 / float32 pools, or (``kv_dtype``) on quantised ones."""
   for name, dtype, seqs, num_q_heads, tol, pad_rows in checks:
-    row = dict(name=name, dtype=jnp.dtype(dtype).name, tolerance=tol)
+    if kv_dtype is not None:
+      name = name.format(jnp.dtype(kv_dtype).name)
+    row = dict(name=name, dtype=jnp.dtype(dtype).name, tolerance=tol,
+               kv_dtype=jnp.dtype(kv_dtype or dtype).name)
     try:
       heads = dataclasses.replace(mode, num_q_heads=num_q_heads,
                                   num_kv_heads=min(mode.num_kv_heads, num_q_heads))
@@ -415,9 +475,12 @@ def run_checks(results, checks, mode: Mode, executables):
         heads = dataclasses.replace(heads, num_kv_heads=1)
       batch = make_batch(jax.random.key(1), seqs, dtype, heads, nan_unused=True,
                          pad_rows=pad_rows, table_multiple=heads.jax_pages_per_compute_block)
-      ours = compile_fn(ours_fn(heads), batch.args(), heads, jax_kernel=False,
+      if kv_dtype is not None:
+        batch = quantize_batch(batch, kv_dtype)
+      ours = compile_fn(ours_fn(heads, batch.kv_dtype), batch.args(), heads, jax_kernel=False,
                         cache=executables, name=OURS)
-      ref = compile_fn(reference_fn(heads), batch.args(), heads, jax_kernel=False)
+      ref = compile_fn(reference_fn(heads, batch.kv_dtype), batch.args(), heads,
+                       jax_kernel=False)
       out = np.asarray(ours(*batch.args()).astype(jnp.float32))
       expected = np.asarray(ref(*batch.args()).astype(jnp.float32))
       diff = np.abs(out - expected)
@@ -438,15 +501,21 @@ def _error_text(e: Exception) -> str:
   return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
-def time_case(name, seqs, dtype, mode: Mode, *, budget, copy_bw, results, executables):
-  """Times every implementation on one batch; outputs are compared with ours."""
+def time_case(name, seqs, dtype, mode: Mode, *, budget, copy_bw, results, executables,
+              kv_dtype=None):
+  """Times every implementation on one batch (``kv_dtype``: over a quantised pool of the
+  same values, ours and XLA only); outputs are compared with ours."""
   key = jax.random.key(zlib.crc32(name.encode()))
   batch = make_batch(key, seqs, dtype, mode, table_multiple=mode.jax_pages_per_compute_block)
+  if kv_dtype is not None:
+    batch = quantize_batch(batch, kv_dtype)
+    name = f"{name} {jnp.dtype(kv_dtype).name} pool"
   nbytes = kv_bytes(batch)
   live = int(sum(batch.q_lens))
   ours_out = None
   for impl, build in builders(batch, mode):
-    row = dict(case=name, impl=impl, dtype=jnp.dtype(dtype).name, num_seqs=len(seqs),
+    row = dict(case=name, impl=impl, dtype=jnp.dtype(dtype).name,
+               kv_dtype=jnp.dtype(kv_dtype or dtype).name, num_seqs=len(seqs),
                q_rows=live, kv_tokens=int(sum(batch.kv_lens)), kv_bytes=nbytes)
     if not budget.left():
       row["error"] = "skipped: time budget spent"
@@ -477,17 +546,39 @@ def time_case(name, seqs, dtype, mode: Mode, *, budget, copy_bw, results, execut
     results["timings"].append(row)
 
 
+def kv_dtypes(args) -> list:
+  """The quantised pool dtypes to check and time (``--kv-dtypes``)."""
+  text = args.kv_dtypes
+  if text is None:
+    text = "none" if args.dry_run else "int8,float8_e4m3fn"
+  if text.strip().lower() == "none":
+    return []
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  allowed = ("int8", "float8_e4m3fn", "float8_e5m2")
+  for n in names:
+    if n not in allowed:
+      raise SystemExit(f"--kv-dtypes: {n!r} must be one of {allowed} or 'none'")
+  return [jnp.dtype(n) for n in names]
+
+
 def plan(args):
+  """``[(name, seqs, kv_dtype)]``: bfloat16 pools (kv_dtype None), then quantised ones."""
+  quantised = kv_dtypes(args)
   if args.dry_run:
-    return [("dry-run decode B=2 ctx=64", DRY_RUN_SEQS)]
+    case = ("dry-run decode B=2 ctx=64", DRY_RUN_SEQS)
+    return [case + (None,)] + [case + (d,) for d in quantised]
   decode = [(f"decode B={b} ctx={c}", [(1, c)] * b)
             for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
   if args.quick:
-    return decode[:2]
+    return [c + (None,) for c in decode[:2]] + [decode[1] + (d,) for d in quantised]
   mixed = (f"mixed: {sum(q for q, _ in MIXED_SEQS)} q rows, {len(MIXED_SEQS)} seqs",
            MIXED_SEQS)
-  # The mixed batch before the 8k contexts, so a short budget cuts the largest cases first.
-  return decode[:len(DECODE_BATCHES)] + [mixed] + decode[len(DECODE_BATCHES):]
+  # The mixed batch before the 8k contexts, so a short budget cuts the largest cases first;
+  # the quantised pools (decode B=32 at 1k and 8k, and the mixed batch) after.
+  plain = decode[:len(DECODE_BATCHES)] + [mixed] + decode[len(DECODE_BATCHES):]
+  quantised_cases = [decode[1], mixed, decode[len(DECODE_BATCHES) + 1]]
+  return ([c + (None,) for c in plain]
+          + [c + (d,) for c in quantised_cases for d in quantised])
 
 
 def _fmt(x, spec):
@@ -499,10 +590,12 @@ def to_markdown(results) -> str:
            f"{_fmt(results['copy_gb_s'], '.0f')} GB/s (read + write)."
            + (" DRY RUN on CPU in TPU interpret mode: the times mean nothing."
               if results["dry_run"] else ""), "",
-           "| check | dtype | max abs err vs reference | tolerance (atol = rtol) | ok |",
-           "|---|---|---|---|---|"]
+           "| check | q dtype | pool | max abs err vs reference | tolerance (atol = rtol) "
+           "| ok |",
+           "|---|---|---|---|---|---|"]
   for c in results["checks"]:
-    lines.append(f"| {c['name']} | {c['dtype']} | {_fmt(c.get('max_abs_err'), '.2e')} | "
+    lines.append(f"| {c['name']} | {c['dtype']} | {c.get('kv_dtype', c['dtype'])} | "
+                 f"{_fmt(c.get('max_abs_err'), '.2e')} | "
                  f"{c['tolerance']} | {c['ok']}{' ' + c['error'] if 'error' in c else ''} |")
   lines += ["", "| case | impl | us (median) | KV GB/s | of copy BW | max abs diff vs ours |",
             "|---|---|---|---|---|---|"]
@@ -514,7 +607,8 @@ def to_markdown(results) -> str:
                    f"{_fmt(t['frac_copy_bw'], '.0%')} | "
                    f"{_fmt(t.get('max_abs_diff_vs_ours'), '.1e')} |")
   lines += ["", f"Total script time {results['elapsed_s']:.0f} s. KV GB/s = bytes of the K and "
-            "V pages the sequences own / median time (q and out not counted). The dense "
+            "V pages the sequences own (and their scales, for a quantised pool: 4 bytes per "
+            "token and KV head each) / median time (q and out not counted). The dense "
             "baseline reads the same values gathered into a contiguous cache (its table "
             "width x block size per sequence)."]
   return "\n".join(lines) + "\n"
@@ -555,10 +649,13 @@ def main(argv=None) -> dict:
   print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
   if not args.skip_check:
     run_checks(results, DRY_RUN_CHECKS if args.dry_run else CHECKS, mode, executables)
-  for name, seqs in plan(args):
+    for kv_dtype in kv_dtypes(args):
+      run_checks(results, DRY_RUN_QUANT_CHECKS if args.dry_run else QUANT_CHECKS, mode,
+                 executables, kv_dtype=kv_dtype)
+  for name, seqs, kv_dtype in plan(args):
     try:
       time_case(name, seqs, jnp.bfloat16, mode, budget=budget, copy_bw=copy_bw,
-                results=results, executables=executables)
+                results=results, executables=executables, kv_dtype=kv_dtype)
       executables.clear()  # one case's executables are not needed by the next
     except Exception as e:  # noqa: BLE001 - building the inputs may fail (memory)
       traceback.print_exc()

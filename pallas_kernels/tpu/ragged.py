@@ -37,11 +37,26 @@ Attention variants (design.md, "Contract, second wave"):
 - ``kv_dtype``: the pages hold storage bits (``layout.storage_dtype``); the VMEM buffers
   keep those bits and each loaded tile is bitcast back as a value (``layout.from_storage``).
 - Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
-  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32.
+  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32, and
+  one-byte quantised K/V with their scale buffers.
+
+Quantised pools (``kv_dtype`` int8 / float8, ``k_scales`` / ``v_scales`` f32[L, K, N, Z]):
+each page copy also copies that page's ``[Z]`` scale row (``scales[layer, k, n]``, one
+float32 per token) into row r of a double-buffered ``[2, R, Z]`` VMEM scratch, under the
+same ``pl.when`` and semaphore as its page, so pages that are not copied have no scales
+read either. The loaded tile (storage bits) is converted to float32 as a value (a bitcast of
+equal width for float8, then a convert) and the scales are applied after the dots, which is
+exact because a scale belongs to one key row and one value row: ``s_j = (q . k_bits_j) *
+k_scale_j`` and ``out = sum_j (p_j * v_scale_j) v_bits_j``. The ``[R, Z]`` scales become
+the ``[1, J]`` row along the chunk's keys through a small 0/1 matmul (no value or ref
+reshape); scales of rows not copied or past the horizon are zeroed first, so NaN scales of
+unused slots cannot leak through it. Both products and the softmax stay float32 (with a
+bfloat16 q, q . k_bits runs on bfloat16 operands: int8 and float8 values are exact in
+bfloat16, and the MXU accumulates in float32).
 
 Precision: float32 KV is computed in float32 (``Precision.HIGHEST``); bfloat16 q and KV
-feed the MXU in bfloat16 with float32 accumulation. The online softmax state (row max,
-denominator, accumulator) lives in float32 VMEM scratch.
+feed the MXU in bfloat16 with float32 accumulation; quantised KV as above. The online
+softmax state (row max, denominator, accumulator) lives in float32 VMEM scratch.
 
 No ref reshapes or bitcasts happen in the kernel (the TPU interpreter on CPU cannot run
 them): q and the output are laid out ``[K, tiles, M, D]`` by the wrapper.
@@ -104,9 +119,9 @@ class TpuTiling:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
 
   def vmem_bytes(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
-                 kv_itemsize: int) -> int:
+                 kv_itemsize: int, quantized: bool = False) -> int:
     """Approximate VMEM footprint of one kernel instance (every variant on: the sink input
-    and the soft cap's temporaries are counted)."""
+    and the soft cap's temporaries are counted; ``quantized``: the scale buffers too)."""
     rows = _padded_rows(self.q_tile * group, q_itemsize)
     chunk_len = self.pages_per_chunk * block_size
     lanes = 128  # an [M, 1] array occupies M rows of full 128-lane tiles
@@ -117,17 +132,27 @@ class TpuTiling:
     # Scores, capped scores, probabilities and mask [M, J]; the K and V tiles as loaded
     # and converted, [J, D] each.
     temporaries = 4 * rows * chunk_len * 4 + 2 * chunk_len * head_dim * (4 + kv_itemsize)
-    return kv_buffers + q_out_blocks + row_inputs + state + temporaries
+    scales = 0
+    if quantized:
+      # K and V scale rows, two slots of [R, Z] float32 each (tiles of 8 x 128); per chunk
+      # the 0/1 expander [Z, J], the page mask and products [R, J], the two [1, J] rows.
+      padded_chunk = _round_up(chunk_len, lanes)
+      scale_buffers = 2 * 2 * _round_up(self.pages_per_chunk, 8) * _round_up(
+          block_size, lanes) * 4
+      scale_temporaries = (_round_up(block_size, 8) + 3 * _round_up(self.pages_per_chunk, 8)
+                           + 2 * 8) * padded_chunk * 4
+      scales = scale_buffers + scale_temporaries
+    return kv_buffers + q_out_blocks + row_inputs + state + temporaries + scales
 
   def check(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
-            kv_itemsize: int) -> None:
+            kv_itemsize: int, quantized: bool = False) -> None:
     """Raises ``ValueError`` naming the field when the tiling overflows the VMEM budget."""
     rows = self.q_tile * group
     if rows > 4096:
       raise ValueError(f"q_tile={self.q_tile} gives q_tile * G={rows} packed rows; must be "
                        "<= 4096")
     sizes = dict(group=group, block_size=block_size, head_dim=head_dim,
-                 q_itemsize=q_itemsize, kv_itemsize=kv_itemsize)
+                 q_itemsize=q_itemsize, kv_itemsize=kv_itemsize, quantized=quantized)
     used = self.vmem_bytes(**sizes)
     if used > _VMEM_BUDGET_BYTES:
       # Blame q_tile when even one page per chunk would not fit, else pages_per_chunk.
@@ -137,6 +162,10 @@ class TpuTiling:
                        f"(q_tile={self.q_tile}, pages_per_chunk={self.pages_per_chunk}, "
                        f"G={group}, Z={block_size}, D={head_dim}); must fit in "
                        f"{_VMEM_BUDGET_BYTES}")
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
 
 
 def _pow2_floor(x: int) -> int:
@@ -244,6 +273,7 @@ def _ragged_kernel(
     has_sinks: bool,
     log_pages: bool,
     kv_dtype,
+    quantized: bool,
     block_size: int,
     pages_per_chunk: int,
     blocks_per_seq: int,
@@ -260,9 +290,13 @@ def _ragged_kernel(
   #   sink_M1_ref          f32[M, 1] sink logit of each packed row's query head (if sinks)
   #   q_MD_ref             [M, D] packed queries of one (KV head, tile)
   #   k/v_pages_hbm_ref    [L, K, N, Z, D] in HBM (storage dtype)
+  #   k/v_scales_hbm_ref   f32[L, K, N, Z] in HBM (quantised pools only)
   row_M1_ref, *refs = refs
   sink_M1_ref = refs.pop(0) if has_sinks else None
   q_MD_ref, k_pages_hbm_ref, v_pages_hbm_ref, *refs = refs
+  k_scales_hbm_ref = v_scales_hbm_ref = None
+  if quantized:
+    k_scales_hbm_ref, v_scales_hbm_ref, *refs = refs
   # Output
   #   out_MD_ref           [M, D]
   #   page_log_ref         i32[K * W * P] in SMEM (log_pages only): copies started per
@@ -271,9 +305,15 @@ def _ragged_kernel(
   page_log_ref = refs.pop(0) if log_pages else None
   # Scratch
   #   k_buf_ref, v_buf_ref [2, J, D] double-buffered K and V chunks (storage dtype)
-  #   sems_ref             DMA semaphores [2 (K, V), 2 (slot)]
+  #   k/v_scale_buf_ref    f32[2, R, Z] their pages' scale rows (quantised pools only)
+  #   sems_ref             DMA semaphores [2 (K, V), 2 (slot)]; a page's scale row
+  #                        signals its page's semaphore
   #   row_max_ref, denom_ref  f32[M, 1]; acc_ref f32[M, D]
-  k_buf_ref, v_buf_ref, sems_ref, row_max_ref, denom_ref, acc_ref = refs
+  k_buf_ref, v_buf_ref, *refs = refs
+  k_scale_buf_ref = v_scale_buf_ref = None
+  if quantized:
+    k_scale_buf_ref, v_scale_buf_ref, *refs = refs
+  sems_ref, row_max_ref, denom_ref, acc_ref = refs
 
   kv_head = pl.program_id(0)
   w = pl.program_id(1)
@@ -307,6 +347,13 @@ def _ragged_kernel(
           pltpu.make_async_copy(v_pages_hbm_ref.at[layer, kv_head, block],
                                 v_buf_ref.at[slot, rows], sems_ref.at[1, slot]),
       )
+      if quantized:  # the page's [Z] scale row, as a [1, Z] window, into row r
+        copies += (
+            pltpu.make_async_copy(k_scales_hbm_ref.at[layer, kv_head, pl.ds(block, 1)],
+                                  k_scale_buf_ref.at[slot, pl.ds(r, 1)], sems_ref.at[0, slot]),
+            pltpu.make_async_copy(v_scales_hbm_ref.at[layer, kv_head, pl.ds(block, 1)],
+                                  v_scale_buf_ref.at[slot, pl.ds(r, 1)], sems_ref.at[1, slot]),
+        )
 
       @pl.when(needed)
       def _():
@@ -349,15 +396,46 @@ def _ragged_kernel(
     denom_ref[...] = jnp.ones(denom_ref.shape, jnp.float32)
   acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  q_MD = q_MD_ref[...].astype(compute_dtype)
+  # Quantised pools: q . k_bits on bfloat16 operands when q is bfloat16 (exact: int8 and
+  # float8 values are bfloat16 values), else float32.
+  qk_dtype = q_MD_ref.dtype if quantized and q_MD_ref.dtype == jnp.bfloat16 else compute_dtype
+  qk_precision = None if qk_dtype == jnp.bfloat16 else precision
+  q_MD = q_MD_ref[...].astype(qk_dtype)
   qpos_M1 = row_M1_ref[...] + item(_Q_OFFSET, w)
   horizon = item(_HORIZON, w)
   item_first_page = item(_FIRST_PAGE, w)
 
-  def load(buf_ref, slot):
+  def load(buf_ref, slot, dtype=compute_dtype):
     # Storage bits -> logical dtype on the loaded value (a bitcast of equal width), never
-    # on the ref (the TPU interpreter cannot run ref bitcasts).
-    return layout.from_storage(buf_ref[slot], kv_dtype).astype(compute_dtype)
+    # on the ref (the TPU interpreter cannot run ref bitcasts). Quantised values are
+    # converted to float32 first (int8 / float8 -> bfloat16 goes through it; exact).
+    values = layout.from_storage(buf_ref[slot], kv_dtype)
+    if quantized:
+      values = values.astype(jnp.float32)
+    return values.astype(dtype)
+
+  if quantized:
+    # Key j of a chunk is token z = j mod Z of its page r = j div Z. Computed in float32
+    # (exact for these small integers; floor((j + 1/2) / Z) stays clear of rounding), once
+    # per grid step: page_RJ[r, j] = (r == j div Z), expand_ZJ[z, j] = (z == j mod Z).
+    j_1J = lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1).astype(jnp.float32)
+    page_of_1J = jnp.floor((j_1J + 0.5) * (1.0 / block_size))
+    token_of_1J = j_1J - page_of_1J * block_size
+    r_R1 = lax.broadcasted_iota(jnp.int32, (pages_per_chunk, 1), 0)
+    page_RJ = r_R1.astype(jnp.float32) == page_of_1J
+    z_Z1 = lax.broadcasted_iota(jnp.int32, (block_size, 1), 0).astype(jnp.float32)
+    expand_ZJ = (z_Z1 == token_of_1J).astype(jnp.float32)
+    token_RZ = (lax.broadcasted_iota(jnp.int32, (pages_per_chunk, block_size), 0) * block_size
+                + lax.broadcasted_iota(jnp.int32, (pages_per_chunk, block_size), 1))
+
+  def scale_row(scale_buf_ref, slot, valid_RZ):
+    """The chunk's scales [R, Z] as the row [1, J] along its keys (zero where not valid):
+    row[j] = scales[j div Z, j mod Z] = sum_r page[r, j] * (scales @ expand)[r, j]."""
+    scales_RZ = jnp.where(valid_RZ, scale_buf_ref[slot], 0.0)  # never NaN * 0 in the dot
+    spread_RJ = lax.dot_general(scales_RZ, expand_ZJ, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32,
+                                precision=lax.Precision.HIGHEST)
+    return jnp.sum(jnp.where(page_RJ, spread_RJ, 0.0), axis=0, keepdims=True)
 
   def chunk_step(chunk, carry):
     slot = _parity(chunk_base + chunk)
@@ -372,22 +450,32 @@ def _ragged_kernel(
     # the reference), never as a stale or clamped block.
     row_J1 = lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
     copied_J1 = jnp.zeros((chunk_len, 1), jnp.bool_)
+    copied_R1 = jnp.zeros((pages_per_chunk, 1), jnp.bool_)
     for r in range(pages_per_chunk):
       block = table_entry(w, chunk_first_page + r)
       page_ok = (block >= 0) & (block < num_blocks)
       in_page_J1 = (row_J1 >= r * block_size) & (row_J1 < (r + 1) * block_size)
       copied_J1 |= in_page_J1 & page_ok
-    k_JD = load(k_buf_ref, slot)
+      if quantized:
+        copied_R1 |= (r_R1 == r) & page_ok
+    k_JD = load(k_buf_ref, slot, qk_dtype)
     k_JD = jnp.where(copied_J1, k_JD, jnp.zeros_like(k_JD))
     v_JD = load(v_buf_ref, slot)
 
     chunk_pos = chunk_first_page * block_size
+    if quantized:
+      # Scales of rows this chunk copied and the sequence holds (others: stale, or NaN).
+      valid_RZ = copied_R1 & (chunk_pos + token_RZ < horizon)
+      k_scale_1J = scale_row(k_scale_buf_ref, slot, valid_RZ)
+      v_scale_1J = scale_row(v_scale_buf_ref, slot, valid_RZ)
     kv_pos_1J = chunk_pos + lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1)
     visible_MJ = (kv_pos_1J <= qpos_M1) & (kv_pos_1J < horizon)
     if sliding_window is not None:
       visible_MJ &= kv_pos_1J > qpos_M1 - sliding_window
     scores_MJ = lax.dot_general(q_MD, k_JD, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32, precision=precision)
+                                preferred_element_type=jnp.float32, precision=qk_precision)
+    if quantized:  # s_j = (q . k_bits_j) * k_scale_j
+      scores_MJ = scores_MJ * k_scale_1J
     scores_MJ = scores_MJ * sm_scale
     if soft_cap is not None:  # before the mask, as the contract says
       scores_MJ = soft_cap * jnp.tanh(scores_MJ * (1.0 / soft_cap))
@@ -402,7 +490,8 @@ def _ragged_kernel(
     # length may hold anything, NaN included: select zeros, never multiply by zero.
     kv_pos_J1 = chunk_pos + row_J1
     v_JD = jnp.where((kv_pos_J1 < horizon) & copied_J1, v_JD, jnp.zeros_like(v_JD))
-    pv_MD = lax.dot_general(probs_MJ.astype(compute_dtype), v_JD, (((1,), (0,)), ((), ())),
+    weights_MJ = probs_MJ * v_scale_1J if quantized else probs_MJ  # (p_j * v_scale_j)
+    pv_MD = lax.dot_general(weights_MJ.astype(compute_dtype), v_JD, (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32, precision=precision)
     acc_ref[...] = rescale_M1 * acc_ref[...] + pv_MD
     row_max_ref[...] = new_max_M1
@@ -423,10 +512,11 @@ def _ragged_kernel(
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           sinks=None, kv_dtype=None) -> None:
+                           sinks=None, kv_dtype=None, k_scales=None, v_scales=None) -> None:
   """The shared shape and variant checks plus this kernel's own; raises ``ValueError``."""
   validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    k_scales=k_scales, v_scales=v_scales)
   _, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
   validation.static_validate_variants(num_q_heads, sliding_window=sliding_window,
@@ -441,7 +531,8 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     raise ValueError(f"tiling={tiling!r} must be a TpuTiling or None")
   tiling.check(group=num_q_heads // num_kv_heads, block_size=block_size, head_dim=head_dim,
                q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
-               kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize)
+               kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize,
+               quantized=layout.is_quantized(kv_dtype))
 
 
 def _interpret_params(interpret):
@@ -455,8 +546,8 @@ def _interpret_params(interpret):
 
 
 def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
-                 cu_q_lens, num_seqs, sinks, *, sm_scale, sliding_window, soft_cap, kv_dtype,
-                 tiling, interpret, log_pages):
+                 cu_q_lens, num_seqs, sinks, k_scales, v_scales, *, sm_scale, sliding_window,
+                 soft_cap, kv_dtype, tiling, interpret, log_pages):
   """The kernel launch: ``(out_THD, page_log_KWP or None, items_FW)``."""
   num_tokens, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
@@ -467,13 +558,14 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                          block_tables_SP, cu_q_lens, num_seqs, tiling=tiling,
                          sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
   interpret_params = _interpret_params(interpret)
   if sm_scale is None:
     sm_scale = float(head_dim) ** -0.5
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   storage = jnp.dtype(k_pages_LKNZD.dtype)
   kv_dtype = storage if kv_dtype is None else jnp.dtype(kv_dtype)
+  quantized = layout.is_quantized(kv_dtype)
   if num_tokens == 0:
     return jnp.zeros_like(q_THD), None, None
   group = num_q_heads // num_kv_heads
@@ -518,6 +610,11 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
     inputs.append(sink_KM1.astype(jnp.float32))
   in_specs += [qo_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
   inputs += [q_KXMD, k_pages_LKNZD, v_pages_LKNZD]
+  scale_scratch = []
+  if quantized:  # stay in HBM: the kernel copies the rows of the pages it copies
+    in_specs += [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    inputs += [k_scales, v_scales]
+    scale_scratch = [pltpu.VMEM((2, pages_per_chunk, block_size), jnp.float32)] * 2
   out_specs = [qo_spec]
   out_shape = [jax.ShapeDtypeStruct(q_KXMD.shape, q_THD.dtype)]
   if log_pages:
@@ -528,6 +625,7 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   kernel = functools.partial(
       _ragged_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
       soft_cap=soft_cap, has_sinks=sinks is not None, log_pages=log_pages, kv_dtype=kv_dtype,
+      quantized=quantized,
       block_size=block_size, pages_per_chunk=pages_per_chunk, blocks_per_seq=blocks_per_seq,
       num_items=num_items, compute_dtype=compute_dtype)
 
@@ -538,7 +636,7 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   q_bytes = q_THD.size * q_itemsize
   kv_blocks = min(num_blocks, num_seq_rows * blocks_per_seq)
   kv_bytes = (2 * num_kv_heads * min(kv_blocks * block_size, num_tiles * kv_reach)
-              * head_dim * storage.itemsize)
+              * (head_dim * storage.itemsize + (4 if quantized else 0)))
   cost = pl.CostEstimate(
       flops=int(4 * num_tokens * num_q_heads * head_dim * kv_reach),
       transcendentals=int(num_tokens * num_q_heads * kv_reach * (2 if soft_cap else 1)),
@@ -554,6 +652,7 @@ def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
           scratch_shapes=[
               pltpu.VMEM((2, chunk_len, head_dim), storage),
               pltpu.VMEM((2, chunk_len, head_dim), storage),
+              *scale_scratch,
               pltpu.SemaphoreType.DMA((2, 2)),
               pltpu.VMEM((rows_padded, 1), jnp.float32),
               pltpu.VMEM((rows_padded, 1), jnp.float32),
@@ -583,7 +682,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                            block_tables_SP, cu_q_lens, num_seqs, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, sinks=None, kv_dtype=None,
-                           tiling: TpuTiling | None = None,
+                           k_scales=None, v_scales=None, tiling: TpuTiling | None = None,
                            interpret: bool | pltpu.InterpretParams = False):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``.
 
@@ -600,6 +699,9 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     kv_dtype: the logical K/V dtype when the pages hold its storage bits
       (``layout.storage_dtype``); each loaded page tile is bitcast back. None: the pages
       hold K/V as they are.
+    k_scales, v_scales: f32[L, K, N, Z], exactly when ``kv_dtype`` is quantised (int8,
+      float8): one scale per token and KV head, value = stored * scale. Each copied page's
+      scale row is copied with it and applied inside the kernel; float32 accumulation.
     tiling: a ``TpuTiling``; default from the shapes (``default_tiling``).
     interpret: True (or a ``pltpu.InterpretParams``) runs the kernel in TPU interpret mode
       on CPU.
@@ -608,10 +710,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     [T, H, D] in q's dtype; padding rows are zero.
   """
   out, _, _ = _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                           block_tables_SP, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap,
-                           kv_dtype=kv_dtype, tiling=tiling, interpret=interpret,
-                           log_pages=False)
+                           block_tables_SP, cu_q_lens, num_seqs, sinks, k_scales, v_scales,
+                           sm_scale=sm_scale, sliding_window=sliding_window,
+                           soft_cap=soft_cap, kv_dtype=kv_dtype, tiling=tiling,
+                           interpret=interpret, log_pages=False)
   return out
 
 
@@ -621,6 +723,7 @@ def ragged_paged_attention_page_log(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, 
                                     sm_scale: float | None = None,
                                     sliding_window: int | None = None,
                                     soft_cap: float | None = None, sinks=None, kv_dtype=None,
+                                    k_scales=None, v_scales=None,
                                     tiling: TpuTiling | None = None,
                                     interpret: bool | pltpu.InterpretParams = True):
   """``ragged_paged_attention`` that also counts the page copies it starts (an instrument
@@ -632,6 +735,6 @@ def ragged_paged_attention_page_log(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, 
   rows). Zero tokens return ``(zeros, None, None)``.
   """
   return _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                      block_tables_SP, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
-                      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
-                      tiling=tiling, interpret=interpret, log_pages=True)
+                      block_tables_SP, cu_q_lens, num_seqs, sinks, k_scales, v_scales,
+                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                      kv_dtype=kv_dtype, tiling=tiling, interpret=interpret, log_pages=True)

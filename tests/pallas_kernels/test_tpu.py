@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
 import paged_jax
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import tpu as tpu_kernel
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 from paged_jax.pallas_kernels.tpu import ragged as tpu_ragged
@@ -82,24 +83,35 @@ def _call_fast(key, fn, *args):
 
 
 def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None, storage=False,
-         sliding_window=None, soft_cap=None, sinks=None):
-  """The kernel on ``case`` (``storage=True``: the pages as storage bits with ``kv_dtype``);
-  the variants' statics key the compiled executable, ``sinks`` is a traced argument."""
+         sliding_window=None, soft_cap=None, sinks=None, quantized=None, per_tensor=False):
+  """The kernel on ``case`` (``storage=True``: the pages as storage bits with ``kv_dtype``;
+  ``quantized``: int8 / float8, the pages quantised by ``cases.quantized_args``, one scale
+  per token and KV head or ``per_tensor``); the variants' statics key the compiled
+  executable, ``sinks`` and the scales are traced."""
   head_dim = case.q_THD.shape[-1]
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   kv_dtype = case.kv_dtype if storage else None
-  statics = dict(sm_scale=scale, tiling=tiling, interpret=interpret, kv_dtype=kv_dtype,
-                 sliding_window=sliding_window, soft_cap=soft_cap)
   args = case.jax_args(storage=storage)
   args = args[:3] + (jnp.int32(args[3]),) + args[4:]
-  if sinks is None:
-    kernel = functools.partial(tpu_kernel.ragged_paged_attention, **statics)
-  else:
-    def kernel(*a):
-      return tpu_kernel.ragged_paged_attention(*a[:-1], sinks=a[-1], **statics)
-    args += (jnp.asarray(sinks, jnp.float32),)
-  key = ("kernel", sinks is not None) + tuple(sorted(statics.items(), key=lambda kv: kv[0]))
-  out = _call_fast(key, kernel, *args)
+  traced = {}  # keyword arrays, passed as traced arguments after the positional ones
+  if sinks is not None:
+    traced["sinks"] = jnp.asarray(sinks, jnp.float32)
+  if quantized is not None:
+    pool, pool_kwargs = cases.quantized_args(case, quantized, per_tensor=per_tensor)
+    args = (args[0], pool[1], pool[2]) + args[3:]
+    traced["k_scales"], traced["v_scales"] = pool_kwargs["k_scales"], pool_kwargs["v_scales"]
+    kv_dtype = pool_kwargs["kv_dtype"]
+  statics = dict(sm_scale=scale, tiling=tiling, interpret=interpret, kv_dtype=kv_dtype,
+                 sliding_window=sliding_window, soft_cap=soft_cap)
+  names = tuple(traced)
+
+  def kernel(*a):
+    split = len(a) - len(names)
+    return tpu_kernel.ragged_paged_attention(*a[:split], **dict(zip(names, a[split:])),
+                                             **statics)
+
+  key = ("kernel", names) + tuple(sorted(statics.items(), key=lambda kv: kv[0]))
+  out = _call_fast(key, kernel, *args, *traced.values())
   return out, scale
 
 
@@ -560,9 +572,11 @@ def test_default_tiling_fits_vmem_at_every_head_dim(head_dim):
       for num_tokens, num_seq_rows in ((1, 1), (128, 128), (512, 4), (8192, 1)):
         tiling = tpu_kernel.default_tiling(num_tokens, num_seq_rows, 8 * group, 8,
                                            block_size, 8192 // block_size)
-        for itemsize in (2, 4):
+        # (q itemsize, K/V itemsize, quantised): bf16, f32, and one-byte K/V with scales.
+        for q_itemsize, kv_itemsize, quantized in ((2, 2, False), (4, 4, False),
+                                                   (2, 1, True), (4, 1, True)):
           sizes = dict(group=group, block_size=block_size, head_dim=head_dim,
-                       q_itemsize=itemsize, kv_itemsize=itemsize)
+                       q_itemsize=q_itemsize, kv_itemsize=kv_itemsize, quantized=quantized)
           tiling.check(**sizes)
           assert tiling.vmem_bytes(**sizes) <= tpu_ragged._VMEM_BUDGET_BYTES // 2
 
@@ -603,6 +617,206 @@ def test_lowers_for_tpu_with_variants(model, variant):
     return tpu_kernel.ragged_paged_attention(*a[:-1], sinks=a[-1] if with_sinks else None,
                                              sm_scale=head_dim ** -0.5,
                                              kv_dtype=jnp.bfloat16, **variants)
+
+  exported = export.export(jax.jit(attend), platforms=["tpu"])(*args)
+  assert "tpu_custom_call" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
+  assert exported.out_avals[0].dtype == jnp.bfloat16
+
+
+# --- Quantised pools: int8 / float8 bits with one float32 scale per token and KV head. ---
+
+def _check_quantized(case: cases.Case, kv_dtype, out, scale, **variants):
+  """Against the jnp reference on the SAME quantised pool (``cases.quantized_args``: bits,
+  scales, NaN scales on unused memory) and the float64 oracle of its dequantised values;
+  finite, padding rows zero. Returns the output as float32 numpy."""
+  dtype = case.q_THD.dtype
+  assert out.dtype == dtype and out.shape == case.q_THD.shape
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.all(np.isfinite(out))
+  traced = dict(variants)
+  if traced.get("sinks") is not None:
+    traced["sinks"] = jnp.asarray(traced["sinks"])
+  args, pool_kwargs = cases.quantized_args(case, kv_dtype)
+  reference = ragged_paged_attention_reference(*args, sm_scale=scale, **pool_kwargs, **traced)
+  reference = np.asarray(reference.astype(jnp.float32))
+  assert np.abs(reference).max() > 0.1  # the comparisons are not vacuous
+  np.testing.assert_allclose(out, reference, **cases.tolerance(dtype))
+  expected = cases.oracle(cases.dequantized_case(case, kv_dtype), scale, **variants)
+  np.testing.assert_allclose(out, expected, **cases.tolerance(dtype))
+  assert np.all(out[int(case.cu_q_lens[case.num_seqs]):] == 0.0)
+  return out
+
+
+def _quant_id(params):
+  name, kv_dtype, q_dtype, block_size, group, head_dim = params
+  return (f"{jnp.dtype(kv_dtype).name}-{name}-q{jnp.dtype(q_dtype).name}-Z{block_size}"
+          f"-G{group}-D{head_dim}")
+
+
+# (variant, K/V dtype, q dtype, Z, G, D). Default run: each quantised dtype once with a
+# float32 q (float32 tolerance: the kernel computes in float32) and a variant on; the slow
+# grid adds bfloat16 q, float8_e5m2, head dim 256 and every variant family.
+_QUANT_QUICK = [
+    ("window_sinks", jnp.int8, jnp.float32, 8, 4, 64),
+    ("window_cap", jnp.float8_e4m3fn, jnp.float32, 16, 2, 128),
+]
+_QUANT_FULL = [
+    ("all", jnp.int8, jnp.bfloat16, 16, 4, 128),
+    ("window1_sinks", jnp.int8, jnp.float32, 32, 1, 64),
+    ("cap", jnp.int8, jnp.float32, 8, 8, 256),
+    ("all", jnp.float8_e4m3fn, jnp.bfloat16, 8, 8, 256),
+    ("sinks", jnp.float8_e4m3fn, jnp.float32, 32, 4, 64),
+    ("window_small", jnp.float8_e4m3fn, jnp.bfloat16, 16, 1, 128),
+    ("all", jnp.float8_e5m2, jnp.float32, 8, 4, 128),
+    ("window_sinks", jnp.float8_e5m2, jnp.bfloat16, 16, 2, 64),
+]
+
+
+def _check_quantized_variant(params):
+  name, kv_dtype, q_dtype, block_size, group, head_dim = params
+  seed = sum(ord(c) for c in _quant_id(params))
+  case = _mixed_case(seed, dtype=q_dtype, block_size=block_size, group=group,
+                     head_dim=head_dim)
+  variants = _variant(case, name, seed)
+  out, scale = _run(case, quantized=kv_dtype, **variants)
+  if variants.get("sliding_window"):
+    # Pages (and so scale rows) wholly before every window of a sequence as NaN: never
+    # copied, so the output is bit for bit the same (same executable).
+    poisoned = cases.poison_before_window(case, variants["sliding_window"])
+    poisoned_out, _ = _run(poisoned, quantized=kv_dtype, **variants)
+    np.testing.assert_array_equal(np.asarray(poisoned_out), np.asarray(out))
+  out = _check_quantized(case, kv_dtype, out, scale, **variants)
+  # Quantisation changed the answer a little (so the pool, not float K/V, was read), and
+  # the variant changed it a lot.
+  exact = cases.oracle(case, scale, **variants)
+  assert 1e-5 < cases.relative_error(out, exact, case) < 0.1
+  plain = cases.oracle(cases.dequantized_case(case, kv_dtype), scale)
+  if name not in ("window_large", "window_eq"):
+    assert np.abs(out - plain).max() > 0.05
+
+
+@pytest.mark.parametrize("params", _QUANT_QUICK, ids=_quant_id)
+def test_quantized_matches_reference(params):
+  _check_quantized_variant(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _QUANT_FULL, ids=_quant_id)
+def test_quantized_matches_reference_full_grid(params):
+  _check_quantized_variant(params)
+
+
+# Issue 20's accuracy batch, shared with every impl's test and
+# benchmarks/kv_quant_accuracy.py: four KV heads 1x..10x apart, three outlier tokens.
+_ACCURACY_CASE = cases.quant_accuracy_case()
+
+
+@pytest.mark.parametrize("kv_dtype,bound", [(jnp.int8, 1.5e-2), (jnp.float8_e4m3fn, 6e-2)],
+                         ids=["int8", "float8_e4m3fn"])
+def test_quantized_accuracy_against_float32_kv(kv_dtype, bound):
+  # Issue 20's bound: max abs error / max abs output against the same attention over the
+  # unquantised float32 K/V (float64 oracle). For int8, one scale per tensor on the same
+  # data (same executable, only the scales differ) is the negative control: over the bound.
+  case, scale = _ACCURACY_CASE, 128 ** -0.5
+  exact = cases.oracle(case, scale)
+  out, _ = _run(case, quantized=kv_dtype)
+  per_token = cases.relative_error(out, exact, case)
+  assert per_token <= bound, per_token
+  if kv_dtype == jnp.int8:
+    out_tensor, _ = _run(case, quantized=kv_dtype, per_tensor=True)
+    per_tensor = cases.relative_error(out_tensor, exact, case)
+    assert per_tensor > bound and per_tensor > 2 * per_token, (per_token, per_tensor)
+
+
+def test_quantized_no_races_and_no_out_of_bounds_reads():
+  # The scale rows ride on their pages' semaphores: no DMA races, no out-of-bounds scale
+  # read (unused table entries point far outside the pool), uninitialised VMEM (scale
+  # buffers included) as NaN; a window, so items start past page 0.
+  case = _small_case(4)
+  params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
+                                 uninitialized_memory="nan", num_cores_or_threads=2)
+  try:
+    out, scale = _run(case, interpret=params, quantized=jnp.int8, sliding_window=9)
+    out.block_until_ready()
+    assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+  _check_quantized(case, jnp.int8, out, scale, sliding_window=9)
+
+
+def test_quantized_public_entry_point():
+  # paged_attention(impl="pallas_tpu") on a KVCache(dtype=float8_e4m3fn) built from float
+  # pages (it quantises them): the kernel gets the bits, kv_dtype and both scale arrays.
+  case = _mixed_case(10, dtype=jnp.float32, block_size=8, group=2, head_dim=64)
+  q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs = case.jax_args()
+
+  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs):
+    cache = paged_jax.KVCache(k_pages, v_pages, dtype=jnp.float8_e4m3fn)
+    return paged_jax.paged_attention(q, cache, layer, kv_lens, tables, cu_q_lens, num_seqs,
+                                     soft_cap=3.0, impl="pallas_tpu", interpret=True)
+
+  out = _call_fast("public_quantized", attend, q, k_pages, v_pages, jnp.int32(layer), kv_lens,
+                   tables, cu_q_lens, num_seqs)
+  _check_quantized(case, jnp.float8_e4m3fn, out, 64 ** -0.5, soft_cap=3.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(kv_dtype=jnp.int8), "k_scales"),  # scales missing
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "v_scales"),
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 16), jnp.float32),
+          v_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "k_scales"),  # wrong Z
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 8), jnp.bfloat16),
+          v_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "k_scales"),  # not float32
+])
+def test_rejects_bad_scales(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tpu_kernel.ragged_paged_attention(*_tiny_args(pages_dtype=jnp.int8), sm_scale=1.0,
+                                      interpret=True, **kwargs)
+
+
+def test_rejects_scales_for_unquantized_pool():
+  scales = jnp.ones((1, 2, 4, 8), jnp.float32)
+  with pytest.raises(ValueError, match="k_scales"):
+    tpu_kernel.ragged_paged_attention(*_tiny_args(), sm_scale=1.0, interpret=True,
+                                      k_scales=scales, v_scales=scales)
+
+
+def test_vmem_estimate_counts_scale_buffers():
+  # Two slots of [R, Z] float32 scale rows for K and for V, at least: each pads to whole
+  # (8, 128) tiles, 4 * 16 * 128 * 4 bytes at R = 16, Z = 16.
+  tiling = tpu_kernel.TpuTiling(q_tile=1, pages_per_chunk=16)
+  sizes = dict(group=4, block_size=16, head_dim=128, q_itemsize=2, kv_itemsize=1)
+  extra = tiling.vmem_bytes(**sizes, quantized=True) - tiling.vmem_bytes(**sizes)
+  assert extra >= 4 * 16 * 128 * 4
+
+
+_QUANT_EXPORTS = [(model, dtype) for model in ("llama3_8b", "gemma3")
+                  for dtype in (jnp.int8, jnp.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("model,kv_dtype", _QUANT_EXPORTS,
+                         ids=[f"{m}-{jnp.dtype(d).name}" for m, d in _QUANT_EXPORTS])
+def test_lowers_for_tpu_quantized(model, kv_dtype):
+  # One-byte pools (int8, or float8 as uint8 bits) with f32[L, K, N, Z] scales, bfloat16 q,
+  # every variant on; a mixed batch of 64 rows over 8 sequences, 16-token pages.
+  num_q_heads, num_kv_heads, head_dim = _MODEL_SHAPES[model]
+  num_tokens, num_seq_rows, block_size, blocks_per_seq, num_blocks = 64, 8, 16, 64, 512
+  spec = jax.ShapeDtypeStruct
+  pages = spec((2, num_kv_heads, num_blocks, block_size, head_dim),
+               layout.storage_dtype(kv_dtype))
+  scales = spec(layout.scales_shape(2, num_kv_heads, num_blocks, block_size), jnp.float32)
+  args = (spec((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages,
+          spec((), jnp.int32), spec((num_seq_rows,), jnp.int32),
+          spec((num_seq_rows, blocks_per_seq), jnp.int32),
+          spec((num_seq_rows + 1,), jnp.int32), spec((), jnp.int32),
+          spec((num_q_heads,), jnp.float32), scales, scales)
+
+  def attend(*a):
+    return tpu_kernel.ragged_paged_attention(*a[:-3], sinks=a[-3], k_scales=a[-2],
+                                             v_scales=a[-1], sm_scale=head_dim ** -0.5,
+                                             sliding_window=128, soft_cap=30.0,
+                                             kv_dtype=kv_dtype)
 
   exported = export.export(jax.jit(attend), platforms=["tpu"])(*args)
   assert "tpu_custom_call" in exported.mlir_module()
@@ -725,3 +939,22 @@ def test_lowers_for_tpu(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, hea
   assert "cost_estimate" in module  # the pl.CostEstimate reaches XLA
   assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
   assert exported.out_avals[0].dtype == dtype
+
+
+@pytest.mark.slow
+def test_tpu_benchmark_dry_run_with_quantized_pools(tmp_path):
+  # benchmarks/tpu/run.py's int8 / float8 checks and timing rows run (CPU, interpret mode):
+  # the quantised pool matches the reference on the same bits and scales, and ours and the
+  # XLA path agree on it.
+  from benchmarks.tpu import run as tpu_run
+  results = tpu_run.main(["--dry-run", "--kv-dtypes", "int8,float8_e4m3fn",
+                          "--out", str(tmp_path)])
+  checks = {c["kv_dtype"]: c for c in results["checks"]}
+  assert set(checks) == {"bfloat16", "int8", "float8_e4m3fn"}
+  assert all(c["ok"] for c in checks.values()), checks
+  quantised = [t for t in results["timings"] if t["kv_dtype"] != "bfloat16"]
+  assert {(t["kv_dtype"], t["impl"]) for t in quantised} == {
+      (d, impl) for d in ("int8", "float8_e4m3fn") for impl in (tpu_run.OURS, tpu_run.XLA)}
+  for t in quantised:
+    assert "error" not in t, t
+    assert t.get("max_abs_diff_vs_ours", 0.0) < 1e-2, t
