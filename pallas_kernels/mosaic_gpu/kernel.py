@@ -2,12 +2,13 @@
 
 One program (CTA, one warpgroup) per (work item w, KV head k, split x). It holds the
 item's M packed query rows of KV head k in shared memory and walks its share of the item's
-KV range ``[begin, horizon)`` one chunk of J = R * Z positions (R pages) at a time:
+KV range ``[begin, horizon)`` one chunk of J positions at a time:
 
-- Pages come in through the block table by TMA, one copy per page of K and of V, into a
-  ring of ``num_stages`` chunk buffers; every page has its own barrier (both of its copies
-  arrive there), so pages past the item's horizon, or with an id outside the pool, are
-  neither copied nor waited for. Chunk c + S is issued as soon as chunk c's buffer is free:
+- Pages come in through the block table by TMA into a ring of ``num_stages`` chunk
+  buffers, one copy of K and one of V per unit of U = min(Z, J) positions (J / Z whole
+  pages, or part of one page when Z > J); every unit has its own barrier (both of its
+  copies arrive there), so pages past the item's horizon, or with an id outside the pool,
+  are neither copied nor waited for. Chunk c + S is issued as soon as chunk c's buffer is free:
   right after it is converted (staged path) or after the dots that read it (direct path).
 - Scores ``Q K^T`` and the update ``P V`` run on the tensor cores (``wgmma``) with float32
   accumulation; the online softmax, masks and variants run on the float32 accumulator
@@ -93,9 +94,11 @@ class _Primitives:
     """``sum_{(i, j)} q_i @ k_j^T`` float32 [M, J] over the piece pairs."""
     pairs = _PIECE_PAIRS[len(q_refs)]
     if self.interpret:
+      qs = [ref[...] for ref in q_refs]
+      ks = [ref[...] for ref in k_refs]
       total = None
       for i, j in pairs:
-        s = jnp.dot(q_refs[i][...], k_refs[j][...].T, preferred_element_type=jnp.float32)
+        s = jnp.dot(qs[i], ks[j].T, preferred_element_type=jnp.float32)
         total = s if total is None else total + s
       return total
 
@@ -110,9 +113,9 @@ class _Primitives:
     """``acc + sum_{(i, j)} p_i @ v_j`` (float32 accumulation)."""
     pairs = _PIECE_PAIRS[len(p_pieces)]
     if self.interpret:
+      vs = [ref[...] for ref in v_refs]
       for i, j in pairs:
-        acc_MD = acc_MD + jnp.dot(p_pieces[i], v_refs[j][...],
-                                  preferred_element_type=jnp.float32)
+        acc_MD = acc_MD + jnp.dot(p_pieces[i], vs[j], preferred_element_type=jnp.float32)
       return acc_MD
 
     def run(acc_ref):
@@ -164,7 +167,7 @@ def _kernel(*refs, cfg: KernelConfig):
   qbase_ref = refs.pop(0)       # i32[W] position of slot 0 of the item's tile
   lo_ref = refs.pop(0)          # i32[W] first live slot
   hi_ref = refs.pop(0)          # i32[W] end of the live slots
-  tables_ref = refs.pop(0)      # i32[S, P + R] block tables, padded by R entries
+  tables_ref = refs.pop(0)      # i32[S, P + J / U] block tables, padded
   sinks_ref = refs.pop(0) if cfg.has_sinks else None   # f32[H]
   q_ref = refs.pop(0)           # [pieces, W, K, M, D] packed queries (mma dtype)
   k_pages_ref = refs.pop(0)     # [L, K, N, Z, D] whole pool, storage dtype
@@ -178,8 +181,9 @@ def _kernel(*refs, cfg: KernelConfig):
 
   pieces, rows, head_dim = q_ref.shape[0], q_ref.shape[3], q_ref.shape[4]
   num_blocks, block_size = k_pages_ref.shape[2], k_pages_ref.shape[3]
-  num_pages, num_stages = t.pages_per_chunk, t.num_stages
-  chunk = num_pages * block_size
+  num_stages, chunk = t.num_stages, t.chunk_size
+  unit = min(block_size, chunk)        # positions per page copy
+  num_copies = chunk // unit           # page copies per chunk
   group = cfg.group
   mma_dtype = cfg.mma_dtype
   compute_dtype = jnp.float32 if pieces > 1 else mma_dtype
@@ -205,28 +209,31 @@ def _kernel(*refs, cfg: KernelConfig):
   qpos_M = jnp.where(row_live_M, qbase_ref[item] + slot_M, -1)
 
   def page_info(c):
-    """``[(read, page_id)] * R`` of chunk c: whether page r is copied and from where."""
+    """``[(read, page_id, offset)] * (J / U)`` of chunk c: whether copy r happens, from
+    which page and at which slot of it."""
     info = []
-    for r in range(num_pages):
-      pos = begin + c * chunk + r * block_size
+    for r in range(num_copies):
+      pos = begin + c * chunk + r * unit
       page_id = tables_ref[seq, lax.div(pos, block_size)]
       # A page past the horizon is never touched (garbage table entries, other
       # sequences' blocks); an id outside [0, N) (invalid input) reads nothing rather
       # than being clamped into a real block.
       read = (pos < horizon) & (page_id >= 0) & (page_id < num_blocks)
-      info.append((read, page_id))
+      offset = lax.rem(pos, block_size) if unit < block_size else 0
+      info.append((read, page_id, offset))
     return info
 
   def issue(c, slot, k_raw, v_raw, page_barriers):
-    for r, (read, page_id) in enumerate(page_info(c)):
-      rows_r = pl.ds(r * block_size, block_size)
-      barrier = page_barriers.at[slot * num_pages + r]
+    for r, (read, page_id, offset) in enumerate(page_info(c)):
+      rows_r = pl.ds(r * unit, unit)
+      slots = pl.ds(offset, unit)
+      barrier = page_barriers.at[slot * num_copies + r]
 
       @pl.when(read)
       def _copy():
-        plgpu.copy_gmem_to_smem(k_pages_ref.at[layer, kv_head, page_id],
+        plgpu.copy_gmem_to_smem(k_pages_ref.at[layer, kv_head, page_id, slots],
                                 k_raw.at[slot, rows_r], barrier)
-        plgpu.copy_gmem_to_smem(v_pages_ref.at[layer, kv_head, page_id],
+        plgpu.copy_gmem_to_smem(v_pages_ref.at[layer, kv_head, page_id, slots],
                                 v_raw.at[slot, rows_r], barrier)
 
   def valid_positions(c, info, vector_layout):
@@ -234,9 +241,9 @@ def _kernel(*refs, cfg: KernelConfig):
     horizon, on a page that was read."""
     pos_J = begin + c * chunk + prims.iota((chunk,), 0, vector_layout)
     valid_J = pos_J < horizon
-    page_J = lax.div(prims.iota((chunk,), 0, vector_layout), block_size)
-    for r, (read, _) in enumerate(info):
-      valid_J = valid_J & ((page_J != r) | read)
+    copy_J = lax.div(prims.iota((chunk,), 0, vector_layout), unit)
+    for r, (read, _, _) in enumerate(info):
+      valid_J = valid_J & ((copy_J != r) | read)
     return pos_J, valid_J
 
   def load_values(raw_ref, scales_ref, c, info):
@@ -290,10 +297,10 @@ def _kernel(*refs, cfg: KernelConfig):
       c = chunk_begin + step
       slot = lax.rem(step, num_stages)
       info = page_info(c)
-      for r, (read, _) in enumerate(info):
+      for r, (read, _, _) in enumerate(info):
         @pl.when(read)
         def _wait():
-          plgpu.barrier_wait(page_barriers.at[slot * num_pages + r])
+          plgpu.barrier_wait(page_barriers.at[slot * num_copies + r])
       refill = c + num_stages < chunk_end
       if cfg.plan.staged:
         # Through registers into the operand buffers; then the ring slot is free and
@@ -310,7 +317,7 @@ def _kernel(*refs, cfg: KernelConfig):
       else:
         # The item's last chunk (positions past the horizon) and a chunk with a skipped
         # page hold V rows that are stale or unwritten: zero them where they lie.
-        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _ in info])
+        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
         @pl.when((c == num_chunks - 1) | any_skipped)
         def _zero_rows():
           stage(v_raw.at[slot], [v_raw.at[slot]], None, c, info, zero_invalid_rows=True)
@@ -356,7 +363,7 @@ def _kernel(*refs, cfg: KernelConfig):
   else:
     scratch += [[], []]
   scratch += [plgpu.Barrier(num_arrivals=pieces),
-              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages * num_pages)]
+              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages * num_copies)]
   max_M, sum_M, acc_MD = pl.run_scoped(main_loop, *scratch)
 
   seen_M = sum_M > 0.0
@@ -389,7 +396,7 @@ def split_attention(q_PWKMD, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages as stored.
     layer: i32[] layer index.
     seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W: i32[W] item metadata (``items``).
-    tables_SP: i32[S, P + R] block tables padded by R entries.
+    tables_SP: i32[S, P + J / U] block tables padded by J / U entries.
     sinks_H: f32[H] sink logits or None.
     k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] scales of quantised pages, or None.
     cfg: static ``KernelConfig``.

@@ -152,9 +152,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
                                   dtype=jnp.float32 if pieces > 1 else mma_dtype)
   q_PWKMD = jnp.stack(kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype))
-  # Table entries are read for every page of a chunk from a page-aligned start: pad the
-  # width by R so those reads stay in bounds (entries past the horizon are never used).
-  tables_SP = jnp.pad(block_tables_SP, ((0, 0), (0, tiling.pages_per_chunk)))
+  # Table entries are read for every copy of a chunk from a page-aligned start: pad the
+  # width by J / U so those reads stay in bounds (entries past the horizon go unused).
+  tables_SP = jnp.pad(block_tables_SP,
+                      ((0, 0), (0, tiling.copies_per_chunk(block_size))))
   cfg = kernel_lib.KernelConfig(
       sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
       kv_dtype=kv_dtype, quantized=quantized, mma_dtype=mma_dtype, plan=plan,

@@ -4,17 +4,17 @@ memory it needs, and defaults derived from shapes.
 Shapes the Hopper primitives impose (checked in ``check_shapes``):
 - M, the packed query rows of one KV head (Q query rows times G heads), is padded to a
   multiple of 64: one warpgroup-wide ``wgmma`` covers 64 rows.
-- J = R * Z, the KV positions of one chunk, is a multiple of 64: J is the N of the
-  score ``wgmma``, the K of the probability ``wgmma``, and the rows of a tile loaded into
+- J, the KV positions of one chunk, is a multiple of 64: J is the N of the score
+  ``wgmma``, the K of the probability ``wgmma``, and the rows of a tile loaded into
   registers in the wgmma layout (64 rows a warpgroup).
-- D is a multiple of 64 up to 256; Z a multiple of 8 (a page lands on whole 8-row tiles of
-  shared memory) that divides J.
+- D is a multiple of 64 up to 256; Z a multiple of 8 (a copy lands on whole 8-row tiles
+  of shared memory) up to 128 that divides J or that J divides. A chunk is copied in units
+  of U = min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 ROW_TILE = 64         # rows of one warpgroup wgmma (M granularity) and of a register tile
 CHUNK_TILE = 64       # granularity of J
@@ -86,7 +86,8 @@ class MosaicTiling:
   Attributes:
     q_tile: Q, query rows per work item; the Q * G (row, head) pairs of one KV head are
       the M rows of the dots, padded to a multiple of 64.
-    pages_per_chunk: R, pages per pipeline step; J = R * Z KV positions, a multiple of 64.
+    chunk_size: J, KV positions per pipeline step, a multiple of 64 (J / Z pages when
+      Z <= J, a J-position part of a page when Z > J).
     num_splits: X, split-K factor: each item's KV range is cut into X contiguous pieces
       handled by separate programs and merged by log-sum-exp (flash-decoding).
     num_stages: chunks whose pages are in flight (TMA) at once, the depth of the ring of
@@ -94,17 +95,23 @@ class MosaicTiling:
   """
 
   q_tile: int
-  pages_per_chunk: int
+  chunk_size: int
   num_splits: int
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("q_tile", "pages_per_chunk", "num_splits", "num_stages"):
+    for name in ("q_tile", "chunk_size", "num_splits", "num_stages"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
     if self.num_stages > MAX_STAGES:
       raise ValueError(f"num_stages={self.num_stages} must be <= {MAX_STAGES}")
+    if self.chunk_size % CHUNK_TILE:
+      raise ValueError(f"chunk_size={self.chunk_size} must be a multiple of {CHUNK_TILE}")
+
+  def copies_per_chunk(self, block_size: int) -> int:
+    """Page copies (TMA) of K, and of V, per chunk: J / U with U = min(Z, J)."""
+    return self.chunk_size // min(block_size, self.chunk_size)
 
   def shared_memory_bytes(self, *, group: int, block_size: int, head_dim: int,
                           plan: OperandPlan) -> int:
@@ -117,7 +124,7 @@ class MosaicTiling:
     1 KiB alignment of swizzled buffers.
     """
     rows = packed_rows(self.q_tile, group)
-    chunk = self.pages_per_chunk * block_size
+    chunk = self.chunk_size
     q_bytes = plan.pieces * rows * head_dim * 2
     ring = self.num_stages * 2 * chunk * head_dim * plan.storage_itemsize
     staged = 2 * plan.pieces * chunk * head_dim * 2 if plan.staged else 0
@@ -134,11 +141,10 @@ class MosaicTiling:
     if block_size % 8 or block_size > 128:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a multiple "
                        "of 8 up to 128 for the Mosaic GPU kernel")
-    chunk = self.pages_per_chunk * block_size
-    if chunk % CHUNK_TILE:
-      raise ValueError(f"pages_per_chunk={self.pages_per_chunk} gives J = R * Z = {chunk} "
-                       f"KV positions per step (block_size {block_size}); J must be a "
-                       f"multiple of {CHUNK_TILE}")
+    chunk = self.chunk_size
+    if chunk % block_size and block_size % chunk:
+      raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) and chunk_size="
+                       f"{chunk} must divide one another")
     rows = packed_rows(self.q_tile, group)
     if rows * head_dim > 128 * 128:
       raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "
@@ -146,12 +152,14 @@ class MosaicTiling:
                        f"{rows * head_dim} must stay within {128 * 128} (registers of one "
                        "warpgroup)")
     if chunk * head_dim > 128 * 128 or rows * chunk > 128 * 128:
-      raise ValueError(f"pages_per_chunk={self.pages_per_chunk} gives J={chunk}: J * D = "
+      raise ValueError(f"chunk_size J={chunk}: J * D = "
                        f"{chunk * head_dim} and M * J = {rows * chunk} must stay within "
                        f"{128 * 128} (registers of one warpgroup)")
-    if self.num_stages * self.pages_per_chunk > MAX_BARRIERS:
-      raise ValueError(f"num_stages={self.num_stages} * pages_per_chunk="
-                       f"{self.pages_per_chunk} pages in flight must be <= {MAX_BARRIERS}")
+    copies = self.copies_per_chunk(block_size)
+    if self.num_stages * copies > MAX_BARRIERS:
+      raise ValueError(f"num_stages={self.num_stages} * {copies} pages per chunk "
+                       f"(chunk_size={chunk}, block_size {block_size}) in flight must be <= "
+                       f"{MAX_BARRIERS}")
     needed = self.shared_memory_bytes(group=group, block_size=block_size,
                                       head_dim=head_dim, plan=plan)
     if needed > SHARED_MEMORY_BUDGET:
@@ -159,13 +167,16 @@ class MosaicTiling:
           f"tiling needs ~{needed // 1024} KiB of shared memory per program (head dim "
           f"{head_dim}, {plan.storage_itemsize}-byte pages, {plan.pieces} operand "
           f"piece(s)), over the {SHARED_MEMORY_BUDGET // 1024} KiB budget: lower "
-          f"num_stages={self.num_stages}, pages_per_chunk={self.pages_per_chunk} or "
+          f"num_stages={self.num_stages}, chunk_size={self.chunk_size} or "
           f"q_tile={self.q_tile}")
 
 
 def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
   """An upper bound on the (query tile, sequence) items of any batch of these shapes: each
-  tile, plus one more item for every sequence boundary that can fall inside a tile."""
+  tile, plus one more item for every sequence boundary that can fall inside a tile (none
+  when tiles are single rows)."""
+  if q_tile == 1:
+    return max(1, num_tokens)
   return max(1, -(-num_tokens // q_tile) + min(num_seq_rows, num_tokens))
 
 
@@ -176,7 +187,7 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
 
   Q: 1 for a decode batch (one row per sequence); otherwise enough rows to fill M = 64
   (64 // G, at least 1).
-  R: J = 64 positions (one page when Z = 128, so J = 128 then).
+  J: 64 positions.
   num_stages: the deepest ring (up to 4) that fits the shared-memory budget.
   num_splits: enough programs for two waves of an H100/H200 when the batch is small,
   never more than half the chunks one item can have (the longest sequence's, or with a
@@ -184,18 +195,17 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   """
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   q_tile = 1 if rows_per_seq == 1 else max(1, ROW_TILE // group)
-  pages_per_chunk = max(1, CHUNK_TILE // block_size)
-  tiling = MosaicTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk, num_splits=1,
-                        num_stages=1)
+  tiling = MosaicTiling(q_tile=q_tile, chunk_size=CHUNK_TILE, num_splits=1, num_stages=1)
+  copies = tiling.copies_per_chunk(block_size)
   for stages in range(MAX_STAGES, 0, -1):
     candidate = dataclasses.replace(tiling, num_stages=stages)
-    if (stages * pages_per_chunk <= MAX_BARRIERS
+    if (stages * copies <= MAX_BARRIERS
         and candidate.shared_memory_bytes(group=group, block_size=block_size,
                                           head_dim=head_dim, plan=plan)
         <= SHARED_MEMORY_BUDGET):
       tiling = candidate
       break
-  chunk = pages_per_chunk * block_size
+  chunk = tiling.chunk_size
   reach = blocks_per_seq * block_size
   if sliding_window is not None:
     reach = min(reach, sliding_window + block_size)
@@ -205,6 +215,3 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   splits = min(wanted, MAX_SPLITS, max(1, max_chunks // MIN_CHUNKS_PER_SPLIT))
   return dataclasses.replace(tiling, num_splits=max(1, splits))
 
-
-def log2_ceil(x: int) -> int:
-  return max(0, math.ceil(math.log2(x)))
