@@ -121,16 +121,37 @@ class _CheckpointReader:
 
   def _open(self, file: str):
     if file not in self._handles:
-      self._handles[file] = self._stack.enter_context(
-          safe_open(os.path.join(self._path, file), framework="np"))
+      self._header(file)  # a truncated or foreign file fails here, named
+      full = os.path.join(self._path, file)
+      try:
+        handle = safe_open(full, framework="np")
+      except Exception as e:  # safetensors raises its own error type
+        raise ValueError(f"safetensors file {full!r} cannot be read: {e}") from e
+      self._handles[file] = self._stack.enter_context(handle)
     return self._handles[file]
 
   def _header(self, file: str) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file."""
+    """(data start offset, header dict) of a safetensors file, after checking that the file
+    holds every byte its header promises (a truncated download fails here, named)."""
     if file not in self._headers:
-      with open(os.path.join(self._path, file), "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        self._headers[file] = (8 + size, json.loads(f.read(size)))
+      full = os.path.join(self._path, file)
+      file_size = os.path.getsize(full)
+      try:
+        with open(full, "rb") as f:
+          (size,) = struct.unpack("<Q", f.read(8))
+          if 8 + size > file_size:
+            raise ValueError(f"its header claims {size} bytes")
+          header = json.loads(f.read(size))
+        data_end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                        if k != "__metadata__"), default=0)
+      except (struct.error, ValueError, KeyError, TypeError, IndexError,
+              UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"safetensors file {full!r} is not a valid safetensors file "
+                         f"({e})") from e
+      if 8 + size + data_end > file_size:
+        raise ValueError(f"safetensors file {full!r} is truncated: {file_size} bytes, its "
+                         f"header needs {8 + size + data_end}")
+      self._headers[file] = (8 + size, header)
     return self._headers[file]
 
   def __contains__(self, name: str) -> bool:
@@ -173,7 +194,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` or a sharded
-      ``model.safetensors.index.json`` + shards.
+      ``model.safetensors.index.json`` + shards (or that ``config.json`` itself).
     dtype: parameter / activation dtype; default the checkpoint's declared dtype (float32
       when it declares none).
     impl: the model's default ``paged_attention`` implementation.
@@ -186,9 +207,15 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
 
   Raises:
     FileNotFoundError: the directory, config.json, or a safetensors file is missing.
-    ValueError: unsupported model_type / feature, or a missing or mis-shaped tensor (named).
+    ValueError: unsupported model_type / feature, a missing or mis-shaped tensor, or a
+      truncated or invalid safetensors file (each named).
   """
   path = os.fspath(path)
+  if os.path.isfile(path) and os.path.basename(path) == "config.json":
+    path = os.path.dirname(path) or "."  # the checkpoint's config.json: use its folder
+  elif os.path.isfile(path):
+    raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
+                     "holding config.json and the safetensors files)")
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)

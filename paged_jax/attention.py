@@ -41,8 +41,33 @@ def resolve_impl(impl: str) -> str:
   return chosen if chosen == "xla" or _pallas_impl(chosen) is not None else "xla"
 
 
+def _kernel_args(cache: KVCache):
+  """``(k_pages, v_pages, kv_dtype)`` as every kernel takes them: the page arrays, and the
+  logical K/V dtype when they hold its storage bits (None: they hold K/V as they are).
+  The one place that knows how the cache stores its pages."""
+  stored = jnp.dtype(cache.k_bits.dtype)
+  kv_dtype = None if stored == jnp.dtype(cache.dtype) and not cache.quantized else cache.dtype
+  return cache.k_bits, cache.v_bits, kv_dtype
+
+
+def _scale_kwargs(cache: KVCache) -> dict:
+  """``k_scales`` / ``v_scales`` ([L, K, N, Z] float32) for a quantised pool, else none."""
+  if not cache.quantized:
+    return {}
+  return dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
+
+
+def _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) -> dict:
+  """The keywords a kernel gets for the variants: only those set, so a kernel's defaults
+  (None: no window, no cap, no sinks, pages as they are) stay its own."""
+  kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                kv_dtype=kv_dtype)
+  return {name: value for name, value in kwargs.items() if value is not None}
+
+
 def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                    sm_scale: float | None = None, impl: str = "auto",
+                    sm_scale: float | None = None, sliding_window: int | None = None,
+                    soft_cap: float | None = None, sinks=None, impl: str = "auto",
                     interpret: bool = False, debug: bool = False):
   """Causal attention of a ragged batch of queries over the paged KV cache.
 
@@ -59,6 +84,13 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     cu_q_lens: i32[S + 1] cumulative query lengths, starting at 0.
     num_seqs: i32[] live sequences; rows past it are padding.
     sm_scale: softmax scale, default ``D ** -0.5``.
+    sliding_window: W (static int >= 1) or None: the query at position p sees keys at
+      positions k with ``p - W < k <= p`` (W positions, itself included). Pages wholly
+      before a query tile's window are never read.
+    soft_cap: c (static float > 0) or None: scores ``s = sm_scale * q.k`` become
+      ``c * tanh(s / c)`` before the mask and softmax.
+    sinks: f32[H] (may be traced) or None: one extra logit per query head in the softmax
+      denominator, with no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
     impl: "auto", "reference", "xla", "pallas_tpu" or "pallas_gpu".
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
@@ -76,45 +108,55 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   if isinstance(num_seqs, int):
     num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
-  validation.static_validate_inputs(q, cache.k_pages, cache.v_pages, layer, kv_lens,
-                                    block_tables, cu_q_lens, num_seqs)
+  k_pages, v_pages, kv_dtype = _kernel_args(cache)
+  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
+  validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
+                                      soft_cap=soft_cap, sinks=sinks)
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   if not isinstance(debug, bool):
     raise ValueError(f"{debug=} must be a bool")
   if debug:
-    validation.checkify_validate_inputs(q, cache.k_pages, layer, kv_lens, block_tables,
-                                        cu_q_lens, num_seqs)
+    validation.checkify_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
+                                        num_seqs)
   if sm_scale is None:
     sm_scale = float(q.shape[-1]) ** -0.5
-  args = (q, cache.k_pages, cache.v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+  args = (q, k_pages, v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+  variants = _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) | _scale_kwargs(cache)
   chosen = resolve_impl(impl)
   if q.shape[0] == 0:  # no query rows (T = 0): nothing to attend (the reference divides by T)
     return jnp.zeros_like(q)
   if chosen == "reference":
-    return ragged_paged_attention_reference(*args, sm_scale=float(sm_scale))
+    return ragged_paged_attention_reference(*args, sm_scale=float(sm_scale), **variants)
   if chosen == "xla":
-    return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale))
+    return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale), **variants)
   kernel = _pallas_impl(chosen)
   if kernel is None:
     raise NotImplementedError(f"impl={chosen!r} is not available in this build")
-  return kernel(*args, sm_scale=float(sm_scale), interpret=interpret)
+  return kernel(*args, sm_scale=float(sm_scale), interpret=interpret, **variants)
 
 
 def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
                               num_seqs) -> None:
   """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``."""
-  validation.static_validate_inputs(q, cache.k_pages, cache.v_pages, layer, kv_lens,
-                                    block_tables, cu_q_lens, num_seqs)
-  validation.dynamic_validate_inputs(q, cache.k_pages, layer, kv_lens, block_tables,
-                                     cu_q_lens, num_seqs)
+  k_pages, v_pages, kv_dtype = _kernel_args(cache)
+  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
+  validation.dynamic_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
+                                     num_seqs)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
-def _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, impl,
-             interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl",
+                                             "interpret"))
+def _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, sm_scale,
+             sliding_window, soft_cap, impl, interpret):
   from jax.experimental import checkify
 
   def attend(*args):
-    return paged_attention(*args, sm_scale=sm_scale, impl=impl, interpret=interpret,
+    return paged_attention(*args, sm_scale=sm_scale, sliding_window=sliding_window,
+                           soft_cap=soft_cap, sinks=sinks, impl=impl, interpret=interpret,
                            debug=True)
 
   return checkify.checkify(attend)(q, cache, layer, kv_lens, block_tables, cu_q_lens,
@@ -122,8 +164,9 @@ def _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_
 
 
 def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
-                            num_seqs, *, sm_scale: float | None = None, impl: str = "auto",
-                            interpret: bool = False):
+                            num_seqs, *, sm_scale: float | None = None,
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            sinks=None, impl: str = "auto", interpret: bool = False):
   """``paged_attention`` in debug mode, jitted, its value checks run on the device.
 
   Same arguments and result; raises ``ValueError`` naming the argument (an out-of-range
@@ -132,8 +175,12 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
   """
   if sm_scale is not None:
     sm_scale = float(sm_scale)
-  err, out = _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs,
-                      sm_scale=sm_scale, impl=impl, interpret=interpret)
+  validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
+                                      soft_cap=soft_cap, sinks=sinks)
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
+  err, out = _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks,
+                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                      impl=impl, interpret=interpret)
   message = err.get()
   if message is not None:
     raise ValueError(message.split(" (`check` failed)")[0])

@@ -1,4 +1,4 @@
-"""The ``paged-jax`` console script."""
+"""The paged-jax console script."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ def _add_plan(subparsers) -> None:
       description="How many sequences fit a KV memory budget, paged against contiguous "
       "max-length reservation. Without --config it plans for a Llama-3-8B shape "
       "(L=32, K=8, D=128, bfloat16) in 16 GiB.")
-  p.add_argument("--config", help="a Hugging Face config.json, or the checkpoint directory")
-  p.add_argument("--num-layers", type=int, help="override L")
-  p.add_argument("--num-kv-heads", type=int, help="override K")
-  p.add_argument("--head-dim", type=int, help="override D")
-  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="KV dtype")
+  p.add_argument("--config", help="a Hugging Face config.json, or the checkpoint directory "
+                 "(default: a Llama-3-8B shape)")
+  p.add_argument("--num-layers", type=int, help="override L (default: from the config)")
+  p.add_argument("--num-kv-heads", type=int, help="override K (default: from the config)")
+  p.add_argument("--head-dim", type=int, help="override D (default: from the config)")
+  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                 help="KV dtype (default: the config's)")
   p.add_argument("--budget", default="16GiB", help="KV memory budget, e.g. 16GiB (default)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
   p.add_argument("--max-len", type=int, default=4096,
@@ -29,7 +31,7 @@ def _add_plan(subparsers) -> None:
                  help="median of the log-normal length distribution (default 512)")
   p.add_argument("--sigma", type=float, default=1.0,
                  help="sigma of the log-normal length distribution (default 1.0)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="seed of the length draw (default 0)")
   p.set_defaults(func=_plan)
 
 
@@ -51,7 +53,9 @@ def _plan(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__)
+  parser = argparse.ArgumentParser(
+      prog="paged-jax", description="Paged attention for JAX: serve a model with a paged KV "
+      "cache (run) or plan KV capacity for a memory budget (plan).")
   subparsers = parser.add_subparsers(dest="command", required=True)
   add_run_parser(subparsers)
   _add_plan(subparsers)

@@ -25,9 +25,12 @@ def add_run_parser(subparsers) -> None:
       "run", help="serve a synthetic workload on a tiny embedded model and print a report",
       description="Continuous-batching serving run. Without --model: a tiny Llama (2 layers, "
       "width 128, vocab 256) with seeded random weights serves a synthetic workload of "
-      "log-normal prompt and output lengths (paged_jax.workload).")
-  p.add_argument("--model", help="Hugging Face checkpoint directory to serve")
-  p.add_argument("--prompt", help="generate from this text (needs --model with tokenizer.json)")
+      "log-normal prompt and output lengths. Every device-call shape is compiled (or loaded "
+      "from the compilation cache) before serving is timed.")
+  p.add_argument("--model", help="Hugging Face checkpoint directory to serve (default: the "
+                 "embedded tiny Llama)")
+  p.add_argument("--prompt", help="generate from this text instead of the synthetic workload "
+                 "(needs --model with a tokenizer.json; default: none)")
   p.add_argument("--num-requests", type=int, default=w.num_requests,
                  help=f"synthetic requests (default {w.num_requests})")
   p.add_argument("--prompt-median", type=int, default=w.prompt_median,
@@ -36,13 +39,22 @@ def add_run_parser(subparsers) -> None:
                  help=f"median output length (default {w.output_median})")
   p.add_argument("--sigma", type=float, default=w.prompt_sigma,
                  help=f"log-normal sigma of both lengths (default {w.prompt_sigma})")
-  p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
-  p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate for --prompt")
-  p.add_argument("--temperature", type=float, default=0.0, help="for --prompt (default 0)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="workload, weight and sampling seed (default 0)")
+  p.add_argument("--max-tokens", type=int, default=None,
+                 help="tokens to generate for --prompt (default 32); the synthetic workload "
+                 "draws each request's output length instead (--output-median)")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature of every request (default 0: greedy)")
+  p.add_argument("--top-k", type=int, default=0,
+                 help="sample among the k most likely tokens (default 0: all)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="nucleus sampling mass (default 1.0: all)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
   p.add_argument("--num-blocks", type=int, default=None,
                  help="KV pool size in blocks (default 64 for the tiny model: small enough "
-                 "that the long tail forces a few preemptions)")
+                 "that the long tail forces a few preemptions; for --model, the whole "
+                 "context of every sequence)")
   p.add_argument("--max-seqs", type=int, default=16, help="concurrent sequences (default 16)")
   p.add_argument("--max-tokens-per-step", type=int, default=256,
                  help="token budget of one step (default 256)")
@@ -51,40 +63,66 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="model dtype (default float32 for the tiny model, the checkpoint's "
                  "otherwise)")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  p.add_argument("--compilation-cache", default=None, metavar="DIR",
+                 help="persistent compilation cache directory, or 'off' (default: "
+                 "$PAGED_JAX_COMPILATION_CACHE, else ~/.cache/paged_jax/jax)")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress lines on stderr (default: progress on)")
   p.set_defaults(func=_run)
 
 
-class _Progress:
-  """A plain-text progress bar on stderr."""
+def _say(enabled: bool, message: str) -> None:
+  if enabled:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
 
-  def __init__(self, total: int, enabled: bool, width: int = 30):
-    self.total, self.enabled, self.width = total, enabled, width
+
+class _Progress:
+  """Serving progress on stderr: requests done, tokens, tokens/s; a line at most every
+  ``every_s`` seconds (and at the end), so a log shows steady progress, not bursts."""
+
+  def __init__(self, total: int, enabled: bool, every_s: float = 0.5):
+    self.total, self.enabled, self.every_s = total, enabled, every_s
     self.done = self.tokens = 0
     self.t0 = time.perf_counter()
+    self.last = -every_s
+    self.trace = []  # (seconds since start, tokens so far) at every update
 
   def update(self, done: int, tokens: int) -> None:
     self.done, self.tokens = done, tokens
-    if not self.enabled:
-      return
-    frac = done / max(self.total, 1)
-    bar = "#" * int(frac * self.width) + "." * (self.width - int(frac * self.width))
-    dt = time.perf_counter() - self.t0
-    sys.stderr.write(f"\r[{bar}] {done}/{self.total} completions, {tokens} tokens, "
-                     f"{dt:.1f}s")
-    sys.stderr.flush()
+    now = time.perf_counter() - self.t0
+    self.trace.append((now, tokens))
+    if self.enabled and (now - self.last >= self.every_s or done == self.total):
+      self.last = now
+      rate = tokens / now if now > 0 else 0.0
+      sys.stderr.write(f"\r  served {done}/{self.total} requests, {tokens} tokens, "
+                       f"{rate:.0f} tokens/s, {now:.1f} s ")
+      sys.stderr.flush()
 
   def close(self) -> None:
     if self.enabled:
       sys.stderr.write("\n")
       sys.stderr.flush()
 
+  def steady_tokens_per_s(self) -> float:
+    """Tokens/s between 10% and 90% of the tokens served: the ramp-up of the first
+    admissions and the drain of the last requests left out."""
+    if not self.trace or self.tokens < 10:
+      return 0.0
+    lo, hi = 0.1 * self.tokens, 0.9 * self.tokens
+    t_lo = next(t for t, n in self.trace if n >= lo)
+    t_hi, n_hi = next((t, n) for t, n in self.trace if n >= hi)
+    n_lo = next(n for t, n in self.trace if n >= lo)
+    return (n_hi - n_lo) / (t_hi - t_lo) if t_hi > t_lo else 0.0
+
 
 def _engine(args):
   import jax.numpy as jnp
-  from paged_jax.engine import LLM
+  from paged_jax import LLM
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_seqs=args.max_seqs,
-              max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call)
+              max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
+              compilation_cache=(True if args.compilation_cache is None
+                                 else args.compilation_cache))
   if args.model:
     return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)
   from paged_jax.models import ModelConfig, init_random
@@ -96,16 +134,28 @@ def _engine(args):
   return LLM(model, config, **opts)
 
 
-def format_report(stats: dict, *, title: str, warmup_s: float | None = None) -> str:
+def format_report(stats: dict, *, title: str, compile_s: float | None = None,
+                  steady_tokens_per_s: float | None = None, notes=()) -> str:
   """The serving report printed by ``paged-jax run``."""
-  rows = [("compile + warm-up", f"{warmup_s:.2f} s (not counted below)")] if warmup_s else []
+  rows = []
+  if compile_s is not None:
+    rows.append(("compile time", f"{compile_s:.2f} s (before serving; not counted below)"))
   rows += [
       ("requests", f"{stats['requests']}"),
       ("generated tokens", f"{stats['generated_tokens']}"),
-      ("serving wall time", f"{stats['wall_s']:.2f} s"),
-      ("tokens/s", f"{stats['tokens_per_s']:.1f}"),
+      ("serving time", f"{stats['wall_s']:.2f} s"),
+      ("tokens/s", f"{stats['tokens_per_s']:.1f} (generated tokens / serving time)"),
+  ]
+  if steady_tokens_per_s:
+    rows.append(("steady tokens/s", f"{steady_tokens_per_s:.1f} (between 10% and 90% of the "
+                 "tokens: no ramp-up, no drain)"))
+  free = stats["num_free_blocks"]
+  leak = ("all blocks free at the end: no leak" if free == stats["num_blocks"] else
+          f"{stats['num_blocks'] - free} blocks still held")
+  rows += [
       ("requests/s", f"{stats['requests_per_s']:.2f}"),
-      ("KV pool", f"{stats['num_blocks']} blocks, {stats['num_free_blocks']} free at the end"),
+      ("KV pool", f"{stats['num_blocks']} blocks of {stats.get('kv_cache_dtype', 'KV')}, "
+                  f"{free} free at the end ({leak})"),
       ("peak blocks in use", f"{stats['peak_blocks_in_use']}"),
       ("mean blocks in use", f"{stats['mean_blocks_in_use']:.1f}"),
       ("KV utilisation", f"{stats['kv_utilization']:.1%} (tokens stored / slots of blocks "
@@ -116,49 +166,86 @@ def format_report(stats: dict, *, title: str, warmup_s: float | None = None) -> 
       ("host syncs", f"{stats['host_syncs']}"),
       ("host syncs per token", f"{stats['host_syncs_per_token']:.3f}"),
   ]
+  rows += [("note", n) for n in notes]
   width = max(len(k) for k, _ in rows)
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
+def _check_args(args) -> None:
+  if args.max_tokens is not None and args.prompt is None:
+    raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
+                     "workload draws each request's output length (set --output-median)")
+  for name in ("num_requests", "prompt_median", "output_median", "block_size", "max_seqs",
+               "max_tokens_per_step", "steps_per_call"):
+    value = getattr(args, name)
+    if value < 1:
+      raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+
+
+def _precompile(llm, progress: bool) -> float:
+  """Compile every device-call shape the run will use, saying which; seconds taken."""
+  t0 = time.perf_counter()
+
+  def say(i, n, what):
+    _say(progress, f"  compiling {i}/{n}: {what} ({time.perf_counter() - t0:.1f} s)")
+
+  llm.precompile(progress=say)
+  return time.perf_counter() - t0
+
+
 def _run(args) -> int:
+  progress = not args.no_progress
+  t_start = time.perf_counter()
+  _check_args(args)
+  _say(progress, "paged-jax run: loading JAX and building the engine ...")
   from paged_jax.sampling import SamplingParams
   from paged_jax.workload import Workload, make_requests
   llm = _engine(args)
+  source = args.model or "embedded tiny Llama (random weights)"
+  _say(progress, f"  {source}: {llm.stats['num_blocks']} KV blocks of {args.block_size} "
+       f"tokens, up to {llm.max_seqs} sequences ({time.perf_counter() - t_start:.1f} s)")
+  compile_s = _precompile(llm, progress)
+  sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed)
   if args.prompt is not None:
     if llm.tokenizer is None:
       raise ValueError("--prompt needs --model DIR with a tokenizer.json (the embedded model "
                        "has no tokenizer)")
-    out, = llm.generate([args.prompt], SamplingParams(max_tokens=args.max_tokens,
-                                                      temperature=args.temperature,
-                                                      seed=args.seed))
+    max_tokens = 32 if args.max_tokens is None else args.max_tokens
+    out, = llm.generate([args.prompt], SamplingParams(max_tokens=max_tokens, **sampling))
     print(f"prompt:     {args.prompt}")
     print(f"completion: {out.text}")
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
-                        f"{out.finish_reason} (wall time includes compilation)"))
+                        f"{out.finish_reason}", compile_s=compile_s))
     return 0
+  default = Workload()
+  max_prompt = min(default.max_prompt_len, llm.max_model_len // 2)
+  max_output = min(default.max_output_len, llm.max_model_len // 2)
+  notes = []
+  if (max_prompt, max_output) != (default.max_prompt_len, default.max_output_len):
+    notes.append(f"workload shrunk to fit the pool: prompts <= {max_prompt} tokens (default "
+                 f"{default.max_prompt_len}), outputs <= {max_output} (default "
+                 f"{default.max_output_len}); max_model_len is {llm.max_model_len}")
   workload = Workload(num_requests=args.num_requests, prompt_median=args.prompt_median,
                       prompt_sigma=args.sigma, output_median=args.output_median,
                       output_sigma=args.sigma, vocab_size=llm.config.vocab_size,
-                      max_prompt_len=min(Workload().max_prompt_len, llm.max_model_len // 2),
-                      max_output_len=min(Workload().max_output_len, llm.max_model_len // 2),
-                      seed=args.seed)
+                      max_prompt_len=max_prompt, max_output_len=max_output, seed=args.seed)
   prompts, params = make_requests(workload)
-  t0 = time.perf_counter()
-  llm.generate([prompts[0][:4]], SamplingParams(max_tokens=2, ignore_eos=True))  # compiles
-  warmup_s = time.perf_counter() - t0
+  if sampling != dict(temperature=0.0, top_k=0, top_p=1.0, seed=args.seed):
+    import dataclasses
+    params = [dataclasses.replace(p, **sampling) for p in params]
   llm.reset_stats()
-  progress = _Progress(len(prompts), enabled=not args.no_progress)
+  _say(progress, f"  serving {len(prompts)} requests ...")
+  bar = _Progress(len(prompts), enabled=progress)
   done = tokens = 0
   for ev in llm.generate_stream(prompts, params):
     if ev.token_id is None:
       done += 1
-      progress.update(done, tokens)
     else:
       tokens += 1
-      if tokens % 64 == 0:
-        progress.update(done, tokens)
-  progress.close()
-  source = args.model or "embedded tiny Llama (random weights)"
+    bar.update(done, tokens)
+  bar.close()
   print(format_report(llm.stats, title=f"paged-jax run: {len(prompts)} synthetic requests on "
-                      f"{source}, seed {args.seed}", warmup_s=warmup_s))
+                      f"{source}, seed {args.seed}", compile_s=compile_s,
+                      steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes))
   return 0

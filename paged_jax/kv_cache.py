@@ -19,57 +19,143 @@ def _check_int32_vector(name: str, x) -> None:
     raise ValueError(f"{name}.dtype={x.dtype} must be int32")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class KVCache:
   """K and V pages of every layer, ``[L, K, N, Z, D]`` each (``pallas_kernels.layout``).
+
+  The pool arrays (``k_bits``, ``v_bits``) hold the K/V of logical ``dtype`` in the storage
+  dtype the layout defines (``layout.storage_dtype``: the raw bits of 8- and 16-bit floats as
+  unsigned integers, so no backend converts the whole pool around a gather or scatter);
+  ``k_pages`` / ``v_pages`` view them in ``dtype`` (a whole-pool conversion: for tests and
+  inspection, not for a step). A quantised pool (``dtype`` int8 or float8_e4m3fn) also keeps
+  ``k_scales`` / ``v_scales`` ``[L, K, N, Z]`` float32, one per token and KV head; they are
+  None otherwise.
+
+  ``KVCache(k_pages, v_pages)`` takes pages in their logical dtype; with ``dtype`` int8 or
+  float8 and float pages it quantises them; ``KVCache(k_bits, v_bits, dtype=..., k_scales=...,
+  v_scales=...)`` takes storage bits (and scales) as they are.
 
   Immutable: ``write`` and ``copy_blocks`` return a new cache. Under ``jit`` donate the
   cache argument so XLA updates the pool in place instead of copying it each step.
   """
 
-  k_pages: jax.Array
-  v_pages: jax.Array
+  __slots__ = ("k_bits", "v_bits", "k_scales", "v_scales", "dtype")
+
+  def __init__(self, k_pages, v_pages, dtype=None, k_scales=None, v_scales=None):
+    if _is_array(k_pages) and _is_array(v_pages):
+      logical = jnp.dtype(dtype if dtype is not None else k_pages.dtype)
+      stored = layout.storage_dtype(logical)
+      quantized = layout.is_quantized(logical)
+      holds_bits = jnp.dtype(k_pages.dtype) == stored and (
+          k_pages.dtype != logical or k_scales is not None or not quantized)
+      if holds_bits:
+        if quantized and (k_scales is None or v_scales is None):
+          raise ValueError(f"k_scales and v_scales are required with {dtype=} storage bits")
+      elif quantized:  # float pages into a quantised pool
+        (k_pages, k_scales), (v_pages, v_scales) = (
+            layout.quantize(jnp.asarray(x), logical) for x in (k_pages, v_pages))
+      else:
+        k_pages, v_pages = (layout.to_storage(jnp.asarray(x), logical)
+                            for x in (k_pages, v_pages))
+      if not quantized:
+        k_scales = v_scales = None
+      dtype = logical
+    # Anything else (PartitionSpecs, shardings, None) is kept as is: a pytree of specs.
+    for name, value in (("k_bits", k_pages), ("v_bits", v_pages), ("k_scales", k_scales),
+                        ("v_scales", v_scales)):
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, "dtype", None if dtype is None else jnp.dtype(dtype))
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+  _CHILDREN = ("k_bits", "v_bits", "k_scales", "v_scales")
+
+  def tree_flatten_with_keys(self):
+    keys = jax.tree_util.GetAttrKey
+    return tuple((keys(n), getattr(self, n)) for n in self._CHILDREN), self.dtype
+
+  @classmethod
+  def tree_unflatten(cls, dtype, children):
+    cache = object.__new__(cls)
+    for name, value in zip(cls._CHILDREN, children):
+      object.__setattr__(cache, name, value)
+    object.__setattr__(cache, "dtype", dtype)
+    return cache
+
+  def replace_bits(self, k_bits, v_bits, k_scales=None, v_scales=None) -> "KVCache":
+    """The same cache over new storage arrays (same shapes and storage dtype)."""
+    return KVCache.tree_unflatten(self.dtype, (k_bits, v_bits, k_scales, v_scales))
+
+  @property
+  def quantized(self) -> bool:
+    return layout.is_quantized(self.dtype)
+
+  def __repr__(self) -> str:
+    shape = getattr(self.k_bits, "shape", None)
+    return f"KVCache(shape={shape}, dtype={self.dtype})"
 
   @classmethod
   def create(cls, spec: KVCacheSpec, *, sharding=None) -> "KVCache":
-    """A zeroed cache of the shape ``spec`` describes."""
+    """A zeroed cache of the shape ``spec`` describes (scales of 1 when quantised)."""
     if not isinstance(spec, KVCacheSpec):
       raise ValueError(f"spec={spec!r} must be a KVCacheSpec")
     shape = layout.pages_shape(spec.num_layers, spec.num_kv_heads, spec.num_blocks,
                                spec.block_size, spec.head_dim)
-    zeros = lambda: jnp.zeros(shape, spec.dtype, device=sharding)
-    return cls(k_pages=zeros(), v_pages=zeros())
+    stored = layout.storage_dtype(spec.dtype)
+    zeros = lambda: jnp.zeros(shape, stored, device=sharding)
+    scales = (None, None)
+    if layout.is_quantized(spec.dtype):
+      ones = lambda: jnp.ones(shape[:-1], layout.SCALE_DTYPE, device=sharding)
+      scales = (ones(), ones())
+    return cls.tree_unflatten(jnp.dtype(spec.dtype), (zeros(), zeros()) + scales)
+
+  @property
+  def k_pages(self) -> jax.Array:
+    """K pages ``[L, K, N, Z, D]`` in ``dtype`` (converts the whole pool; a quantised pool's
+    stored values, before their scales: ``dequantized()`` gives float32 K/V)."""
+    return layout.from_storage(self.k_bits, self.dtype)
+
+  @property
+  def v_pages(self) -> jax.Array:
+    """V pages ``[L, K, N, Z, D]`` in ``dtype`` (converts the whole pool)."""
+    return layout.from_storage(self.v_bits, self.dtype)
+
+  def dequantized(self) -> tuple[jax.Array, jax.Array]:
+    """``(k, v)`` pages ``[L, K, N, Z, D]`` as the values attention sees (float32 for a
+    quantised pool, ``dtype`` otherwise). Whole-pool: for tests and inspection."""
+    return (layout.dequantize(self.k_bits, self.k_scales, self.dtype),
+            layout.dequantize(self.v_bits, self.v_scales, self.dtype))
 
   @property
   def spec(self) -> KVCacheSpec:
-    dims = layout.unpack_pages_shape(self.k_pages.shape)
+    dims = layout.unpack_pages_shape(self.k_bits.shape)
     return KVCacheSpec(num_layers=dims["L"], num_kv_heads=dims["K"], head_dim=dims["D"],
-                       block_size=dims["Z"], num_blocks=dims["N"], dtype=self.k_pages.dtype)
+                       block_size=dims["Z"], num_blocks=dims["N"], dtype=self.dtype)
 
   @property
   def num_layers(self) -> int:
-    return self.k_pages.shape[0]
+    return self.k_bits.shape[0]
 
   @property
   def num_kv_heads(self) -> int:
-    return self.k_pages.shape[1]
+    return self.k_bits.shape[1]
 
   @property
   def num_blocks(self) -> int:
-    return self.k_pages.shape[2]
+    return self.k_bits.shape[2]
 
   @property
   def block_size(self) -> int:
-    return self.k_pages.shape[3]
+    return self.k_bits.shape[3]
 
   @property
   def head_dim(self) -> int:
-    return self.k_pages.shape[4]
-
-  @property
-  def dtype(self):
-    return self.k_pages.dtype
+    return self.k_bits.shape[4]
 
   def _check_layer(self, layer) -> None:
     if jnp.ndim(layer) != 0:
@@ -84,7 +170,8 @@ class KVCache:
 
     Args:
       layer: int or traced int scalar.
-      k, v: [T, K, D]; cast to the cache dtype.
+      k, v: [T, K, D]; cast to the cache dtype (quantised with one scale per token and KV
+        head for an int8 / float8 pool).
       slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
         it is never clamped or wrapped into a real block.
     """
@@ -105,11 +192,20 @@ class KVCache:
     safe_T = jnp.where((slots_T >= 0) & (slots_T < num_slots), slots_T, num_slots)
     block_T, offset_T = safe_T // self.block_size, safe_T % self.block_size
     # Index [layer, :, block, offset, :]: the advanced indices go first -> [T, K, D].
-    k_pages = self.k_pages.at[layer, :, block_T, offset_T].set(
-        k_TKD.astype(self.dtype), mode="drop")
-    v_pages = self.v_pages.at[layer, :, block_T, offset_T].set(
-        v_TKD.astype(self.dtype), mode="drop")
-    return KVCache(k_pages=k_pages, v_pages=v_pages)
+    if not self.quantized:
+      k_bits = self.k_bits.at[layer, :, block_T, offset_T].set(
+          layout.to_storage(k_TKD, self.dtype), mode="drop")
+      v_bits = self.v_bits.at[layer, :, block_T, offset_T].set(
+          layout.to_storage(v_TKD, self.dtype), mode="drop")
+      return self.replace_bits(k_bits, v_bits)
+    new = []
+    for bits, scales, x_TKD in ((self.k_bits, self.k_scales, k_TKD),
+                                (self.v_bits, self.v_scales, v_TKD)):
+      x_bits_TKD, x_scales_TK = layout.quantize(x_TKD, self.dtype)
+      new.append(bits.at[layer, :, block_T, offset_T].set(x_bits_TKD, mode="drop"))
+      new.append(scales.at[layer, :, block_T, offset_T].set(x_scales_TK, mode="drop"))
+    k_bits, k_scales, v_bits, v_scales = new
+    return self.replace_bits(k_bits, v_bits, k_scales, v_scales)
 
   def copy_blocks(self, src: jax.Array, dst: jax.Array) -> "KVCache":
     """Copy whole blocks ``src[c] -> dst[c]`` (i32[C] each) in every layer (fork / COW).
@@ -127,11 +223,15 @@ class KVCache:
     src_C = jnp.where(valid_C, src_C, n)
     dst_C = jnp.where(valid_C, dst_C, n)
 
-    def copy(pages):
+    def copy(pages):  # pages [L, K, N, ...]: K/V bits or their scales
+      if pages is None:
+        return None
       blocks = pages.at[:, :, src_C].get(mode="fill", fill_value=0)
       return pages.at[:, :, dst_C].set(blocks, mode="drop")
 
-    return KVCache(k_pages=copy(self.k_pages), v_pages=copy(self.v_pages))
+    return self.replace_bits(copy(self.k_bits), copy(self.v_bits), copy(self.k_scales),
+                             copy(self.v_scales))
 
   def nbytes(self) -> int:
-    return self.k_pages.nbytes + self.v_pages.nbytes
+    scales = 0 if self.k_scales is None else self.k_scales.nbytes + self.v_scales.nbytes
+    return self.k_bits.nbytes + self.v_bits.nbytes + scales

@@ -69,8 +69,13 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
     path = os.path.join(path, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"config={path!r} does not exist")
-  with open(path) as f:
-    config = json.load(f)
+  with open(path, encoding="utf-8") as f:
+    try:
+      config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"config={path!r} is not valid JSON: {e}") from e
+  if not isinstance(config, dict):
+    raise ValueError(f"config={path!r} must hold a JSON object (a Hugging Face config.json)")
   try:
     num_heads = int(config["num_attention_heads"])
     num_layers = int(config["num_hidden_layers"])

@@ -2,10 +2,11 @@
 
 One physical block holds ``block_size`` tokens of K and V for every layer and KV head:
 
-    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    block_bytes = 2 * num_layers * block_size * num_kv_heads * (head_dim * itemsize + scale)
 
-(the 2 is K and V). Everything else the planner and the engine say about memory derives
-from this one formula.
+(the 2 is K and V; ``scale`` is 4 bytes for the per-token, per-KV-head float32 scale of a
+quantised pool, int8 or float8, and 0 otherwise). Everything else the planner and the engine
+say about memory derives from this one formula.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.pallas_kernels import layout
+
 
 def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
   try:
@@ -23,8 +26,9 @@ def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
   except TypeError as e:
     raise ValueError(f"{name}={dtype!r} is not a dtype; expected a floating dtype such as "
                      "jnp.bfloat16 or jnp.float32") from e
-  if not jnp.issubdtype(canonical, jnp.floating):
-    raise ValueError(f"{name}={canonical} must be a floating dtype (float32, bfloat16, float16)")
+  if not (jnp.issubdtype(canonical, jnp.floating) or layout.is_quantized(canonical)):
+    raise ValueError(f"{name}={canonical} must be a floating dtype (float32, bfloat16, "
+                     "float16) or a quantised one (int8, float8_e4m3fn)")
   return canonical
 
 
@@ -46,7 +50,8 @@ class KVCacheSpec:
     head_dim: D.
     block_size: Z, tokens per block.
     num_blocks: N, physical blocks in the pool (shared by all sequences).
-    dtype: element type of the pages.
+    dtype: element type of the pages: float32, bfloat16, float16, or int8 / float8_e4m3fn
+      (quantised: one byte per element plus a float32 scale per token and KV head).
   """
 
   num_layers: int
@@ -66,13 +71,24 @@ class KVCacheSpec:
     return self.dtype.itemsize
 
   @property
+  def quantized(self) -> bool:
+    """True for int8 / float8 pools, which keep a scale per token and KV head."""
+    return layout.is_quantized(self.dtype)
+
+  @property
+  def scale_bytes(self) -> int:
+    """Bytes of one token's scale per KV head, for K or V (4 when quantised, else 0)."""
+    return jnp.dtype(layout.SCALE_DTYPE).itemsize if self.quantized else 0
+
+  @property
   def token_bytes(self) -> int:
-    """Bytes of K and V for one token across all layers."""
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+    """Bytes of K and V for one token across all layers, scales included."""
+    return (2 * self.num_layers * self.num_kv_heads
+            * (self.head_dim * self.itemsize + self.scale_bytes))
 
   @property
   def block_bytes(self) -> int:
-    """``2 * L * Z * K * D * itemsize``: one block across all layers, K and V."""
+    """``2 * L * Z * K * (D * itemsize + scale)``: one block across all layers, K and V."""
     return self.token_bytes * self.block_size
 
   @property

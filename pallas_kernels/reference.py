@@ -48,7 +48,7 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
     [T, H, D] in q's dtype; padding rows are zero.
   """
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
-                                     soft_cap=soft_cap, sinks=sinks)
+                                      soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   blocks_per_seq = block_tables_SP.shape[1]

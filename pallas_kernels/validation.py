@@ -20,19 +20,21 @@ def _is_int32(x) -> bool:
 
 
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                           block_tables_SP, cu_q_lens, num_seqs, *, kv_dtype=None) -> None:
+                           block_tables_SP, cu_q_lens, num_seqs, *, kv_dtype=None,
+                           k_scales=None, v_scales=None) -> None:
   """Shape and dtype checks; raises ``ValueError`` naming the offending argument.
 
   ``kv_dtype``: the logical K/V dtype when the pages hold its storage bits; the pages'
-  dtype must then be ``layout.storage_dtype(kv_dtype)``.
+  dtype must then be ``layout.storage_dtype(kv_dtype)``. A quantised ``kv_dtype`` (int8,
+  float8) needs ``k_scales`` and ``v_scales``, float32 ``[L, K, N, Z]``; others take none.
   """
   if kv_dtype is not None:
     try:
       logical = jnp.dtype(kv_dtype)
     except TypeError:
       raise ValueError(f"{kv_dtype=} must be a dtype or None") from None
-    if not jnp.issubdtype(logical, jnp.floating):
-      raise ValueError(f"kv_dtype={logical} must be a floating dtype or None")
+    if not (jnp.issubdtype(logical, jnp.floating) or layout.is_quantized(logical)):
+      raise ValueError(f"kv_dtype={logical} must be a floating dtype, int8 or float8, or None")
     expected = layout.storage_dtype(logical)
     for name, pages in (("k_pages", k_pages_LKNZD), ("v_pages", v_pages_LKNZD)):
       if jnp.dtype(pages.dtype) != expected:
@@ -54,6 +56,20 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     raise ValueError(f"v_pages.dtype={v_pages_LKNZD.dtype} must equal "
                      f"k_pages.dtype={k_pages_LKNZD.dtype}")
   dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  quantized = layout.is_quantized(kv_dtype)
+  expected_scales = layout.scales_shape(dims["L"], dims["K"], dims["N"], dims["Z"])
+  for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+    if not quantized:
+      if scales is not None:
+        raise ValueError(f"{name} must be None for kv_dtype={kv_dtype} (only int8 / float8 "
+                         "pools carry scales)")
+      continue
+    if scales is None:
+      raise ValueError(f"{name} is required for a quantised pool (kv_dtype={kv_dtype}): "
+                       f"float32 {list(expected_scales)}")
+    if tuple(scales.shape) != expected_scales or jnp.dtype(scales.dtype) != jnp.float32:
+      raise ValueError(f"{name} is {scales.dtype}{list(scales.shape)}; must be float32 "
+                       f"{list(expected_scales)} [L, K, N, Z]")
   _, num_q_heads, head_dim = q_THD.shape
   if head_dim != dims["D"]:
     raise ValueError(f"q head dim {head_dim} (q.shape[2]) must equal the cache head dim "

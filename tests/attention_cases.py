@@ -149,6 +149,25 @@ def oracle(case: Case, sm_scale: float | None = None, *, sliding_window: int | N
   return out
 
 
+def poison_before_window(case: Case, sliding_window: int) -> Case:
+  """``case`` with NaN in every page wholly before the window of its sequence's first query
+  row (all positions <= p_first - W): no query row of the sequence sees them, and an impl
+  that reads (and multiplies) them returns NaN. Every tile's first row is at or after its
+  sequence's first row, so these pages lie before every tile's window too."""
+  k, v = case.k_pages_LKNZD.copy(), case.v_pages_LKNZD.copy()
+  block_size = k.shape[3]
+  for i in range(case.num_seqs):
+    q_len = int(case.cu_q_lens[i + 1] - case.cu_q_lens[i])
+    if q_len == 0:
+      continue
+    first_seen = int(case.kv_lens_S[i]) - q_len - sliding_window + 1
+    for page in range(max(0, first_seen) // block_size):  # (page + 1) * Z <= first_seen
+      block = case.block_tables_SP[i, page]
+      k[:, :, block] = np.nan
+      v[:, :, block] = np.nan
+  return dataclasses.replace(case, k_pages_LKNZD=k, v_pages_LKNZD=v)
+
+
 def make_sinks(seed: int, num_q_heads: int, *, scale: float = 2.0) -> np.ndarray:
   """f32[H] sink logits, some well above a typical score so they take real mass."""
   return (np.random.default_rng(seed).normal(size=num_q_heads) * scale).astype(np.float32)

@@ -21,7 +21,44 @@ def test_readme_has_exactly_two_setup_commands():
   assert "pytest" in tests and "torch==2.13.0" in tests and ".[test]" in tests
 
 
-def test_ci_runs_readmes_test_command_exactly():
-  test_command = _readme_commands()[1]
+def test_ci_runs_both_readme_commands_exactly_then_the_slow_tests():
+  main_job, test_command = _readme_commands()
   ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+  assert main_job in ci_lines, "the main-job command in .ci/run must be README's, verbatim"
   assert test_command in ci_lines, "the test command in .ci/run must be README's, verbatim"
+  # Each in a fresh venv: .venv is removed before each of them, and the main job runs first.
+  main_at, tests_at = ci_lines.index(main_job), ci_lines.index(test_command)
+  assert main_at < tests_at
+  assert "rm -rf .venv" in ci_lines[:main_at]
+  assert "rm -rf .venv" in ci_lines[main_at + 1:tests_at]
+  slow = [i for i, line in enumerate(ci_lines) if "pytest" in line and "-m slow" in line]
+  assert slow and slow[0] > tests_at, "the slow tests must run after README's test command"
+
+
+def test_core_dependencies_cover_what_the_library_imports():
+  """Every third-party module imported by paged_jax, its models and kernels is a core
+  dependency (not only a test extra), so README's main-job command works in a fresh venv."""
+  import ast
+  import tomllib
+  deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+  names = {re.split(r"[<>=\[ ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+  provided_by = {"jax": "jax", "jaxlib": "jaxlib", "flax": "flax", "chex": "chex",
+                 "numpy": "numpy", "ml_dtypes": "ml_dtypes", "safetensors": "safetensors",
+                 "tokenizers": "tokenizers"}
+  stdlib = set(__import__("sys").stdlib_module_names)
+  missing = set()
+  for folder in ("paged_jax", "models", "pallas_kernels"):
+    for path in (ROOT / folder).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+          tops = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+          tops = [node.module.split(".")[0]]
+        else:
+          continue
+        for top in tops:
+          if top in stdlib or top == "paged_jax" or top == "__future__":
+            continue
+          if provided_by.get(top) not in names:
+            missing.add(f"{top} ({path.relative_to(ROOT)})")
+  assert not missing, f"imported but not a core dependency: {sorted(missing)}"

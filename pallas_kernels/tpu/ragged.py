@@ -25,12 +25,30 @@ running chunk count, precomputed), not carried in scratch. Pages past an item's 
 page copy sits under ``pl.when``; rows of a buffer that this chunk did not fill, and rows
 past the horizon, are masked with ``where`` (never multiplied), so NaN garbage cannot leak.
 
+Attention variants (design.md, "Contract, second wave"):
+- ``sliding_window=W``: a row at position p sees keys in ``(p - W, p]``. Cost follows the
+  window: an item's pages start at ``_FIRST_PAGE = max(0, p0 - W + 1) // Z`` for its first
+  (earliest) row's position p0, so a page lying entirely before every window of the item is
+  never copied; chunks count R pages from there. Decode at 8k context with W = 256 copies
+  the same 16-17 pages per KV head as at 512 (``benchmarks/tpu/window_pages.py``).
+- ``soft_cap=c``: scores ``c * tanh(s / c)`` in float32, before the mask.
+- ``sinks`` (f32[H], traced): a small ``[K, M, 1]`` VMEM input, one logit per packed row
+  (its query head); the running max starts at it and the denominator at 1.
+- ``kv_dtype``: the pages hold storage bits (``layout.storage_dtype``); the VMEM buffers
+  keep those bits and each loaded tile is bitcast back as a value (``layout.from_storage``).
+- Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
+  default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32.
+
 Precision: float32 KV is computed in float32 (``Precision.HIGHEST``); bfloat16 q and KV
 feed the MXU in bfloat16 with float32 accumulation. The online softmax state (row max,
 denominator, accumulator) lives in float32 VMEM scratch.
 
 No ref reshapes or bitcasts happen in the kernel (the TPU interpreter on CPU cannot run
 them): q and the output are laid out ``[K, tiles, M, D]`` by the wrapper.
+
+``ragged_paged_attention_page_log`` runs the same kernel with an SMEM log of every page
+copy it starts, per (KV head, work item, table entry): the tests check it against the exact
+page set the windows need, and the benchmark counts pages per query tile with it.
 """
 
 from __future__ import annotations
@@ -44,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from paged_jax.pallas_kernels import metadata, validation
+from paged_jax.pallas_kernels import layout, metadata, validation
 
 _NEG_INF = float("-inf")
 # VMEM the tiling may use; the smallest default scoped limit among TPU generations.
@@ -57,10 +75,11 @@ _ROW_LO = 2      # first tile-local row the item owns
 _ROW_HI = 3      # one past the last tile-local row it owns (lo == hi: a dead item)
 _FIRST = 4       # 1 when it is the first item of its tile (it zeroes the rows it does not own)
 _Q_OFFSET = 5    # query position of tile-local row i is i + q_offset
-_HORIZON = 6     # KV positions the item reads: [0, horizon)
-_CHUNKS = 7      # chunks of J positions it reads: ceil(horizon / J)
-_CHUNK_BASE = 8  # chunks read by the items before it (the slot parity of its first chunk)
-_NUM_FIELDS = 9
+_HORIZON = 6     # KV positions the item reads end at horizon (exclusive)
+_FIRST_PAGE = 7  # first page (table index) it reads: 0, or the first in its rows' windows
+_CHUNKS = 8      # chunks of R pages it reads, from _FIRST_PAGE to ceil(horizon / Z)
+_CHUNK_BASE = 9  # chunks read by the items before it (the slot parity of its first chunk)
+_NUM_FIELDS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +105,19 @@ class TpuTiling:
 
   def vmem_bytes(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
                  kv_itemsize: int) -> int:
-    """Approximate VMEM footprint of one kernel instance."""
+    """Approximate VMEM footprint of one kernel instance (every variant on: the sink input
+    and the soft cap's temporaries are counted)."""
     rows = _padded_rows(self.q_tile * group, q_itemsize)
     chunk_len = self.pages_per_chunk * block_size
+    lanes = 128  # an [M, 1] array occupies M rows of full 128-lane tiles
     kv_buffers = 2 * 2 * chunk_len * head_dim * kv_itemsize       # K and V, two slots
     q_out_blocks = 2 * 2 * rows * head_dim * q_itemsize           # pipelined in and out
-    state = rows * head_dim * 4 + 2 * rows * 128 * 4              # acc, max, denom
-    temporaries = 3 * rows * chunk_len * 4 + chunk_len * head_dim * 4
-    return kv_buffers + q_out_blocks + state + temporaries
+    row_inputs = 2 * 2 * rows * lanes * 4                         # row ids, sinks: [M, 1]
+    state = rows * head_dim * 4 + 2 * rows * lanes * 4            # acc, max, denom
+    # Scores, capped scores, probabilities and mask [M, J]; the K and V tiles as loaded
+    # and converted, [J, D] each.
+    temporaries = 4 * rows * chunk_len * 4 + 2 * chunk_len * head_dim * (4 + kv_itemsize)
+    return kv_buffers + q_out_blocks + row_inputs + state + temporaries
 
   def check(self, *, group: int, block_size: int, head_dim: int, q_itemsize: int,
             kv_itemsize: int) -> None:
@@ -149,8 +173,15 @@ def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
 
 
 def _work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
-                chunk_len: int, kv_capacity: int):
-  """The flat i32[_NUM_FIELDS * W] work-item table (fields above), in jnp."""
+                block_size: int, pages_per_chunk: int, blocks_per_seq: int,
+                sliding_window: int | None = None):
+  """The flat i32[_NUM_FIELDS * W] work-item table (fields above), in jnp.
+
+  An item reads the pages from ``_FIRST_PAGE`` up to its causal horizon. Without a window
+  the first is page 0; with a window W, the item's earliest query row (position p) sees
+  keys from ``p - W + 1`` on, and every later row's window starts later, so a page lying
+  entirely at or before ``p - W`` is needed by no row of the item and is never copied.
+  """
   num_seq_rows = kv_lens_S.shape[0]
   num_tiles = -(-num_tokens // q_tile)
   num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
@@ -179,15 +210,22 @@ def _work_items(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
   first_W = (tile_W != prev_tile_W).astype(jnp.int32)
   # Row t of sequence i sits at kv_lens[i] - cu_q_lens[i + 1] + t (see metadata).
   q_offset_W = tile_start_W + kv_lens_S[seq_W] - cu_q_lens[seq_W + 1]
+  kv_capacity = blocks_per_seq * block_size
   horizon_W = jnp.minimum(row_hi_W + q_offset_W, kv_lens_S[seq_W])
   horizon_W = jnp.where(live_W, jnp.clip(horizon_W, 0, kv_capacity), 0)
-  chunks_W = (horizon_W + chunk_len - 1) // chunk_len
+  pages_needed_W = (horizon_W + block_size - 1) // block_size
+  if sliding_window is None:
+    first_page_W = jnp.zeros_like(pages_needed_W)
+  else:
+    window_start_W = jnp.maximum(row_lo_W + q_offset_W - sliding_window + 1, 0)
+    first_page_W = jnp.minimum(window_start_W // block_size, pages_needed_W)
+  chunks_W = (pages_needed_W - first_page_W + pages_per_chunk - 1) // pages_per_chunk
   chunk_base_W = jnp.cumsum(chunks_W) - chunks_W
 
   fields = [None] * _NUM_FIELDS
   fields[_SEQ], fields[_TILE] = seq_W, tile_W
   fields[_ROW_LO], fields[_ROW_HI], fields[_FIRST] = row_lo_W, row_hi_W, first_W
-  fields[_Q_OFFSET], fields[_HORIZON] = q_offset_W, horizon_W
+  fields[_Q_OFFSET], fields[_HORIZON], fields[_FIRST_PAGE] = q_offset_W, horizon_W, first_page_W
   fields[_CHUNKS], fields[_CHUNK_BASE] = chunks_W, chunk_base_W
   return jnp.concatenate([f.astype(jnp.int32) for f in fields]), num_items
 
@@ -199,32 +237,44 @@ def _parity(x):
 
 
 def _ragged_kernel(
-    # Prefetch
-    layer_ref,            # i32[1]
-    block_tables_ref,     # i32[S * P], flat
-    items_ref,            # i32[_NUM_FIELDS * W], flat work-item table
-    # Input
-    row_M1_ref,           # i32[M, 1] tile-local query row of each packed row (Q: padding)
-    q_MD_ref,             # [M, D] packed queries of one (KV head, tile)
-    k_pages_hbm_ref,      # [L, K, N, Z, D] in HBM
-    v_pages_hbm_ref,      # [L, K, N, Z, D] in HBM
-    # Output
-    out_MD_ref,           # [M, D]
-    # Scratch
-    k_buf_ref,            # [2, J, D] double-buffered K chunk
-    v_buf_ref,            # [2, J, D] double-buffered V chunk
-    sems_ref,             # DMA semaphores [2 (K, V), 2 (slot)]
-    row_max_ref,          # f32[M, 1]
-    denom_ref,            # f32[M, 1]
-    acc_ref,              # f32[M, D]
-    *,
+    *refs,
     sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    has_sinks: bool,
+    log_pages: bool,
+    kv_dtype,
     block_size: int,
     pages_per_chunk: int,
     blocks_per_seq: int,
     num_items: int,
     compute_dtype,
 ):
+  # Prefetch
+  #   layer_ref            i32[1]
+  #   block_tables_ref     i32[S * P], flat
+  #   items_ref            i32[_NUM_FIELDS * W], flat work-item table
+  layer_ref, block_tables_ref, items_ref, *refs = refs
+  # Input
+  #   row_M1_ref           i32[M, 1] tile-local query row of each packed row (Q: padding)
+  #   sink_M1_ref          f32[M, 1] sink logit of each packed row's query head (if sinks)
+  #   q_MD_ref             [M, D] packed queries of one (KV head, tile)
+  #   k/v_pages_hbm_ref    [L, K, N, Z, D] in HBM (storage dtype)
+  row_M1_ref, *refs = refs
+  sink_M1_ref = refs.pop(0) if has_sinks else None
+  q_MD_ref, k_pages_hbm_ref, v_pages_hbm_ref, *refs = refs
+  # Output
+  #   out_MD_ref           [M, D]
+  #   page_log_ref         i32[K * W * P] in SMEM (log_pages only): copies started per
+  #                        (KV head, item, table index), for tests and benchmarks
+  out_MD_ref, *refs = refs
+  page_log_ref = refs.pop(0) if log_pages else None
+  # Scratch
+  #   k_buf_ref, v_buf_ref [2, J, D] double-buffered K and V chunks (storage dtype)
+  #   sems_ref             DMA semaphores [2 (K, V), 2 (slot)]
+  #   row_max_ref, denom_ref  f32[M, 1]; acc_ref f32[M, D]
+  k_buf_ref, v_buf_ref, sems_ref, row_max_ref, denom_ref, acc_ref = refs
+
   kv_head = pl.program_id(0)
   w = pl.program_id(1)
   layer = layer_ref[0]
@@ -235,15 +285,18 @@ def _ragged_kernel(
   def item(field, index):
     return items_ref[field * num_items + index]
 
+  def table_entry(index, page):
+    return block_tables_ref[item(_SEQ, index) * blocks_per_seq
+                            + jnp.minimum(page, blocks_per_seq - 1)]
+
   def for_each_page(index, chunk, slot, action, when=True):
     """Applies ``action`` ("start" or "wait") to the K and V copies of chunk ``chunk`` of
     item ``index`` into ``slot``, if ``when``, for the pages the item reads and no others."""
-    seq = item(_SEQ, index)
     pages_needed = lax.div(item(_HORIZON, index) + (block_size - 1), block_size)
+    first_page = item(_FIRST_PAGE, index) + chunk * pages_per_chunk
     for r in range(pages_per_chunk):
-      page = chunk * pages_per_chunk + r
-      entry = seq * blocks_per_seq + jnp.minimum(page, blocks_per_seq - 1)
-      block = block_tables_ref[entry]
+      page = first_page + r
+      block = table_entry(index, page)
       # An id outside [0, N) (invalid input) is never copied: that page reads as zeros.
       needed = when & (page < pages_needed) & (block >= 0) & (block < num_blocks)
       block = jnp.where(needed, block, 0)
@@ -259,6 +312,19 @@ def _ragged_kernel(
       def _():
         for copy in copies:
           getattr(copy, action)()
+        if page_log_ref is not None and action == "start":
+          at = (kv_head * num_items + index) * blocks_per_seq + page
+          page_log_ref[at] = page_log_ref[at] + 1
+
+  if page_log_ref is not None:
+    # One buffer for the whole grid, cleared once: every step also counts copies of the
+    # item after it (it starts that item's first chunk).
+    @pl.when((kv_head == 0) & (w == 0))
+    def _():
+      def clear(i, carry):
+        page_log_ref[i] = 0
+        return carry
+      lax.fori_loop(0, page_log_ref.shape[0], clear, 0)
 
   num_chunks = item(_CHUNKS, w)
   chunk_base = item(_CHUNK_BASE, w)
@@ -273,13 +339,25 @@ def _ragged_kernel(
   for_each_page(first_target, 0, _parity(item(_CHUNK_BASE, first_target)), "start",
                 when=start_own | ((num_chunks == 0) & next_has_chunks))
 
-  row_max_ref[...] = jnp.full(row_max_ref.shape, _NEG_INF, jnp.float32)
-  denom_ref[...] = jnp.zeros(denom_ref.shape, jnp.float32)
+  # Online softmax state. A sink is one more logit with no value: the running max starts
+  # at it and the denominator at exp(sink - max) = 1.
+  if sink_M1_ref is None:
+    row_max_ref[...] = jnp.full(row_max_ref.shape, _NEG_INF, jnp.float32)
+    denom_ref[...] = jnp.zeros(denom_ref.shape, jnp.float32)
+  else:
+    row_max_ref[...] = sink_M1_ref[...]
+    denom_ref[...] = jnp.ones(denom_ref.shape, jnp.float32)
   acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   q_MD = q_MD_ref[...].astype(compute_dtype)
   qpos_M1 = row_M1_ref[...] + item(_Q_OFFSET, w)
   horizon = item(_HORIZON, w)
+  item_first_page = item(_FIRST_PAGE, w)
+
+  def load(buf_ref, slot):
+    # Storage bits -> logical dtype on the loaded value (a bitcast of equal width), never
+    # on the ref (the TPU interpreter cannot run ref bitcasts).
+    return layout.from_storage(buf_ref[slot], kv_dtype).astype(compute_dtype)
 
   def chunk_step(chunk, carry):
     slot = _parity(chunk_base + chunk)
@@ -289,26 +367,31 @@ def _ragged_kernel(
     for_each_page(jnp.where(last, next_w, w), jnp.where(last, 0, chunk + 1), 1 - slot,
                   "start", when=jnp.logical_not(last) | next_has_chunks)
     for_each_page(w, chunk, slot, "wait")
+    chunk_first_page = item_first_page + chunk * pages_per_chunk
     # Rows of a page whose id is outside [0, N) were not copied: they read as zeros (as in
     # the reference), never as a stale or clamped block.
     row_J1 = lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
     copied_J1 = jnp.zeros((chunk_len, 1), jnp.bool_)
     for r in range(pages_per_chunk):
-      entry = item(_SEQ, w) * blocks_per_seq + jnp.minimum(chunk * pages_per_chunk + r,
-                                                           blocks_per_seq - 1)
-      block = block_tables_ref[entry]
+      block = table_entry(w, chunk_first_page + r)
       page_ok = (block >= 0) & (block < num_blocks)
       in_page_J1 = (row_J1 >= r * block_size) & (row_J1 < (r + 1) * block_size)
       copied_J1 |= in_page_J1 & page_ok
-    k_JD = k_buf_ref[slot].astype(compute_dtype)
+    k_JD = load(k_buf_ref, slot)
     k_JD = jnp.where(copied_J1, k_JD, jnp.zeros_like(k_JD))
-    v_JD = v_buf_ref[slot].astype(compute_dtype)
+    v_JD = load(v_buf_ref, slot)
 
-    kv_pos_1J = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1)
+    chunk_pos = chunk_first_page * block_size
+    kv_pos_1J = chunk_pos + lax.broadcasted_iota(jnp.int32, (1, chunk_len), 1)
     visible_MJ = (kv_pos_1J <= qpos_M1) & (kv_pos_1J < horizon)
+    if sliding_window is not None:
+      visible_MJ &= kv_pos_1J > qpos_M1 - sliding_window
     scores_MJ = lax.dot_general(q_MD, k_JD, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=precision)
-    scores_MJ = jnp.where(visible_MJ, scores_MJ * sm_scale, _NEG_INF)
+    scores_MJ = scores_MJ * sm_scale
+    if soft_cap is not None:  # before the mask, as the contract says
+      scores_MJ = soft_cap * jnp.tanh(scores_MJ * (1.0 / soft_cap))
+    scores_MJ = jnp.where(visible_MJ, scores_MJ, _NEG_INF)
     row_max_M1 = row_max_ref[...]
     new_max_M1 = jnp.maximum(row_max_M1, jnp.max(scores_MJ, axis=1, keepdims=True))
     safe_max_M1 = jnp.where(new_max_M1 == _NEG_INF, 0.0, new_max_M1)
@@ -317,7 +400,7 @@ def _ragged_kernel(
     denom_ref[...] = rescale_M1 * denom_ref[...] + jnp.sum(probs_MJ, axis=1, keepdims=True)
     # Rows this chunk did not fill (stale or uninitialised) and rows past the sequence's
     # length may hold anything, NaN included: select zeros, never multiply by zero.
-    kv_pos_J1 = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (chunk_len, 1), 0)
+    kv_pos_J1 = chunk_pos + row_J1
     v_JD = jnp.where((kv_pos_J1 < horizon) & copied_J1, v_JD, jnp.zeros_like(v_JD))
     pv_MD = lax.dot_general(probs_MJ.astype(compute_dtype), v_JD, (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32, precision=precision)
@@ -338,16 +421,19 @@ def _ragged_kernel(
 
 
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                           block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling
-                           ) -> None:
-  """The shared shape checks plus this kernel's own; raises ``ValueError``."""
+                           block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sinks=None, kv_dtype=None) -> None:
+  """The shared shape and variant checks plus this kernel's own; raises ``ValueError``."""
   validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs)
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
   _, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
-  if head_dim % 64 != 0:
-    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be a multiple of 64 "
-                     "(64, 128, 256 are supported)")
+  validation.static_validate_variants(num_q_heads, sliding_window=sliding_window,
+                                     soft_cap=soft_cap, sinks=sinks)
+  if head_dim % 64 != 0 or head_dim > 256:
+    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be 64, 128, 192 or 256 "
+                     "(a multiple of 64, at most 256)")
   if block_size % 8 != 0:
     raise ValueError(f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8 "
                      "(the sublane tile)")
@@ -368,26 +454,10 @@ def _interpret_params(interpret):
   raise ValueError(f"interpret={interpret!r} must be a bool or a pltpu.InterpretParams")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "tiling", "interpret"))
-def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                           block_tables_SP, cu_q_lens, num_seqs, *,
-                           sm_scale: float | None = None, tiling: TpuTiling | None = None,
-                           interpret: bool | pltpu.InterpretParams = False):
-  """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``.
-
-  Args:
-    q_THD: [T, H, D] queries; sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``.
-    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (see ``pallas_kernels.layout``).
-    layer: int or traced int scalar, which layer's pages to read (inside the kernel).
-    kv_lens_S: i32[S]; block_tables_SP: i32[S, P]; cu_q_lens: i32[S + 1]; num_seqs: i32[].
-    sm_scale: softmax scale, default ``D ** -0.5``.
-    tiling: a ``TpuTiling``; default from the shapes (``default_tiling``).
-    interpret: True (or a ``pltpu.InterpretParams``) runs the kernel in TPU interpret mode
-      on CPU.
-
-  Returns:
-    [T, H, D] in q's dtype; padding rows are zero.
-  """
+def _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                 cu_q_lens, num_seqs, sinks, *, sm_scale, sliding_window, soft_cap, kv_dtype,
+                 tiling, interpret, log_pages):
+  """The kernel launch: ``(out_THD, page_log_KWP or None, items_FW)``."""
   num_tokens, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
@@ -395,17 +465,21 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
                             blocks_per_seq)
   static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                         block_tables_SP, cu_q_lens, num_seqs, tiling=tiling)
+                         block_tables_SP, cu_q_lens, num_seqs, tiling=tiling,
+                         sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                         kv_dtype=kv_dtype)
   interpret_params = _interpret_params(interpret)
   if sm_scale is None:
     sm_scale = float(head_dim) ** -0.5
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
+  storage = jnp.dtype(k_pages_LKNZD.dtype)
+  kv_dtype = storage if kv_dtype is None else jnp.dtype(kv_dtype)
   if num_tokens == 0:
-    return jnp.zeros_like(q_THD)
+    return jnp.zeros_like(q_THD), None, None
   group = num_q_heads // num_kv_heads
   q_tile, pages_per_chunk = tiling.q_tile, tiling.pages_per_chunk
   chunk_len = pages_per_chunk * block_size
   q_itemsize = jnp.dtype(q_THD.dtype).itemsize
-  kv_dtype = jnp.dtype(k_pages_LKNZD.dtype)
   both_bf16 = q_THD.dtype == jnp.bfloat16 and kv_dtype == jnp.bfloat16
   compute_dtype = jnp.bfloat16 if both_bf16 else jnp.float32
   num_tiles = -(-num_tokens // q_tile)
@@ -414,7 +488,8 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
 
   items, num_items = _work_items(
       kv_lens_S, cu_q_lens, jnp.asarray(num_seqs, jnp.int32), num_tokens=num_tokens,
-      q_tile=q_tile, chunk_len=chunk_len, kv_capacity=blocks_per_seq * block_size)
+      q_tile=q_tile, block_size=block_size, pages_per_chunk=pages_per_chunk,
+      blocks_per_seq=blocks_per_seq, sliding_window=sliding_window)
   layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
   block_tables_flat = block_tables_SP.reshape(-1)
 
@@ -431,49 +506,132 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     return kv_head, items_ref[_TILE * num_items + w], 0, 0
 
   qo_spec = pl.BlockSpec((None, None, rows_padded, head_dim), tile_map)
-  kernel = functools.partial(
-      _ragged_kernel, sm_scale=float(sm_scale), block_size=block_size,
-      pages_per_chunk=pages_per_chunk, blocks_per_seq=blocks_per_seq, num_items=num_items,
-      compute_dtype=compute_dtype)
+  in_specs = [pl.BlockSpec((rows_padded, 1), lambda kv_head, w, *_: (0, 0))]
+  inputs = [row_M1]
+  if sinks is not None:
+    # Packed row (q, g) of KV head k is query head k * G + g; padding rows get sink 0.
+    sink_KGM = jnp.broadcast_to(sinks.reshape(num_kv_heads, 1, group),
+                                (num_kv_heads, q_tile, group))
+    sink_KM1 = jnp.pad(sink_KGM.reshape(num_kv_heads, rows),
+                       ((0, 0), (0, rows_padded - rows)))[:, :, None]
+    in_specs.append(pl.BlockSpec((None, rows_padded, 1), lambda kv_head, w, *_: (kv_head, 0, 0)))
+    inputs.append(sink_KM1.astype(jnp.float32))
+  in_specs += [qo_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+  inputs += [q_KXMD, k_pages_LKNZD, v_pages_LKNZD]
+  out_specs = [qo_spec]
+  out_shape = [jax.ShapeDtypeStruct(q_KXMD.shape, q_THD.dtype)]
+  if log_pages:
+    log_size = num_kv_heads * num_items * blocks_per_seq
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    out_shape.append(jax.ShapeDtypeStruct((log_size,), jnp.int32))
 
-  kv_reach = blocks_per_seq * block_size  # keys one row can attend at most
+  kernel = functools.partial(
+      _ragged_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
+      soft_cap=soft_cap, has_sinks=sinks is not None, log_pages=log_pages, kv_dtype=kv_dtype,
+      block_size=block_size, pages_per_chunk=pages_per_chunk, blocks_per_seq=blocks_per_seq,
+      num_items=num_items, compute_dtype=compute_dtype)
+
+  # Keys one row attends at most: the table's reach, or its window plus its tile's rows.
+  kv_reach = blocks_per_seq * block_size
+  if sliding_window is not None:
+    kv_reach = min(kv_reach, sliding_window + q_tile + block_size)
   q_bytes = q_THD.size * q_itemsize
-  kv_bytes = (2 * num_kv_heads * min(num_blocks, num_seq_rows * blocks_per_seq) * block_size
-              * head_dim * kv_dtype.itemsize)
+  kv_blocks = min(num_blocks, num_seq_rows * blocks_per_seq)
+  kv_bytes = (2 * num_kv_heads * min(kv_blocks * block_size, num_tiles * kv_reach)
+              * head_dim * storage.itemsize)
   cost = pl.CostEstimate(
       flops=int(4 * num_tokens * num_q_heads * head_dim * kv_reach),
-      transcendentals=int(num_tokens * num_q_heads * kv_reach),
+      transcendentals=int(num_tokens * num_q_heads * kv_reach * (2 if soft_cap else 1)),
       bytes_accessed=int(2 * q_bytes + kv_bytes))
 
-  out_KXMD = pl.pallas_call(
+  outs = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
           grid=(num_kv_heads, num_items),
-          in_specs=[
-              pl.BlockSpec((rows_padded, 1), lambda kv_head, w, *_: (0, 0)),
-              qo_spec,
-              pl.BlockSpec(memory_space=pl.ANY),
-              pl.BlockSpec(memory_space=pl.ANY),
-          ],
-          out_specs=qo_spec,
+          in_specs=in_specs,
+          out_specs=out_specs,
           scratch_shapes=[
-              pltpu.VMEM((2, chunk_len, head_dim), kv_dtype),
-              pltpu.VMEM((2, chunk_len, head_dim), kv_dtype),
+              pltpu.VMEM((2, chunk_len, head_dim), storage),
+              pltpu.VMEM((2, chunk_len, head_dim), storage),
               pltpu.SemaphoreType.DMA((2, 2)),
               pltpu.VMEM((rows_padded, 1), jnp.float32),
               pltpu.VMEM((rows_padded, 1), jnp.float32),
               pltpu.VMEM((rows_padded, head_dim), jnp.float32),
           ],
       ),
-      out_shape=jax.ShapeDtypeStruct(q_KXMD.shape, q_THD.dtype),
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary")),
+          # The page log is one buffer every step writes: no core split then.
+          dimension_semantics=("arbitrary" if log_pages else "parallel", "arbitrary")),
       cost_estimate=cost,
       interpret=interpret_params,
       name="ragged_paged_attention",
-  )(layer_1, block_tables_flat, items, row_M1, q_KXMD, k_pages_LKNZD, v_pages_LKNZD)
+  )(layer_1, block_tables_flat, items, *inputs)
 
-  out_KTGD = out_KXMD[:, :, :rows].reshape(num_kv_heads, -1, group, head_dim)
-  out_THD = out_KTGD.transpose(1, 0, 2, 3).reshape(-1, num_q_heads, head_dim)
-  return out_THD[:num_tokens]
+  out_KTGD = outs[0][:, :, :rows].reshape(num_kv_heads, -1, group, head_dim)
+  out_THD = out_KTGD.transpose(1, 0, 2, 3).reshape(-1, num_q_heads, head_dim)[:num_tokens]
+  page_log = outs[1].reshape(num_kv_heads, num_items, blocks_per_seq) if log_pages else None
+  return out_THD, page_log, items.reshape(_NUM_FIELDS, num_items)
+
+
+_STATICS = ("sm_scale", "sliding_window", "soft_cap", "kv_dtype", "tiling", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                           block_tables_SP, cu_q_lens, num_seqs, *,
+                           sm_scale: float | None = None, sliding_window: int | None = None,
+                           soft_cap: float | None = None, sinks=None, kv_dtype=None,
+                           tiling: TpuTiling | None = None,
+                           interpret: bool | pltpu.InterpretParams = False):
+  """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``.
+
+  Args:
+    q_THD: [T, H, D] queries; sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (see ``pallas_kernels.layout``).
+    layer: int or traced int scalar, which layer's pages to read (inside the kernel).
+    kv_lens_S: i32[S]; block_tables_SP: i32[S, P]; cu_q_lens: i32[S + 1]; num_seqs: i32[].
+    sm_scale: softmax scale, default ``D ** -0.5``.
+    sliding_window: W, a query at position p sees keys in ``(p - W, p]``; pages lying
+      entirely before a work item's earliest window are never copied. None: no window.
+    soft_cap: c, scores become ``c * tanh(s / c)`` before the mask. None: no cap.
+    sinks: f32[H] or None, one extra logit per query head in the softmax denominator.
+    kv_dtype: the logical K/V dtype when the pages hold its storage bits
+      (``layout.storage_dtype``); each loaded page tile is bitcast back. None: the pages
+      hold K/V as they are.
+    tiling: a ``TpuTiling``; default from the shapes (``default_tiling``).
+    interpret: True (or a ``pltpu.InterpretParams``) runs the kernel in TPU interpret mode
+      on CPU.
+
+  Returns:
+    [T, H, D] in q's dtype; padding rows are zero.
+  """
+  out, _, _ = _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                           block_tables_SP, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap,
+                           kv_dtype=kv_dtype, tiling=tiling, interpret=interpret,
+                           log_pages=False)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def ragged_paged_attention_page_log(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                                    block_tables_SP, cu_q_lens, num_seqs, *,
+                                    sm_scale: float | None = None,
+                                    sliding_window: int | None = None,
+                                    soft_cap: float | None = None, sinks=None, kv_dtype=None,
+                                    tiling: TpuTiling | None = None,
+                                    interpret: bool | pltpu.InterpretParams = True):
+  """``ragged_paged_attention`` that also counts the page copies it starts (an instrument
+  for tests and benchmarks, meant for interpret mode: the log lives in SMEM).
+
+  Returns ``(out_THD, page_log_KWP, items_FW)``: ``page_log_KWP[k, w, p]`` is how many
+  times the kernel started the K and V copies of table entry p of work item w's sequence
+  for KV head k; ``items_FW`` is the work-item table (fields ``_SEQ``, ``_TILE``, ... as
+  rows). Zero tokens return ``(zeros, None, None)``.
+  """
+  return _ragged_call(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
+                      block_tables_SP, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
+                      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
+                      tiling=tiling, interpret=interpret, log_pages=True)

@@ -15,6 +15,14 @@ Memory is bounded by U chunks at any context length.
 Pages a unit does not own (past its item's causal horizon or its sequence's length, or a
 block id outside ``[0, N)``) are replaced by an out-of-range row that the gather fills with
 zeros: they are never read.
+
+Attention variants. With a sliding window W, an item's chunks start at the page holding
+the first position its FIRST query row sees (``p_first - W + 1``): pages wholly before it
+never become units, so the loop's trip count and the gathers follow min(context, W + Q)
+rather than the context. A soft cap squashes the scaled scores before the mask; sinks
+start each row's running max at its head's sink logit and its running sum at 1 (the sink's
+own exp(sink - max)), and take no value. With ``kv_dtype``, the pages hold storage bits and
+each gathered chunk is bitcast back (``layout.from_storage``), never the whole pool.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import metadata
+from paged_jax.pallas_kernels import validation
 
 _NEG_INF = float("-inf")
 _SCORES_PER_STEP = 1 << 16
@@ -94,11 +104,86 @@ def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
   return max(1, min(num_tokens, num_tiles + min(num_seq_rows, num_tokens) - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "tiling"))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WorkPlan:
+  """The work items and units of one call (all arrays traced; see ``plan_work``).
+
+  Item w covers query rows ``row_WQ[w]`` (``row_live_WQ``: rows of its sequence) at
+  positions ``qpos_WQ`` (-1 for dead rows) and reads pages ``[first_page_W, end_page_W)``
+  of its sequence's block table, in ``units_W`` chunks of R pages starting at
+  ``first_page_W``; ``units_end_W`` is their running total. ``horizon_W``: one past the
+  last position it sees.
+  """
+
+  item_seq_W: jax.Array
+  row_WQ: jax.Array
+  row_live_WQ: jax.Array
+  qpos_WQ: jax.Array
+  horizon_W: jax.Array
+  first_page_W: jax.Array
+  end_page_W: jax.Array
+  units_W: jax.Array
+  units_end_W: jax.Array
+
+  @property
+  def num_units(self):
+    return self.units_end_W[-1]
+
+  @property
+  def pages_W(self):
+    """Pages item w reads (the table entries it gathers; a bad block id is not read)."""
+    return self.end_page_W - self.first_page_W
+
+
+def plan_work(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, block_size: int,
+              blocks_per_seq: int, tiling: XlaTiling, sliding_window: int | None = None
+              ) -> WorkPlan:
+  """Items (query tile, sequence) and their KV page ranges, as the kernel runs them.
+
+  An item reads from the page holding the first position its first live row sees (0
+  without a window; ``p_first - W + 1`` with one) up to its causal horizon (its last live
+  row's position + 1, at most its sequence's length and the table's capacity).
+  """
+  q_tile = tiling.q_tile
+  num_seq_rows = kv_lens_S.shape[0]
+  num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
+  item_seq_W, item_tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
+      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
+  row_WQ = item_tile_W[:, None] * q_tile + jnp.arange(q_tile)[None, :]
+  seq_WQ = jnp.broadcast_to(item_seq_W[:, None], row_WQ.shape)
+  row_live_WQ = (item_live_W[:, None] & (row_WQ >= q_start_S[seq_WQ])
+                 & (row_WQ < q_end_S[seq_WQ]))
+  qpos_WQ = metadata.query_positions(row_WQ, seq_WQ, kv_lens_S, cu_q_lens)
+  qpos_WQ = jnp.where(row_live_WQ, qpos_WQ, -1)  # a dead row sees no key
+  # KV positions each item needs (no more than its table holds, as the reference reads).
+  horizon_W = jnp.clip(jnp.minimum(jnp.max(qpos_WQ, axis=1) + 1, kv_lens_S[item_seq_W]), 0,
+                       blocks_per_seq * block_size)
+  end_page_W = (horizon_W + block_size - 1) // block_size
+  if sliding_window is None:
+    first_page_W = jnp.zeros_like(end_page_W)
+  else:
+    # The first live row is the one at the smallest position; what it cannot see (at or
+    # before p_first - W), no later row of the item sees either.
+    first_pos_W = jnp.min(jnp.where(row_live_WQ, qpos_WQ, jnp.iinfo(jnp.int32).max),
+                          axis=1) - sliding_window + 1
+    first_page_W = jnp.clip(first_pos_W, 0, None) // block_size
+    first_page_W = jnp.minimum(first_page_W, end_page_W)
+  units_W = (end_page_W - first_page_W + tiling.pages_per_chunk - 1) // tiling.pages_per_chunk
+  return WorkPlan(item_seq_W=item_seq_W, row_WQ=row_WQ, row_live_WQ=row_live_WQ,
+                  qpos_WQ=qpos_WQ, horizon_W=horizon_W, first_page_W=first_page_W,
+                  end_page_W=end_page_W, units_W=units_W, units_end_W=jnp.cumsum(units_W))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "tiling", "sliding_window",
+                                             "soft_cap", "kv_dtype"))
 def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, sm_scale: float,
-                           tiling: XlaTiling | None = None):
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sinks=None, kv_dtype=None, tiling: XlaTiling | None = None):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``."""
+  validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
+                                      soft_cap=soft_cap, sinks=sinks)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages_LKNZD.shape
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
@@ -118,25 +203,14 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   # The pages as rows of one [Z, D] page each: row (l * K + k) * N + n.
   num_page_rows = num_layers * num_kv_heads * num_blocks
 
-  # --- Work items: which (tile, sequence) pairs exist, in token order. ---
-  item_seq_W, item_tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
-      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
-
-  # --- Rows of each item: token ids, liveness and query positions. ---
-  row_WQ = item_tile_W[:, None] * q_tile + jnp.arange(q_tile)[None, :]
-  seq_WQ = jnp.broadcast_to(item_seq_W[:, None], row_WQ.shape)
-  row_live_WQ = (item_live_W[:, None] & (row_WQ >= q_start_S[seq_WQ])
-                 & (row_WQ < q_end_S[seq_WQ]))
-  qpos_WQ = metadata.query_positions(row_WQ, seq_WQ, kv_lens_S, cu_q_lens)
-  qpos_WQ = jnp.where(row_live_WQ, qpos_WQ, -1)  # a dead row sees no key
-  # KV positions each item needs (no more than its table holds, as the reference reads).
-  horizon_W = jnp.clip(jnp.minimum(jnp.max(qpos_WQ, axis=1) + 1, kv_lens_S[item_seq_W]), 0,
-                       blocks_per_seq * block_size)
-
-  # --- Work units: (item, chunk) pairs, item after item. ---
-  units_W = (horizon_W + chunk_len - 1) // chunk_len
-  units_end_W = jnp.cumsum(units_W)
-  num_units = units_end_W[-1]
+  # --- Work items and units: (tile, sequence) pairs, then (item, chunk) pairs. ---
+  plan = plan_work(kv_lens_S, cu_q_lens, num_seqs, num_tokens=num_tokens,
+                   block_size=block_size, blocks_per_seq=blocks_per_seq, tiling=tiling,
+                   sliding_window=sliding_window)
+  item_seq_W, row_WQ, row_live_WQ, qpos_WQ = (plan.item_seq_W, plan.row_WQ,
+                                              plan.row_live_WQ, plan.qpos_WQ)
+  units_W, units_end_W = plan.units_W, plan.units_end_W
+  num_units = plan.num_units
   num_steps = (num_units + units_per_step - 1) // units_per_step
 
   q_WQHD = q_THD.at[row_WQ].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -154,9 +228,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     item_U = jnp.minimum(jnp.searchsorted(units_end_W, unit_U, side="right"),
                          num_items - 1).astype(jnp.int32)
     chunk_U = unit_U - (units_end_W - units_W)[item_U]
-    horizon_U = jnp.where(live_U, horizon_W[item_U], 0)
-    page_UR = chunk_U[:, None] * pages_per_chunk + jnp.arange(pages_per_chunk)[None, :]
-    owned_UR = (page_UR * block_size < horizon_U[:, None]) & (page_UR < blocks_per_seq)
+    end_page_U = jnp.where(live_U, plan.end_page_W[item_U], 0)
+    first_page_U = plan.first_page_W[item_U] + chunk_U * pages_per_chunk
+    page_UR = first_page_U[:, None] + jnp.arange(pages_per_chunk)[None, :]
+    owned_UR = (page_UR < end_page_U[:, None]) & (page_UR < blocks_per_seq)
     ids_UR = tables_WP.at[item_U[:, None], page_UR].get(mode="fill", fill_value=num_blocks)
     # An id outside [0, N) must not wrap (jnp normalises negative indices before "fill").
     owned_UR &= (ids_UR >= 0) & (ids_UR < num_blocks) & layer_ok
@@ -167,14 +242,18 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     def gather(pages):  # [K, U, R] rows of Z * D -> [K, U, J, D]
       chunk = jnp.take(pages.reshape(num_page_rows, block_size * head_dim), page_row_KUR,
                        axis=0, mode="fill", fill_value=0)
+      chunk = layout.from_storage(chunk, kv_dtype)  # the gathered chunk only
       return chunk.reshape(num_kv_heads, units_per_step, chunk_len, head_dim).astype(
           jnp.float32)
 
     k_KUJD, v_KUJD = gather(k_pages_LKNZD), gather(v_pages_LKNZD)
-    kv_pos_UJ = chunk_U[:, None] * chunk_len + jnp.arange(chunk_len)[None, :]
+    kv_pos_UJ = first_page_U[:, None] * block_size + jnp.arange(chunk_len)[None, :]
+    horizon_U = jnp.where(live_U, plan.horizon_W[item_U], 0)
     visible_UJ = kv_pos_UJ < horizon_U[:, None]
-    visible_UMJ = visible_UJ[:, None, :] & (kv_pos_UJ[:, None, :]
-                                            <= qpos_WM[item_U][:, :, None])
+    qpos_UMJ = qpos_WM[item_U][:, :, None]
+    visible_UMJ = visible_UJ[:, None, :] & (kv_pos_UJ[:, None, :] <= qpos_UMJ)
+    if sliding_window is not None:
+      visible_UMJ &= kv_pos_UJ[:, None, :] > qpos_UMJ - sliding_window
     # Pages a sequence owns may hold garbage (NaN) past its length: zero them, not multiply.
     v_KUJD = jnp.where(visible_UJ[None, :, :, None], v_KUJD, 0.0)
     q_KUMD = q_KWMD[:, item_U]
@@ -183,7 +262,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     else:
       scores_KUMJ = jnp.einsum("kumd,kujd->kumj", q_KUMD, k_KUJD,
                                precision=lax.Precision.HIGHEST)
-    scores_KUMJ = jnp.where(visible_UMJ[None], scores_KUMJ * sm_scale, _NEG_INF)
+    scores_KUMJ = scores_KUMJ * sm_scale
+    if soft_cap is not None:
+      scores_KUMJ = soft_cap * jnp.tanh(scores_KUMJ / soft_cap)
+    scores_KUMJ = jnp.where(visible_UMJ[None], scores_KUMJ, _NEG_INF)
     unit_max_KUM = jnp.max(scores_KUMJ, axis=-1)
     safe_unit_max_KUM = jnp.where(jnp.isfinite(unit_max_KUM), unit_max_KUM, 0.0)
     probs_KUMJ = jnp.exp(scores_KUMJ - safe_unit_max_KUM[..., None])
@@ -205,8 +287,17 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
         unit_acc_KUMD * weight_KUM[..., None], mode="drop")
     return new_max_KWM, denom_KWM, acc_KWMD
 
-  init = (jnp.full((num_kv_heads, num_items, rows), _NEG_INF, jnp.float32),
-          jnp.zeros((num_kv_heads, num_items, rows), jnp.float32),
+  if sinks is None:
+    init_max_KWM = jnp.full((num_kv_heads, num_items, rows), _NEG_INF, jnp.float32)
+    init_denom_KWM = jnp.zeros((num_kv_heads, num_items, rows), jnp.float32)
+  else:
+    # Packed row m = q * G + g of KV head k is query head k * G + g: its sink is the start
+    # of the running max, and exp(sink - sink) = 1 the start of the running sum.
+    sinks_KM = jnp.tile(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group),
+                        (1, q_tile))
+    init_max_KWM = jnp.broadcast_to(sinks_KM[:, None, :], (num_kv_heads, num_items, rows))
+    init_denom_KWM = jnp.ones((num_kv_heads, num_items, rows), jnp.float32)
+  init = (init_max_KWM, init_denom_KWM,
           jnp.zeros((num_kv_heads, num_items, rows, head_dim), jnp.float32))
   _, denom_KWM, acc_KWMD = lax.fori_loop(0, num_steps, unit_step, init)
   out_KWMD = acc_KWMD / jnp.where(denom_KWM > 0, denom_KWM, 1.0)[..., None]

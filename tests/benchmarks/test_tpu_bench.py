@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import tpu_accuracy
 from benchmarks.tpu import run as tpu_run
+from benchmarks.tpu import window_pages
 
 
 def test_tpu_accuracy_quick(tmp_path, monkeypatch, capsys):
@@ -50,3 +53,18 @@ def test_tpu_run_dry_run(tmp_path):
       assert t["max_abs_diff_vs_ours"] < 5e-2, t
   assert (tmp_path / "results.json").exists()
   assert "| case | impl |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_window_pages_quick():
+  # Pages copied per query tile under a window of 256 do not grow from context 512 to
+  # 1024, equal the pages the tile's windows touch, and no page is copied twice by an item.
+  rows = window_pages.main(["--quick"])
+  assert {(r["batch"], r["context"]) for r in rows} == {
+      (b, c) for b in window_pages.BATCHES for c in (512, 1024)}
+  for r in rows:
+    assert r["pages_per_tile"] == r["pages_in_windows_per_tile"], r
+    assert r["max_copies_of_a_page"] == 1 and r["max_abs_error"] < 1e-5, r
+  for batch in window_pages.BATCHES:
+    per_context = {r["context"]: r["pages_per_tile"] for r in rows if r["batch"] == batch}
+    assert per_context[512] == per_context[1024], per_context

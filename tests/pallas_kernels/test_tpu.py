@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -80,28 +81,41 @@ def _call_fast(key, fn, *args):
   return _EXECUTABLES[key, avals](*args)
 
 
-def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None):
+def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None, storage=False,
+         sliding_window=None, soft_cap=None, sinks=None):
+  """The kernel on ``case`` (``storage=True``: the pages as storage bits with ``kv_dtype``);
+  the variants' statics key the compiled executable, ``sinks`` is a traced argument."""
   head_dim = case.q_THD.shape[-1]
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  kernel = functools.partial(tpu_kernel.ragged_paged_attention, sm_scale=scale, tiling=tiling,
-                             interpret=interpret)
-  args = case.jax_args()
+  kv_dtype = case.kv_dtype if storage else None
+  statics = dict(sm_scale=scale, tiling=tiling, interpret=interpret, kv_dtype=kv_dtype,
+                 sliding_window=sliding_window, soft_cap=soft_cap)
+  args = case.jax_args(storage=storage)
   args = args[:3] + (jnp.int32(args[3]),) + args[4:]
-  out = _call_fast(("kernel", scale, tiling, interpret), kernel, *args)
+  if sinks is None:
+    kernel = functools.partial(tpu_kernel.ragged_paged_attention, **statics)
+  else:
+    def kernel(*a):
+      return tpu_kernel.ragged_paged_attention(*a[:-1], sinks=a[-1], **statics)
+    args += (jnp.asarray(sinks, jnp.float32),)
+  key = ("kernel", sinks is not None) + tuple(sorted(statics.items(), key=lambda kv: kv[0]))
+  out = _call_fast(key, kernel, *args)
   return out, scale
 
 
-def _check(case: cases.Case, out, scale, *, with_reference=False):
+def _check(case: cases.Case, out, scale, *, with_reference=False, **variants):
   """Against the float64 oracle (and the jnp reference); padding rows exactly zero."""
   dtype = case.q_THD.dtype
   assert out.dtype == dtype and out.shape == case.q_THD.shape
   out = np.asarray(out.astype(jnp.float32))
   assert np.all(np.isfinite(out))
-  expected = cases.oracle(case, scale)
+  expected = cases.oracle(case, scale, **variants)
   assert np.abs(expected).max() > 0.1  # the comparison below is not vacuous
   np.testing.assert_allclose(out, expected, **cases.tolerance(dtype))
   if with_reference:
-    reference = ragged_paged_attention_reference(*case.jax_args(), sm_scale=scale)
+    if variants.get("sinks") is not None:
+      variants = dict(variants, sinks=jnp.asarray(variants["sinks"]))
+    reference = ragged_paged_attention_reference(*case.jax_args(), sm_scale=scale, **variants)
     np.testing.assert_allclose(out, np.asarray(reference.astype(jnp.float32)),
                                **cases.tolerance(dtype))
   live_rows = int(case.cu_q_lens[case.num_seqs])
@@ -276,27 +290,334 @@ def test_zero_tokens():
 
 
 def test_public_entry_point():
-  case = _mixed_case(9, dtype=jnp.float32, block_size=8, group=1, head_dim=64)
+  # paged_attention(impl="pallas_tpu") hands every variant to the kernel (window, cap and a
+  # traced sinks array); the plain path also runs in tests/sharding.
+  case = _mixed_case(9, dtype=jnp.float32, block_size=8, group=2, head_dim=64)
   q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs = case.jax_args()
+  variants = _variant(case, "all", 9)
 
-  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs):
+  def attend(q, k_pages, v_pages, layer, kv_lens, tables, cu_q_lens, num_seqs, sinks):
     cache = paged_jax.KVCache(k_pages=k_pages, v_pages=v_pages)
     return paged_jax.paged_attention(q, cache, layer, kv_lens, tables, cu_q_lens, num_seqs,
+                                     sliding_window=variants["sliding_window"],
+                                     soft_cap=variants["soft_cap"], sinks=sinks,
                                      impl="pallas_tpu", interpret=True)
 
   out = _call_fast("public", attend, q, k_pages, v_pages, jnp.int32(layer), kv_lens, tables,
-                   cu_q_lens, num_seqs)
-  _check(case, out, 64 ** -0.5, with_reference=True)
+                   cu_q_lens, num_seqs, jnp.asarray(variants["sinks"]))
+  _check(case, out, 64 ** -0.5, with_reference=True, **variants)
+
+
+# --- Attention variants: sliding window, soft cap, sinks; K/V given as storage bits. ---
+
+def _variant(case: cases.Case, name: str, seed: int) -> dict:
+  """The kwargs of ``name`` in the shared variants grid, sized to the case's context."""
+  context = int(case.kv_lens_S[:case.num_seqs].max())
+  return dict(cases.variant_grid(context, case.num_q_heads, seed))[name]
+
+
+def _variant_id(params):
+  name, dtype, block_size, group, head_dim, storage = params
+  bits = "-bits" if storage else ""
+  return f"{name}-{jnp.dtype(dtype).name}{bits}-Z{block_size}-G{group}-D{head_dim}"
+
+
+# (variant, dtype, Z, G, D, pages as storage bits). The default run: window 1 and a smaller
+# window with the cap and with sinks, head dims 128 and 256, bf16 K/V given as uint16 bits
+# with kv_dtype=bfloat16 (test_public_entry_point adds every variant at once in float32).
+_VARIANT_QUICK = [
+    ("window1_sinks", jnp.bfloat16, 16, 1, 128, True),
+    ("window_cap", jnp.bfloat16, 8, 8, 256, True),
+]
+_VARIANT_SHAPES = [
+    (jnp.float32, 8, 1, 64, False), (jnp.bfloat16, 16, 4, 128, True),
+    (jnp.float32, 8, 8, 256, False), (jnp.bfloat16, 32, 1, 256, True),
+    (jnp.float32, 16, 4, 128, False), (jnp.bfloat16, 8, 8, 64, False),
+]
+_VARIANT_NAMES = [name for name, _ in cases.variant_grid(10, 1)]
+_VARIANT_FULL = [p for p in ((name,) + shape for shape in _VARIANT_SHAPES
+                             for name in _VARIANT_NAMES) if p not in _VARIANT_QUICK]
+
+
+def _check_variant(params):
+  name, dtype, block_size, group, head_dim, storage = params
+  seed = sum(ord(c) for c in _variant_id(params))
+  case = _mixed_case(seed, dtype=dtype, block_size=block_size, group=group,
+                     head_dim=head_dim)
+  variants = _variant(case, name, seed)
+  out, scale = _run(case, storage=storage, **variants)
+  _check(case, out, scale, with_reference=True, **variants)
+  # The variant changed the answer: the comparison above tells it apart from plain causal.
+  plain = cases.oracle(case, scale)
+  if name != "window_large" and name != "window_eq":
+    assert np.abs(np.asarray(out.astype(jnp.float32)) - plain).max() > 0.05
+
+
+@pytest.mark.parametrize("params", _VARIANT_QUICK, ids=_variant_id)
+def test_variants_match_oracle(params):
+  _check_variant(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _VARIANT_FULL, ids=_variant_id)
+def test_variants_match_oracle_full_grid(params):
+  _check_variant(params)
+
+
+def _hand_case(k_rows_JD, v_rows_JD, q_HD, *, sm_scale=1.0, **variants):
+  """One sequence holding len(k_rows) keys in physical block 1 (block 0 and the page's other
+  slots NaN), one query row at its last position, one padding row; one KV head."""
+  kv_len, head_dim = np.shape(k_rows_JD)
+  block_size = 8
+  k_pages = np.full((1, 1, 2, block_size, head_dim), np.nan, np.float32)
+  v_pages = np.full((1, 1, 2, block_size, head_dim), np.nan, np.float32)
+  k_pages[0, 0, 1, :kv_len] = k_rows_JD
+  v_pages[0, 0, 1, :kv_len] = v_rows_JD
+  q_THD = np.zeros((2,) + np.shape(q_HD), np.float32)
+  q_THD[0] = q_HD
+  sinks = variants.pop("sinks", None)
+  statics = dict(sm_scale=sm_scale, interpret=True, **variants)
+  args = (jnp.asarray(q_THD), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.int32(0),
+          jnp.array([kv_len], jnp.int32), jnp.array([[1, 0]], jnp.int32),
+          jnp.array([0, 1], jnp.int32), jnp.int32(1))
+  if sinks is None:
+    kernel = functools.partial(tpu_kernel.ragged_paged_attention, **statics)
+  else:
+    def kernel(*a):
+      return tpu_kernel.ragged_paged_attention(*a[:-1], sinks=a[-1], **statics)
+    args += (jnp.asarray(sinks, jnp.float32),)
+  out = np.asarray(_call_fast(("hand",) + tuple(sorted(statics.items())), kernel, *args))
+  np.testing.assert_array_equal(out[1], 0.0)
+  return out[0]
+
+
+def test_hand_computed_window_hides_one_key():
+  # Three keys at positions 0, 1, 2, all zero: every score is 0. The query sits at
+  # position 2; sliding_window=2 lets it see positions 1 and 2 (2 - 2 < k <= 2) and hides
+  # exactly key 0. Weights 1/2, 1/2: out = (v1 + v2) / 2 = (3 + 5) / 2 = 4, where the
+  # plain causal answer is (1 + 3 + 5) / 3 = 3.
+  head_dim = 64
+  k = np.zeros((3, head_dim))
+  v = np.array([1.0, 3.0, 5.0])[:, None] * np.ones((3, head_dim))
+  out = _hand_case(k, v, np.ones((1, head_dim)), sliding_window=2)
+  np.testing.assert_allclose(out, 4.0, rtol=1e-6)
+
+
+def test_hand_computed_cap_changes_the_argmax():
+  # sm_scale 1, q = e0; k0 = 10 e0, k1 = 0: scores 10 and 0. v0 = e0, v1 = 3 e1.
+  # Uncapped: w1 = 1 / (1 + e^10) = 4.5e-5, out = (0.99995, 1.4e-4): argmax dimension 0.
+  # soft_cap=1: scores tanh(10) = 0.99999999 and tanh(0) = 0, w0 = 1 / (1 + e^-tanh(10))
+  # = 0.7311, w1 = 0.2689, out = (0.7311, 3 * 0.2689 = 0.8068): argmax dimension 1.
+  head_dim = 64
+  e = np.eye(head_dim)
+  w0 = 1.0 / (1.0 + math.exp(-math.tanh(10.0)))
+  out = _hand_case(np.stack([10 * e[0], 0 * e[0]]), np.stack([e[0], 3 * e[1]]), e[:1],
+                   soft_cap=1.0)
+  expected = np.zeros(head_dim)
+  expected[0], expected[1] = w0, 3 * (1 - w0)
+  np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+  assert int(np.argmax(out[0])) == 1
+
+
+def test_hand_computed_sink_takes_half_the_mass():
+  # Two keys, both scores 0 (k = 0): sum_k exp(s_k) = 2. Query head 0 has sink log 2:
+  # exp(sink) = 2 takes 2 / (2 + 2) = half the mass, each key 1/4, out = (1 + 3) / 4 = 1
+  # (no sink: 2). Query head 1 (same KV head, G = 2) has sink log 6: each key 1/8,
+  # out = 4 / 8 = 0.5, so each head uses its own sinks[h].
+  head_dim = 64
+  k = np.zeros((2, head_dim))
+  v = np.array([1.0, 3.0])[:, None] * np.ones((2, head_dim))
+  out = _hand_case(k, v, np.ones((2, head_dim)), sinks=np.log([2.0, 6.0]))
+  np.testing.assert_allclose(out[0], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(out[1], 0.5, rtol=1e-6)
+
+
+# --- Cost follows the window: the pages the kernel copies, counted in interpret mode. ---
+
+def _pages_in_windows(case: cases.Case, items_FW, *, q_tile, window):
+  """``{(item, page)}`` each item needs, from its rows one by one: the pages holding some
+  position k with p - W < k <= p (k >= 0) for a row at position p (no window: k <= p)."""
+  block_size = case.k_pages_LKNZD.shape[3]
+  needed = set()
+  for w in range(items_FW.shape[1]):
+    seq, tile, lo, hi = (int(items_FW[f, w]) for f in (
+        tpu_ragged._SEQ, tpu_ragged._TILE, tpu_ragged._ROW_LO, tpu_ragged._ROW_HI))
+    q_len = int(case.cu_q_lens[seq + 1] - case.cu_q_lens[seq])
+    for row in range(tile * q_tile + lo, tile * q_tile + hi):
+      pos = int(case.kv_lens_S[seq]) - q_len + row - int(case.cu_q_lens[seq])
+      first = 0 if window is None else max(0, pos - window + 1)
+      needed |= {(w, k // block_size) for k in range(first, pos + 1)}
+  return needed
+
+
+def _window_case(seed):
+  # Decode at position 69 of 70 (a window of 10 needs pages 7, 8 of 9), a chunk at
+  # positions 44..49 (pages 4..6), q_len 0, a full prefill of 12 and a decode at 32.
+  case = cases.make_case(seed, q_lens=[1, 6, 0, 12, 1], kv_lens=[70, 50, 7, 12, 33],
+                         num_kv_heads=2, group=2, head_dim=64, block_size=8)
+  return _with_out_of_range_entries(case, seed + 1)
+
+
+@pytest.mark.parametrize("window", [10, pytest.param(None, marks=pytest.mark.slow)])
+def test_copies_exactly_the_pages_in_the_windows(window):
+  case = _window_case(21)
+  tiling = _TILING
+  statics = dict(sm_scale=0.125, sliding_window=window, tiling=tiling, interpret=True)
+  out, log_KWP, items_FW = _call_fast(
+      ("page_log",) + tuple(sorted(statics.items())),
+      functools.partial(tpu_ragged.ragged_paged_attention_page_log, **statics),
+      *case.jax_args())
+  _check(case, out, 0.125, sliding_window=window)
+  log_KWP, items_FW = np.asarray(log_KWP), np.asarray(items_FW)
+  needed = _pages_in_windows(case, items_FW, q_tile=tiling.q_tile, window=window)
+  # Every KV head copies each needed page of each item exactly once, and nothing else.
+  expected_WP = np.zeros(log_KWP.shape[1:], np.int32)
+  for w, page in needed:
+    expected_WP[w, page] = 1
+  for kv_head in range(log_KWP.shape[0]):
+    np.testing.assert_array_equal(log_KWP[kv_head], expected_WP)
+  if window is not None:  # the decode at position 69 reads 2 of its 9 pages
+    seq_W = items_FW[tpu_ragged._SEQ]
+    live_W = items_FW[tpu_ragged._ROW_HI] > items_FW[tpu_ragged._ROW_LO]
+    decode_w = int(np.flatnonzero((seq_W == 0) & live_W)[0])
+    assert np.flatnonzero(log_KWP[0, decode_w]).tolist() == [7, 8]
+
+
+@pytest.mark.slow
+def test_window_no_races_and_no_out_of_bounds_reads():
+  # The chained prefetch with items starting at their window's first page: no DMA races,
+  # no out-of-bounds read, uninitialised VMEM as NaN; every variant on.
+  case = _window_case(23)
+  params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
+                                 uninitialized_memory="nan", num_cores_or_threads=2)
+  variants = dict(sliding_window=10, soft_cap=3.0, sinks=cases.make_sinks(23, 4))
+  try:
+    out, scale = _run(case, interpret=params, **variants)
+    out.block_until_ready()
+    assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+  _check(case, out, scale, **variants)
+
+
+def test_work_items_start_at_the_first_window_page():
+  # Pure metadata: the first page of an item is (p - W + 1) // Z for its first row's
+  # position p, clipped at 0; chunks count pages from there.
+  block_size, pages_per_chunk, window = 16, 4, 256
+  kv_lens, cu_q_lens = np.array([8192, 300, 1000], np.int32), np.array([0, 1, 33, 33])
+  work_items = jax.jit(functools.partial(
+      tpu_ragged._work_items, num_tokens=33, q_tile=8, block_size=block_size,
+      pages_per_chunk=pages_per_chunk, blocks_per_seq=512, sliding_window=window))
+  items = work_items(jnp.asarray(kv_lens), jnp.asarray(cu_q_lens, jnp.int32), jnp.int32(3))
+  f = np.asarray(items[0]).reshape(tpu_ragged._NUM_FIELDS, -1)
+  # Item 0: the decode at 8191 -> first page (8191 - 255) // 16 = 496, horizon 8192 -> 512
+  # pages, 16 pages = 4 chunks. Item 1: rows 1..7 of sequence 1 (positions 268..274):
+  # first page (268 - 255) // 16 = 0, horizon 275 -> 18 pages = 5 chunks.
+  assert f[tpu_ragged._FIRST_PAGE, 0] == 496 and f[tpu_ragged._CHUNKS, 0] == 4
+  assert f[tpu_ragged._FIRST_PAGE, 1] == 0 and f[tpu_ragged._CHUNKS, 1] == 5
+  # Item 4 (tile 3, rows 24..31 of sequence 1, positions 291..298): (291 - 255) // 16 = 2,
+  # horizon 299 -> 19 pages: 17 pages = 5 chunks.
+  assert f[tpu_ragged._TILE, 4] == 3 and f[tpu_ragged._FIRST_PAGE, 4] == 2
+  assert f[tpu_ragged._CHUNKS, 4] == 5
+
+
+# --- Variant validation (trace time, no compile). ---
+
+def _tiny_args(kv_dtype=None, pages_dtype=jnp.float32):
+  q = jnp.zeros((4, 2, 64), jnp.float32)
+  pages = jnp.zeros((1, 2, 4, 8, 64), pages_dtype)
+  return (q, pages, pages, 0, jnp.ones((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32),
+          jnp.array([0, 1, 2], jnp.int32), jnp.int32(2))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sliding_window=0), "sliding_window"), (dict(sliding_window=-3), "sliding_window"),
+    (dict(sliding_window=2.0), "sliding_window"), (dict(sliding_window=True), "sliding_window"),
+    (dict(soft_cap=0.0), "soft_cap"), (dict(soft_cap=-1.0), "soft_cap"),
+    (dict(soft_cap=float("inf")), "soft_cap"), (dict(soft_cap=float("nan")), "soft_cap"),
+    (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks"),
+    (dict(sinks=jnp.zeros((2,), jnp.bfloat16)), "sinks"),
+    (dict(kv_dtype=jnp.int8), "kv_dtype"),
+    (dict(kv_dtype=jnp.bfloat16), "k_pages"),  # float32 pages are not bf16 storage bits
+])
+def test_rejects_bad_variants(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tpu_kernel.ragged_paged_attention(*_tiny_args(), sm_scale=1.0, interpret=True, **kwargs)
+
+
+def test_rejects_storage_bits_without_kv_dtype():
+  with pytest.raises(ValueError, match="k_pages"):
+    tpu_kernel.ragged_paged_attention(*_tiny_args(pages_dtype=jnp.uint16), sm_scale=1.0,
+                                      interpret=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tiling_fits_vmem_at_every_head_dim(head_dim):
+  # Every block size 8..128, bf16 and f32, GQA 1..16, decode to long prefill: the default
+  # tiling passes the VMEM check (the estimate counts every variant's buffers).
+  for block_size in (8, 16, 32, 64, 128):
+    for group in (1, 2, 4, 8, 16):
+      for num_tokens, num_seq_rows in ((1, 1), (128, 128), (512, 4), (8192, 1)):
+        tiling = tpu_kernel.default_tiling(num_tokens, num_seq_rows, 8 * group, 8,
+                                           block_size, 8192 // block_size)
+        for itemsize in (2, 4):
+          sizes = dict(group=group, block_size=block_size, head_dim=head_dim,
+                       q_itemsize=itemsize, kv_itemsize=itemsize)
+          tiling.check(**sizes)
+          assert tiling.vmem_bytes(**sizes) <= tpu_ragged._VMEM_BUDGET_BYTES // 2
+
+
+# --- Lowering for real TPUs with the variants on (no TPU needed). ---
+
+_MODEL_SHAPES = {  # (H, K, D)
+    "llama3_8b": (32, 8, 128), "gemma3": (8, 4, 256), "gpt_oss": (64, 8, 64)}
+_VARIANTS_ON = {
+    "window": dict(sliding_window=128), "cap": dict(soft_cap=30.0),
+    "sinks": dict(sinks=True), "all": dict(sliding_window=128, soft_cap=30.0, sinks=True)}
+
+
+# The default run lowers every model with all variants on; one at a time is slow.
+_EXPORT_VARIANTS = [
+    (model, variant) if variant == "all" else pytest.param(model, variant,
+                                                           marks=pytest.mark.slow)
+    for model in _MODEL_SHAPES for variant in _VARIANTS_ON]
+
+
+@pytest.mark.parametrize("model,variant", _EXPORT_VARIANTS)
+def test_lowers_for_tpu_with_variants(model, variant):
+  # bf16 pools given as uint16 storage bits with kv_dtype=bfloat16; a mixed batch of 64
+  # rows over 8 sequences, 16-token pages.
+  num_q_heads, num_kv_heads, head_dim = _MODEL_SHAPES[model]
+  num_tokens, num_seq_rows, block_size, blocks_per_seq = 64, 8, 16, 64
+  spec = jax.ShapeDtypeStruct
+  pages = spec((2, num_kv_heads, 512, block_size, head_dim), jnp.uint16)
+  args = (spec((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages,
+          spec((), jnp.int32), spec((num_seq_rows,), jnp.int32),
+          spec((num_seq_rows, blocks_per_seq), jnp.int32),
+          spec((num_seq_rows + 1,), jnp.int32), spec((), jnp.int32),
+          spec((num_q_heads,), jnp.float32))
+  variants = dict(_VARIANTS_ON[variant])
+  with_sinks = variants.pop("sinks", False)
+
+  def attend(*a):
+    return tpu_kernel.ragged_paged_attention(*a[:-1], sinks=a[-1] if with_sinks else None,
+                                             sm_scale=head_dim ** -0.5,
+                                             kv_dtype=jnp.bfloat16, **variants)
+
+  exported = export.export(jax.jit(attend), platforms=["tpu"])(*args)
+  assert "tpu_custom_call" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
+  assert exported.out_avals[0].dtype == jnp.bfloat16
 
 
 # --- Work items (jnp metadata, no kernel). ---
 
 @pytest.mark.parametrize("q_tile", [1, 3, 4, 8])
 def test_work_items_cover_every_row_once(q_tile):
-  num_tokens, num_rows, chunk_len = 23, 6, 16
+  num_tokens, num_rows = 23, 6
   work_items = jax.jit(functools.partial(tpu_ragged._work_items, num_tokens=num_tokens,
-                                         q_tile=q_tile, chunk_len=chunk_len,
-                                         kv_capacity=10_000))
+                                         q_tile=q_tile, block_size=8, pages_per_chunk=2,
+                                         blocks_per_seq=1_250))
   for seed in range(10):
     rng = np.random.default_rng(seed)
     num_seqs = int(rng.integers(0, num_rows + 1))
@@ -350,6 +671,7 @@ def test_tiling_rejects_vmem_overflow():
 
 
 @pytest.mark.parametrize("head_dim,block_size,match", [(96, 8, "head_dim"),
+                                                       (320, 8, "head_dim"),
                                                        (64, 12, "block_size")])
 def test_rejects_unsupported_shapes(head_dim, block_size, match):
   q = jnp.zeros((4, 2, head_dim), jnp.float32)

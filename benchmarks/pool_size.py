@@ -1,0 +1,156 @@
+"""Cost against pool size: a call must cost the tokens it touches, never the pool it sits in.
+
+For float32 and bfloat16 pools of 1k, 8k and 32k blocks (2 layers, 2 KV heads, head dim 32,
+blocks of 16 tokens; the 32k bfloat16 pool is 268 MB), times under ``jit``:
+- attention: ``paged_attention(impl="xla")`` of 8 decode rows over 8 sequences of 40 tokens;
+- write: a donated ``cache.write`` of 8 tokens;
+- copy: a donated ``cache.copy_blocks`` of 4 blocks;
+- engine: ``LLM`` tokens/s on 8 requests (prompts of 24 tokens, 32 new tokens each), every
+  device-call shape compiled before the clock starts.
+The same blocks are touched at every pool size (the sequences' blocks are spread over the
+pool). Each figure is the median of ``rounds`` interleaved rounds; the last column of each
+table is largest / smallest pool (goal <= 1.5x).
+
+    python benchmarks/pool_size.py            # writes pool_size_RESULTS_section.md
+    python benchmarks/pool_size.py --quick    # seconds; never writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from paged_jax import LLM, KVCache, KVCacheSpec, SamplingParams, paged_attention  # noqa: E402
+from paged_jax.models import ModelConfig, init_random  # noqa: E402
+from benchmarks.throughput import machine  # noqa: E402
+
+RESULTS_PATH = pathlib.Path(__file__).with_name("pool_size_RESULTS_section.md")
+LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 32, 16
+SEQS, CONTEXT = 8, 40
+MODEL = dict(model_type="llama", vocab_size=256, embed_dim=128, mlp_dim=256,
+             num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+             max_seq_len=512, bos_token_id=1, eos_token_ids=(2,))
+
+
+def _spec(num_blocks, dtype):
+  return KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     block_size=BLOCK, num_blocks=num_blocks, dtype=dtype)
+
+
+def _median_ms(fn, rounds):
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+class Case:
+  """One pool: its cache and the jitted calls, the touched blocks spread over the pool."""
+
+  def __init__(self, num_blocks, dtype):
+    self.dtype = dtype
+    rng = np.random.default_rng(0)
+    pages = -(-CONTEXT // BLOCK)
+    blocks = rng.choice(num_blocks, SEQS * pages, replace=False).astype(np.int32)
+    self.tables = jnp.asarray(blocks.reshape(SEQS, pages))
+    self.kv_lens = jnp.full((SEQS,), CONTEXT, jnp.int32)
+    self.cu = jnp.arange(SEQS + 1, dtype=jnp.int32)
+    self.q = jnp.asarray(rng.normal(size=(SEQS, HEADS, HEAD_DIM)), dtype)
+    self.k = jnp.asarray(rng.normal(size=(SEQS, KV_HEADS, HEAD_DIM)), dtype)
+    self.slots = jnp.asarray(blocks[::pages] * BLOCK + 3, jnp.int32)
+    self.src, self.dst = jnp.asarray(blocks[:4]), jnp.asarray(blocks[4:8])
+    self.cache = KVCache.create(_spec(num_blocks, dtype))
+    self.attend = jax.jit(lambda c, q: paged_attention(
+        q, c, 1, self.kv_lens, self.tables, self.cu, jnp.int32(SEQS), impl="xla"))
+    self.write = jax.jit(lambda c, k: c.write(0, k, k, self.slots), donate_argnums=0)
+    self.copy = jax.jit(lambda c: c.copy_blocks(self.src, self.dst), donate_argnums=0)
+
+  def run_attention(self):
+    return self.attend(self.cache, self.q)
+
+  def run_write(self):
+    self.cache = self.write(self.cache, self.k)
+    return self.cache.k_bits
+
+  def run_copy(self):
+    self.cache = self.copy(self.cache)
+    return self.cache.k_bits
+
+
+def engine_tokens_per_s(num_blocks, dtype, rounds, quick):
+  config = ModelConfig(**MODEL)
+  model = init_random(config, seed=0, dtype=jnp.float32)
+  llm = LLM(model, config, num_blocks=num_blocks, block_size=BLOCK, max_seqs=8,
+            max_tokens_per_step=64, kv_cache_dtype=dtype, compilation_cache=False)
+  llm.precompile()
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(3, 256, 24)] for _ in range(8)]
+  params = SamplingParams(max_tokens=8 if quick else 32, ignore_eos=True)
+  rates = []
+  for _ in range(rounds):
+    llm.reset_stats()
+    llm.generate(prompts, params)
+    rates.append(llm.stats["tokens_per_s"])
+  return statistics.median(rates)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny pools, few rounds; no file")
+  parser.add_argument("--rounds", type=int, default=None, help="rounds per figure (default 7)")
+  args = parser.parse_args(argv)
+  sizes = (256, 1024) if args.quick else (1024, 8192, 32768)
+  rounds = args.rounds or (2 if args.quick else 7)
+  dtypes = (jnp.float32, jnp.bfloat16)
+  rows = {}
+  for dtype in dtypes:
+    cases = {n: Case(n, dtype) for n in sizes}
+    for name in ("attention", "write", "copy"):
+      for case in cases.values():  # compile + warm-up
+        getattr(case, f"run_{name}")()
+      # Interleaved rounds: each pool size measured in turn, so noise hits all alike.
+      per = {n: [] for n in sizes}
+      for _ in range(rounds):
+        for n, case in cases.items():
+          per[n].append(_median_ms(getattr(case, f"run_{name}"), 1))
+      rows[(name, jnp.dtype(dtype).name)] = {n: statistics.median(v) for n, v in per.items()}
+    del cases
+    rows[("engine tokens/s", jnp.dtype(dtype).name)] = {
+        n: engine_tokens_per_s(n, dtype, max(1, rounds // 3), args.quick) for n in sizes}
+  header = ("| what | pool dtype | " + " | ".join(f"{n} blocks" for n in sizes)
+            + " | largest / smallest |")
+  lines = [header, "|" + "---|" * (len(sizes) + 3)]
+  worst = 0.0
+  for (name, dtype), by_size in rows.items():
+    first, last = by_size[sizes[0]], by_size[sizes[-1]]
+    ratio = first / last if name.startswith("engine") else last / first
+    worst = max(worst, ratio)
+    unit = "" if name.startswith("engine") else " ms"
+    lines.append(f"| {name} | {dtype} | " + " | ".join(
+        f"{by_size[n]:.{1 if name.startswith('engine') else 3}f}{unit}" for n in sizes)
+        + f" | {ratio:.2f}x |")
+  table = "\n".join(lines)
+  print(table)
+  print(f"worst growth largest / smallest pool: {worst:.2f}x (goal <= 1.5x)")
+  if not args.quick:
+    command = "python benchmarks/pool_size.py"
+    RESULTS_PATH.write_text(
+        f"## Cost against pool size\n\nCommand: `{command}`\n\nMachine: {machine()}.\n\n"
+        f"{table}\n\nWorst growth from the smallest to the largest pool: {worst:.2f}x "
+        "(engine: smallest / largest tokens/s; the others: largest / smallest time).\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,102 @@
+"""Issue 17's rough edges of a first run: errors that name the file and say what is wrong,
+help texts a terminal shows as they are, the compilation cache's settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+from paged_jax import cli, compile_cache, models
+from tests.models import helpers
+
+
+def _checkpoint(path):
+  hf = helpers.hf_config_dict("llama")
+  tensors = helpers.hf_tensors(models.ModelConfig.from_hf_dict(hf))
+  helpers.write_numpy_checkpoint(path, hf, tensors, shards=1)
+
+
+def test_plan_with_broken_json_names_the_file_and_says_json(tmp_path, capsys):
+  (tmp_path / "config.json").write_text('{"num_hidden_layers": 2,')
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["plan", "--config", str(tmp_path)])
+  assert exc.value.code == 2
+  err = capsys.readouterr().err
+  assert str(tmp_path / "config.json") in err and "not valid JSON" in err
+  assert err.count("\n") == 1, err  # one line, no traceback
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, capsys):
+  _checkpoint(tmp_path)
+  file = tmp_path / "model.safetensors"
+  data = file.read_bytes()
+  file.write_bytes(data[: len(data) - 100])
+  with pytest.raises(ValueError, match="truncated") as exc:
+    models.load_pretrained(tmp_path, dtype=jnp.float32)
+  assert str(file) in str(exc.value)
+  with pytest.raises(SystemExit) as sysexit:
+    cli.main(["run", "--model", str(tmp_path), "--no-progress"])
+  assert sysexit.value.code == 2
+  err = capsys.readouterr().err
+  assert "truncated" in err and str(file) in err and err.count("\n") == 1, err
+
+
+def test_garbage_safetensors_header_is_named(tmp_path):
+  _checkpoint(tmp_path)
+  (tmp_path / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+  with pytest.raises(ValueError, match="not a valid safetensors file"):
+    models.load_pretrained(tmp_path, dtype=jnp.float32)
+
+
+def test_path_to_config_json_is_accepted(tmp_path):
+  _checkpoint(tmp_path)
+  model, config = models.load_pretrained(tmp_path / "config.json", dtype=jnp.float32)
+  assert config.num_layers == helpers.hf_config_dict("llama")["num_hidden_layers"]
+  with pytest.raises(ValueError, match="checkpoint directory"):
+    models.load_pretrained(tmp_path / "model.safetensors")
+
+
+def _parsers(parser):
+  yield parser
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for sub in action.choices.values():
+        yield from _parsers(sub)
+
+
+def test_help_texts_are_plain_and_show_every_default():
+  for parser in _parsers(cli.build_parser()):
+    text = parser.format_help()
+    assert "``" not in text and ":func:" not in text, text
+    for action in parser._actions:
+      if action.option_strings and action.help and action.help is not argparse.SUPPRESS:
+        if action.dest in ("help",):
+          continue
+        assert "default" in action.help, (parser.prog, action.option_strings)
+
+
+def test_max_tokens_without_prompt_is_refused(capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["run", "--max-tokens", "8", "--no-progress"])
+  assert exc.value.code == 2
+  assert "--max-tokens=8 applies to --prompt" in capsys.readouterr().err
+
+
+def test_compilation_cache_settings(tmp_path, monkeypatch):
+  monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache.resolve(True) == tmp_path / "xdg" / "paged_jax" / "jax"
+  assert compile_cache.resolve(False) is None
+  assert compile_cache.resolve(str(tmp_path / "c")) == tmp_path / "c"
+  assert compile_cache.resolve("off") is None
+  monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
+  assert compile_cache.resolve(True) == tmp_path / "env"
+  monkeypatch.setenv(compile_cache.ENV_VAR, "off")
+  assert compile_cache.resolve(True) is None
+  with pytest.raises(ValueError, match="compilation_cache=3"):
+    compile_cache.resolve(3)

@@ -1,0 +1,81 @@
+"""Quantised pools (int8, float8_e4m3fn): memory math with scales, write quantises per token
+and KV head, copy_blocks moves scales with their blocks, padding writes nothing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import KVCache, KVCacheSpec
+from paged_jax.pallas_kernels import layout
+
+QUANTIZED = [jnp.int8, jnp.float8_e4m3fn]
+ids = lambda d: jnp.dtype(d).name
+
+
+def test_block_bytes_count_the_scales_by_hand():
+  # L=2, Z=16, K=4, D=128: int8 stores 128 bytes + a 4-byte scale per token, head, K or V:
+  # 2 * 2 * 16 * 4 * (128 + 4) = 33,792 bytes; bfloat16: 2 * 2 * 16 * 4 * 256 = 65,536.
+  int8 = KVCacheSpec(2, 4, 128, 16, 10, jnp.int8)
+  bf16 = KVCacheSpec(2, 4, 128, 16, 10, jnp.bfloat16)
+  assert int8.block_bytes == 33_792 and bf16.block_bytes == 65_536
+  assert int8.total_bytes == 337_920 and int8.quantized and not bf16.quantized
+  # The same budget holds 65536 / 33792 = 1.94x the blocks.
+  budget = 100 * bf16.block_bytes
+  assert KVCacheSpec.from_budget(budget, 2, 4, 128, 16, jnp.int8).num_blocks == 193
+  assert KVCache.create(int8).nbytes() == int8.total_bytes
+
+
+def test_spec_refuses_other_integer_dtypes():
+  with pytest.raises(ValueError, match="dtype=int16"):
+    KVCacheSpec(1, 1, 8, 4, 4, jnp.int16)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=ids)
+def test_write_quantises_per_token_and_head(dtype):
+  spec = KVCacheSpec(2, 2, 64, 4, 6, dtype)
+  rng = np.random.default_rng(0)
+  # Heads 10x apart, one outlier token: per-token, per-head scales keep every row accurate.
+  k = rng.normal(size=(5, 2, 64)) * np.array([1.0, 10.0])[None, :, None]
+  k[2] *= 50.0
+  v = rng.normal(size=(5, 2, 64))
+  slots = jnp.array([0, 1, 9, 23, -1], jnp.int32)
+  cache = jax.jit(lambda c, k, v: c.write(1, k, v, slots), donate_argnums=0)(
+      KVCache.create(spec), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+  k_pages, v_pages = cache.dequantized()
+  bound = {jnp.dtype(jnp.int8): 0.5 / 127, jnp.dtype(jnp.float8_e4m3fn): 2.0 ** -4}[
+      jnp.dtype(dtype)]
+  for t, slot in enumerate([0, 1, 9, 23]):
+    for x, pages in ((k, k_pages), (v, v_pages)):
+      got = np.asarray(pages[1, :, slot // 4, slot % 4])
+      # Each row's error is bounded by its own amax times the format's step.
+      err = np.abs(got - x[t]).max(axis=-1) / np.abs(x[t]).max(axis=-1)
+      assert (err <= bound * 1.01).all(), (t, err)
+  # Layer 0 and the padding row wrote nothing: bits zero, scales one.
+  assert not np.asarray(cache.k_bits[0]).any() and (np.asarray(cache.k_scales[0]) == 1).all()
+  assert int(jnp.sum(cache.k_scales[1] != 1)) == 4 * 2
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=ids)
+def test_copy_blocks_moves_scales_with_their_blocks(dtype):
+  spec = KVCacheSpec(2, 2, 8, 4, 5, dtype)
+  rng = np.random.default_rng(1)
+  pages = jnp.asarray(rng.normal(size=(2, 2, 5, 4, 8)) * rng.uniform(0.1, 10, (2, 2, 5, 4, 1)),
+                      jnp.float32)
+  cache = KVCache(pages, pages * 3, dtype=dtype)
+  assert cache.k_scales.shape == layout.scales_shape(2, 2, 5, 4)
+  copied = cache.copy_blocks(jnp.array([1, 4, -1], jnp.int32), jnp.array([3, 0, 2], jnp.int32))
+  before_k, before_v = cache.dequantized()
+  after_k, after_v = copied.dequantized()
+  for src, dst in ((1, 3), (4, 0)):
+    np.testing.assert_array_equal(after_k[:, :, dst], before_k[:, :, src])
+    np.testing.assert_array_equal(after_v[:, :, dst], before_v[:, :, src])
+  np.testing.assert_array_equal(after_k[:, :, 2], before_k[:, :, 2])  # NO_BLOCK pair: no copy
+
+
+def test_cache_from_bits_needs_its_scales():
+  bits = jnp.zeros((1, 1, 2, 4, 8), jnp.int8)
+  with pytest.raises(ValueError, match="k_scales and v_scales are required"):
+    KVCache(bits, bits, dtype=jnp.int8, k_scales=jnp.ones((1, 1, 2, 4)))
