@@ -90,6 +90,15 @@ class _Primitives:
       return lax.broadcasted_iota(jnp.int32, shape, dimension)
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=layout_)
 
+  def scale_row(self, scales_ref, index, offset, size):
+    """``size`` float32 scalars ``scales_ref[*index, offset:offset + size]``: scalar loads
+    from global memory on the GPU (a page's scale row is too short for a TMA copy when
+    Z < 32); one vector read in interpret mode, where every access is a host callback."""
+    if self.interpret:
+      row = scales_ref[(*index, pl.ds(offset, size))]
+      return [row[u] for u in range(size)]
+    return [scales_ref[(*index, offset + u)] for u in range(size)]
+
   def scores(self, q_refs, k_refs, shape):
     """``sum_{(i, j)} q_i @ k_j^T`` float32 [M, J] over the piece pairs."""
     pairs = _PIECE_PAIRS[len(q_refs)]
@@ -246,17 +255,26 @@ def _kernel(*refs, cfg: KernelConfig):
       valid_J = valid_J & ((copy_J != r) | read)
     return pos_J, valid_J
 
-  def load_values(raw_ref, scales_ref, c, info):
-    """A [J, D] tile as float32/compute values: storage bits bitcast back, quantised
-    values times their per-token scale."""
+  def load_values(raw_ref, scales_ref, info):
+    """A [J, D] tile as compute values: storage bits bitcast back; quantised values
+    (int8, float8) times their per-token float32 scale, in float32."""
     values = layout.from_storage(raw_ref[...], cfg.kv_dtype)
     if scales_ref is None:
       return values.astype(compute_dtype)
-    del scales_ref, c, info  # quantised tiles: see ``_stage_scales``
-    raise NotImplementedError
+    # One scale per row (position) of the tile: the rows of copy r are the positions
+    # [offset, offset + U) of its page. A page that was not read reads block 0's scales
+    # (its rows never count).
+    row_J = prims.iota((chunk,), 0, row_layout)
+    scale_J = prims.layout_cast(jnp.ones((chunk,), jnp.float32), row_layout)
+    for r, (read, page_id, offset) in enumerate(info):
+      row_scales = prims.scale_row(scales_ref, (layer, kv_head, jnp.where(read, page_id, 0)),
+                                   offset, unit)
+      for u, scale in enumerate(row_scales):
+        scale_J = jnp.where(row_J == r * unit + u, scale, scale_J)
+    return values.astype(jnp.float32) * lax.broadcast_in_dim(scale_J, values.shape, [0])
 
   def stage(raw_ref, op_ref, scales_ref, c, info, *, zero_invalid_rows):
-    values_JD = load_values(raw_ref, scales_ref, c, info)
+    values_JD = load_values(raw_ref, scales_ref, info)
     if zero_invalid_rows:
       _, valid_J = valid_positions(c, info, row_layout)
       valid_JD = lax.broadcast_in_dim(valid_J, values_JD.shape, [0])

@@ -21,12 +21,11 @@ from paged_jax.pallas_kernels.mosaic_gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
 
 _MMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn),
-                     jnp.dtype(jnp.float8_e5m2))
 
 
 def _dtypes(q_dtype, pages_dtype, kv_dtype, quantized):
-  """``(compute_dtype, mma_dtype, pieces)``: float32 computes as three bfloat16 pieces."""
+  """``(compute_dtype, mma_dtype, pieces)``: float32 computes as three bfloat16 pieces.
+  Quantised pages (dequantised to float32 in the kernel) compute in q's dtype."""
   logical = jnp.dtype(kv_dtype if kv_dtype is not None else pages_dtype)
   if quantized:
     compute = jnp.dtype(q_dtype)
@@ -37,8 +36,9 @@ def _dtypes(q_dtype, pages_dtype, kv_dtype, quantized):
   return jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), 3
 
 
-def operand_plan(q_dtype, pages_dtype, *, kv_dtype=None, quantized=False) -> OperandPlan:
+def operand_plan(q_dtype, pages_dtype, *, kv_dtype=None) -> OperandPlan:
   """How K/V tiles reach the tensor cores for these dtypes (see ``OperandPlan``)."""
+  quantized = layout.is_quantized(kv_dtype)
   _, mma_dtype, pieces = _dtypes(q_dtype, pages_dtype, kv_dtype, quantized)
   staged = pieces > 1 or quantized or jnp.dtype(pages_dtype) != mma_dtype
   return OperandPlan(storage_itemsize=jnp.dtype(pages_dtype).itemsize,
@@ -52,7 +52,8 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
   """The shared shape and variant checks plus what this kernel needs; raises
   ``ValueError``."""
   validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    k_scales=k_scales, v_scales=v_scales)
   if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating)):
     raise ValueError(f"sm_scale={sm_scale!r} must be a static float")
   if tiling is not None and not isinstance(tiling, MosaicTiling):
@@ -64,14 +65,12 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
 
 
 def default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
-                       quantized: bool = False,
                        sliding_window: int | None = None) -> MosaicTiling:
   """``tiling.default_tiling`` for these arguments' shapes and dtypes."""
   num_tokens, num_q_heads, head_dim = q_THD.shape
   dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
-  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype,
-                      quantized=quantized)
+  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype)
   return tiling_lib.default_tiling(
       num_tokens=num_tokens, num_seq_rows=num_seq_rows, num_kv_heads=dims["K"],
       group=num_q_heads // dims["K"], block_size=dims["Z"], head_dim=head_dim,
@@ -105,8 +104,9 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
       denominator, with no value.
     kv_dtype: the logical K/V dtype when the pages hold its storage bits
       (``layout.to_storage``); None when they hold it already.
-    k_scales, v_scales: f32[L, K, N, Z] per-token scales of quantised (int8 / float8)
-      pages, or None.
+    k_scales, v_scales: f32[L, K, N, Z] per-token scales of quantised pages
+      (``kv_dtype`` int8 / float8, ``layout.quantize``), None otherwise: each loaded tile is
+      dequantised in the kernel (``value = stored * scale``).
     tiling: static ``MosaicTiling``; ``None`` derives it from the shapes.
     interpret: run the kernel in the Mosaic GPU interpret mode (CPU).
 
@@ -124,7 +124,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                   kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
-  quantized = k_scales is not None
+  quantized = layout.is_quantized(kv_dtype)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
   num_kv_heads, block_size = dims["K"], dims["Z"]
@@ -134,11 +134,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     return jnp.zeros_like(q_THD)
   if sliding_window is not None and sliding_window >= blocks_per_seq * block_size:
     sliding_window = None  # wider than any sequence: no key is ever hidden by it
-  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype,
-                      quantized=quantized)
+  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype)
   if tiling is None:
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
-                                quantized=quantized, sliding_window=sliding_window)
+                                sliding_window=sliding_window)
   tiling.check_shapes(group=group, block_size=block_size, head_dim=head_dim, plan=plan)
   _, mma_dtype, pieces = _dtypes(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype, quantized)
   rows = tiling_lib.packed_rows(tiling.q_tile, group)

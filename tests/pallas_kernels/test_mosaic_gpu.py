@@ -293,6 +293,85 @@ def test_invalid_block_ids_read_nothing():
                              np.asarray(ref[1:4].astype(jnp.float32)), rtol=2e-2, atol=2e-2)
 
 
+# --- Quantised pools (int8, float8_e4m3fn with per-token float32 scales). ---
+
+def _check_quantized(case, kv_dtype, variant=(), *, q_dtype, tiling=None):
+  """The kernel on quantised pools (``layout.quantize`` of the case's pages, in the
+  kernel's storage dtype, with their scales) against the reference and the oracle on the
+  dequantised float32 pools: the kernel must dequantise exactly what it loads."""
+  variant = dict(variant)
+  args = list(case.jax_args())
+  k_bits, k_scales = layout.quantize(args[1], kv_dtype)
+  v_bits, v_scales = layout.quantize(args[2], kv_dtype)
+  assert k_bits.dtype == layout.storage_dtype(kv_dtype)
+  k_deq = layout.dequantize(k_bits, k_scales, kv_dtype)
+  v_deq = layout.dequantize(v_bits, v_scales, kv_dtype)
+  q = args[0].astype(q_dtype)
+  sm_scale = case.q_THD.shape[-1] ** -0.5
+  out = _interpret_run([q, k_bits, v_bits, *args[3:]], sm_scale=sm_scale, kv_dtype=kv_dtype,
+                       k_scales=k_scales, v_scales=v_scales, tiling=tiling,
+                       **_kwargs(variant))
+  assert out.dtype == q.dtype
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(out))
+  tol = TOLERANCE[jnp.dtype(q_dtype).name]
+  ref = ragged_paged_attention_reference(q.astype(jnp.float32), k_deq, v_deq, *args[3:],
+                                         sm_scale=sm_scale, **_kwargs(variant))
+  np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+  deq_case = dataclasses.replace(case, q_THD=np.asarray(q.astype(jnp.float32)),
+                                 k_pages_LKNZD=np.asarray(k_deq),
+                                 v_pages_LKNZD=np.asarray(v_deq))
+  oracle = attention_cases.oracle(deq_case, sm_scale, **variant)
+  np.testing.assert_allclose(out, oracle, rtol=tol, atol=tol)
+  live_rows = int(case.cu_q_lens[case.num_seqs])
+  np.testing.assert_array_equal(out[live_rows:], 0.0)
+
+
+@needs_interpret
+def test_quantized_int8_matches_reference():
+  # int8 pages with bf16 queries, every page of a chunk its own copy (Z = 16), split in 2.
+  case = _case(41, dtype=jnp.float32, group=4, head_dim=128, block_size=16)
+  _check_quantized(case, jnp.int8, _named_variant(case, "window_cap"), q_dtype=jnp.bfloat16,
+                   tiling=MosaicTiling(q_tile=4, chunk_size=64, num_splits=2, num_stages=2))
+
+
+QUANTIZED_GRID = tuple(
+    (kv_dtype, q_dtype, group, head_dim, block_size)
+    for kv_dtype in ("int8", "float8_e4m3fn") for q_dtype in ("bfloat16", "float32")
+    for group, head_dim, block_size in ((1, 64, 8), (4, 128, 32), (8, 256, 128), (2, 64, 64))
+    if not (q_dtype == "float32" and head_dim == 256))
+
+
+@needs_interpret
+@pytest.mark.slow
+@pytest.mark.parametrize("params", QUANTIZED_GRID, ids=lambda p: "-".join(map(str, p)))
+def test_quantized_full_grid(params):
+  kv_dtype, q_dtype, group, head_dim, block_size = params
+  case = _case(43 + group + block_size, dtype=jnp.float32, group=group, head_dim=head_dim,
+               block_size=block_size, num_kv_heads=2)
+  _check_quantized(case, jnp.dtype(kv_dtype), q_dtype=jnp.dtype(q_dtype))
+
+
+@needs_interpret
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ("all", "window1_sinks"))
+@pytest.mark.parametrize("kv_dtype", ("int8", "float8_e4m3fn"))
+def test_quantized_variants_split_k(kv_dtype, variant):
+  case = _case(47, dtype=jnp.float32, group=4, head_dim=64, block_size=16,
+               q_lens=[1, 9, 1], kv_lens=[300, 250, 7])
+  _check_quantized(case, jnp.dtype(kv_dtype), _named_variant(case, variant),
+                   q_dtype=jnp.bfloat16,
+                   tiling=MosaicTiling(q_tile=4, chunk_size=64, num_splits=3, num_stages=2))
+
+
+def test_quantized_pools_need_their_scales():
+  args = list(_small_args())
+  bits = jnp.zeros(args[1].shape, jnp.int8)
+  with pytest.raises(ValueError, match="k_scales"):
+    mosaic_gpu.ragged_paged_attention(args[0], bits, bits, *args[3:], sm_scale=0.1,
+                                      kv_dtype=jnp.int8)
+
+
 # --- Work items, the merge, float32 pieces (jnp, no kernel). ---
 
 def test_items_cover_each_live_row_once():
@@ -549,6 +628,33 @@ def test_lowers_for_cuda_at_model_shapes(model, variant):
     pytest.skip("plain lowering: one model in the default run, all in the slow run")
   text = _lower(*model, T=96, S=8, variant=LOWERING_VARIANTS[variant])
   _assert_one_mosaic_kernel(text, jnp.uint16, model[4], model[3])
+
+
+@pytest.mark.parametrize("kv_dtype", [
+    "int8", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", [
+    MODEL_SHAPES[0], *(pytest.param(m, marks=pytest.mark.slow) for m in MODEL_SHAPES[1:])],
+    ids=[row[0] for row in MODEL_SHAPES])
+def test_quantized_lowers_for_cuda(model, kv_dtype):
+  name, H, K, D, Z = model
+  kv_dtype = jnp.dtype(kv_dtype)
+  T, S, num_blocks, num_layers = 96, 8, 256, 2
+  storage = layout.storage_dtype(kv_dtype)
+  pages = jax.ShapeDtypeStruct((num_layers, K, num_blocks, Z, D), storage)
+  scales = jax.ShapeDtypeStruct(layout.scales_shape(num_layers, K, num_blocks, Z), jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = [jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), pages, pages, i32(), i32(S),
+          i32(S, 64), i32(S + 1), i32(), scales, scales]
+  f = lambda *a: mosaic_gpu.ragged_paged_attention(
+      *a[:8], k_scales=a[8], v_scales=a[9], sm_scale=D ** -0.5, kv_dtype=kv_dtype,
+      sliding_window=128, soft_cap=50.0)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+  mosaic = [line for line in calls if "@mosaic_gpu" in line]
+  assert len(mosaic) == 1 and not any("triton" in line for line in calls)
+  suffix = {jnp.dtype(jnp.int8): "i8", jnp.dtype(jnp.uint8): "ui8"}[jnp.dtype(storage)]
+  assert mosaic[0].count(f"x{Z}x{D}x{suffix}>") >= 2  # the quantised pools, as stored
+  assert mosaic[0].count(f"x{Z}xf32>") >= 2          # and their scales
 
 
 @pytest.mark.slow
