@@ -5,7 +5,7 @@ item's M packed query rows of KV head k in shared memory and walks its share of 
 KV range ``[begin, horizon)`` one chunk of J positions at a time:
 
 - Pages come in through the block table by TMA into a ring of ``num_stages`` chunk
-  buffers, one copy of K and one of V per unit of U = min(Z, J) positions (J / Z whole
+  buffers, one copy of K and one of V per copy unit of min(Z, J) positions (J / Z whole
   pages, or part of one page when Z > J); every unit has its own barrier (both of its
   copies arrive there), so pages past the item's horizon, or with an id outside the pool,
   are neither copied nor waited for. Chunk c + S is issued as soon as chunk c's buffer is free:
@@ -176,19 +176,20 @@ def _kernel(*refs, cfg: KernelConfig):
   qbase_ref = refs.pop(0)       # i32[W] position of slot 0 of the item's tile
   lo_ref = refs.pop(0)          # i32[W] first live slot
   hi_ref = refs.pop(0)          # i32[W] end of the live slots
-  tables_ref = refs.pop(0)      # i32[S, P + J / U] block tables, padded
+  tables_ref = refs.pop(0)      # i32[S, P + copies per chunk] block tables, padded
   sinks_ref = refs.pop(0) if cfg.has_sinks else None   # f32[H]
-  q_ref = refs.pop(0)           # [pieces, W, K, M, D] packed queries (mma dtype)
+  q_hbm_refs = [refs.pop(0) for _ in range(cfg.plan.pieces)]  # [W, K, M, D] each: packed
+                                # queries (mma dtype), one array per piece
   k_pages_ref = refs.pop(0)     # [L, K, N, Z, D] whole pool, storage dtype
   v_pages_ref = refs.pop(0)
   k_scales_ref = refs.pop(0) if cfg.quantized else None   # f32[L, K, N, Z]
   v_scales_ref = refs.pop(0) if cfg.quantized else None
   # Output
-  out_ref = refs.pop(0)         # f32[X, W, K, Mo, D] normalised partial outputs
-  lse_ref = refs.pop(0)         # f32[X, W, K, Ml] log-sum-exp, -inf where nothing seen
+  out_ref = refs.pop(0)         # f32[X, W, K, M, D] normalised partial outputs (M: Q*G to 8)
+  lse_ref = refs.pop(0)         # f32[X, W, K, M] log-sum-exp, -inf where nothing seen
   assert not refs
 
-  pieces, rows, head_dim = q_ref.shape[0], q_ref.shape[3], q_ref.shape[4]
+  pieces, rows, head_dim = len(q_hbm_refs), q_hbm_refs[0].shape[2], q_hbm_refs[0].shape[3]
   num_blocks, block_size = k_pages_ref.shape[2], k_pages_ref.shape[3]
   num_stages, chunk = t.num_stages, t.chunk_size
   unit = min(block_size, chunk)        # positions per page copy
@@ -218,7 +219,7 @@ def _kernel(*refs, cfg: KernelConfig):
   qpos_M = jnp.where(row_live_M, qbase_ref[item] + slot_M, -1)
 
   def page_info(c):
-    """``[(read, page_id, offset)] * (J / U)`` of chunk c: whether copy r happens, from
+    """``[(read, page_id, offset)]``, one per copy unit of chunk c: whether copy r happens, from
     which page and at which slot of it."""
     info = []
     for r in range(num_copies):
@@ -262,7 +263,7 @@ def _kernel(*refs, cfg: KernelConfig):
     if scales_ref is None:
       return values.astype(compute_dtype)
     # One scale per row (position) of the tile: the rows of copy r are the positions
-    # [offset, offset + U) of its page. A page that was not read reads block 0's scales
+    # [offset, offset + unit) of its page. A page that was not read reads block 0's scales
     # (its rows never count).
     row_J = prims.iota((chunk,), 0, row_layout)
     scale_J = prims.layout_cast(jnp.ones((chunk,), jnp.float32), row_layout)
@@ -291,7 +292,7 @@ def _kernel(*refs, cfg: KernelConfig):
 
   def main_loop(q_smem, k_raw, v_raw, k_ops, v_ops, q_barrier, page_barriers):
     for i in range(pieces):
-      plgpu.copy_gmem_to_smem(q_ref.at[i, item, kv_head], q_smem.at[i], q_barrier)
+      plgpu.copy_gmem_to_smem(q_hbm_refs[i].at[item, kv_head], q_smem.at[i], q_barrier)
     for s in range(num_stages):
       @pl.when(chunk_begin + s < chunk_end)
       def _prologue():
@@ -402,19 +403,19 @@ def _kernel(*refs, cfg: KernelConfig):
                 plgpu.SMEM((rows,), jnp.float32))
 
 
-def split_attention(q_PWKMD, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W, horizon_W,
+def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W, horizon_W,
                     qbase_W, lo_W, hi_W, tables_SP, sinks_H=None, k_scales_LKNZ=None,
                     v_scales_LKNZ=None, *, cfg: KernelConfig, out_rows: int,
                     lse_rows: int):
   """Partial attention of every (item, KV head, split); see the module docstring.
 
   Args:
-    q_PWKMD: [pieces, W, K, M, D] packed queries in the mma dtype (float32 queries as
+    q_pieces: one [W, K, M, D] packed-query array per piece, in the mma dtype (float32 as
       three bfloat16 pieces), M a multiple of 64.
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages as stored.
     layer: i32[] layer index.
     seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W: i32[W] item metadata (``items``).
-    tables_SP: i32[S, P + J / U] block tables padded by J / U entries.
+    tables_SP: i32[S, P + copies per chunk] block tables, padded.
     sinks_H: f32[H] sink logits or None.
     k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] scales of quantised pages, or None.
     cfg: static ``KernelConfig``.
@@ -424,13 +425,13 @@ def split_attention(q_PWKMD, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W
     ``(out_XWKMD, lse_XWKM)`` float32 with X = ``cfg.tiling.num_splits``, M = ``out_rows``
     for the outputs and ``lse_rows`` for the log-sum-exp.
   """
-  num_items, num_kv_heads, head_dim = q_PWKMD.shape[1], q_PWKMD.shape[2], q_PWKMD.shape[4]
+  num_items, num_kv_heads, _, head_dim = q_pieces[0].shape
   num_splits = cfg.tiling.num_splits
   layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   inputs = [layer_arr, seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W, tables_SP]
   if cfg.has_sinks:
     inputs.append(sinks_H)
-  inputs += [q_PWKMD, k_pages_LKNZD, v_pages_LKNZD]
+  inputs += [*q_pieces, k_pages_LKNZD, v_pages_LKNZD]
   if cfg.quantized:
     inputs += [k_scales_LKNZ, v_scales_LKNZ]
   out_type = (

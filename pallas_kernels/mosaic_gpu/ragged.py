@@ -150,9 +150,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                                 sliding_window=sliding_window)
   q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
                                   dtype=jnp.float32 if pieces > 1 else mma_dtype)
-  q_PWKMD = jnp.stack(kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype))
+  q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype)
   # Table entries are read for every copy of a chunk from a page-aligned start: pad the
-  # width by J / U so those reads stay in bounds (entries past the horizon go unused).
+  # width by the copies per chunk so those reads stay in bounds (entries past the horizon
+  # go unused).
   tables_SP = jnp.pad(block_tables_SP,
                       ((0, 0), (0, tiling.copies_per_chunk(block_size))))
   cfg = kernel_lib.KernelConfig(
@@ -162,7 +163,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   out_rows = tiling_lib.out_rows(tiling.q_tile, group)
   lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))
   out_XWKMD, lse_XWKM = kernel_lib.split_attention(
-      q_PWKMD, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, items.begin_W,
+      q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, items.begin_W,
       items.horizon_W, items.qbase_W, items.lo_W, items.hi_W, tables_SP,
       None if sinks is None else sinks.astype(jnp.float32), k_scales, v_scales, cfg=cfg,
       out_rows=out_rows, lse_rows=lse_rows)

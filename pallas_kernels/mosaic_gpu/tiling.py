@@ -9,7 +9,7 @@ Shapes the Hopper primitives impose (checked in ``check_shapes``):
   registers in the wgmma layout (64 rows a warpgroup).
 - D is a multiple of 64 up to 256; Z a multiple of 8 (a copy lands on whole 8-row tiles
   of shared memory) up to 128 that divides J or that J divides. A chunk is copied in units
-  of U = min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
+  of min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class MosaicTiling:
       raise ValueError(f"chunk_size={self.chunk_size} must be a multiple of {CHUNK_TILE}")
 
   def copies_per_chunk(self, block_size: int) -> int:
-    """Page copies (TMA) of K, and of V, per chunk: J / U with U = min(Z, J)."""
+    """Page copies (TMA) of K, and of V, per chunk: J / min(Z, J)."""
     return self.chunk_size // min(block_size, self.chunk_size)
 
   def shared_memory_bytes(self, *, group: int, block_size: int, head_dim: int,

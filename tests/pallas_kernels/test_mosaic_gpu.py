@@ -17,8 +17,8 @@ with XLA's cheaper CPU settings (``_interpret_run``); the product grid is marked
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -51,7 +51,8 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
 # halve its compile time and change nothing it computes.
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True}
-_COMPILED = {}
+_COMPILED = collections.OrderedDict()  # the last few compiled interpreters (host memory)
+_COMPILED_KEEP = 4
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +77,9 @@ def _interpret_run(args, **statics):
     fn = jax.jit(lambda traced_kw, *a: mosaic_gpu.ragged_paged_attention(
         *a, interpret=True, **static, **traced_kw))
     _COMPILED[key] = fn.trace(traced, *args).lower().compile(_FAST_CPU_COMPILE)
+    while len(_COMPILED) > _COMPILED_KEEP:
+      _COMPILED.popitem(last=False)
+  _COMPILED.move_to_end(key)
   return _COMPILED[key](traced, *args)
 
 
