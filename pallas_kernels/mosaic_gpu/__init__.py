@@ -9,8 +9,9 @@ are split (flash-decoding).
 
 from paged_jax.pallas_kernels.mosaic_gpu.compat import available, interpret_available
 from paged_jax.pallas_kernels.mosaic_gpu.ragged import (default_tiling_for, operand_plan,
-                                                      ragged_paged_attention)
+                                                      ragged_paged_attention,
+                                                      unsupported_reason)
 from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling
 
 __all__ = ["MosaicTiling", "available", "default_tiling_for", "interpret_available",
-           "operand_plan", "ragged_paged_attention"]
+           "operand_plan", "ragged_paged_attention", "unsupported_reason"]
