@@ -112,7 +112,8 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   outs = _BACKENDS[backend](
       q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, begin_W,
       horizon_W, tables_SP, sinks_KM, sm_scale=float(sm_scale), tiling=tiling,
-      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype, count_pages=count_pages, interpret=interpret)
+      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
+      count_pages=count_pages, interpret=interpret)
   if count_pages:
     return jnp.sum(outs[2], axis=0), items.seq_W, horizon_W > 0
   out_XWKMD, lse_XWKM = outs

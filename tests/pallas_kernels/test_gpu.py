@@ -21,6 +21,7 @@ from paged_jax.pallas_kernels.gpu import GpuTiling
 from paged_jax.pallas_kernels.gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.gpu import work_items
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
+from tests import attention_cases
 
 NO_BLOCK = -1
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
@@ -316,12 +317,18 @@ def test_traced_layer_and_mixed_dtypes():
 
 
 def test_through_paged_attention_entry_point():
-  case = make_case(17, group=4, block_size=16)
-  cache = paged_jax.KVCache(k_pages=case["k_pages"], v_pages=case["v_pages"])
-  out = paged_jax.paged_attention(case["q"], cache, case["layer"], case["kv_lens"],
-                                  case["block_tables"], case["cu_q_lens"],
-                                  case["num_seqs"], impl="pallas_gpu", interpret=True)
-  check_close(out, case, reference=True)
+  # With every variant on: paged_attention passes them (and the cache's pages) through.
+  q_lens, kv_lens = [1, 6, 0, 3], [40, 30, 5, 3]
+  case = attention_cases.make_case(17, q_lens=q_lens, kv_lens=kv_lens, group=4,
+                                   block_size=16, head_dim=32)
+  variant = dict(sliding_window=9, soft_cap=3.0,
+                 sinks=attention_cases.make_sinks(17, case.num_q_heads))
+  q, k_pages, v_pages, *rest = case.jax_args()
+  cache = paged_jax.KVCache(k_pages=k_pages, v_pages=v_pages)
+  out = paged_jax.paged_attention(q, cache, *rest, impl="pallas_gpu", interpret=True,
+                                  **_variant_kwargs(variant))
+  np.testing.assert_allclose(np.asarray(out), attention_cases.oracle(case, **variant),
+                             rtol=1e-5, atol=1e-5)
 
 
 # --- Tiling: validation and defaults. ---
@@ -408,9 +415,6 @@ def test_lowers_for_cuda(name, T, S, H, K, D, Z, dtype):
 
 # --- Attention variants (issue 19): sliding window, soft cap, sinks, storage bits. ---
 
-from tests import attention_cases  # noqa: E402  (the shared oracle and variants grid)
-
-
 def _one_query_case(k_JD, v_JD, *, block_size=16, num_q_heads=1):
   """One sequence whose last position queries keys ``k_JD`` (values ``v_JD``), laid out
   in order over shuffled-free pages; slots past the keys are NaN. Returns the positional
@@ -473,7 +477,8 @@ def test_hand_computed_cap_changes_the_argmax():
   assert np.argmax(plain) == 0 and np.argmax(capped) == 1
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_splits", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_hand_computed_sink_takes_half_the_mass(num_splits):
   # 17 keys, all k = 0 (score 0), all v = 2 e0; two query heads on one KV head (G = 2).
   # Head 0's sink is ln 17: denominator e^(ln 17) + 17 * e^0 = 34, out = 17 * 2 / 34 = 1,
