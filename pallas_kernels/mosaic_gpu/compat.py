@@ -9,6 +9,8 @@ that moves or drops either is met with one clear error naming the installed vers
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 
 try:  # The public Mosaic GPU Pallas API (Hopper and later).
@@ -55,10 +57,15 @@ def require() -> None:
         f"{', '.join(missing)}{cause}")
 
 
+# Where jax 0.10.2 keeps the Mosaic GPU interpret mode (private).
+INTERPRET_MODULES = ("jax._src.pallas.mosaic_gpu.interpret.params",
+                     "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+
+
 def _interpret_module():
   try:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # private in jax 0.10.2
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    params, interpret_pallas_call = (importlib.import_module(name)
+                                     for name in INTERPRET_MODULES)
   except ImportError as e:
     raise NotImplementedError(
         f"interpret=True for impl='pallas_mosaic_gpu' needs the Mosaic GPU interpret mode "
