@@ -56,6 +56,9 @@ def parse_args(argv=None):
   parser.add_argument("--sample-s", type=float, default=1.0,
                       help="seconds of samples per timing (default 1.0)")
   parser.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+  parser.add_argument("--impls", default="",
+                      help="time only the impls whose name contains one of these comma-"
+                           "separated words (e.g. 'mosaic,jax,dense'); default all")
   parser.add_argument("--smoke-cpu", action="store_true",
                       help="plumbing test without a GPU: tiny shapes, kernels in interpret mode")
   return parser.parse_args(argv)
@@ -132,6 +135,11 @@ def ragged_batch(key, seqs, dtype, *, num_heads=NUM_Q_HEADS, pad_rows=0, nan_unu
 # --- Implementations under test (all take [K, N, Z, D] pools; L = 1 is a free reshape). ---
 
 INTERPRET = False  # set by --smoke-cpu only
+IMPL_FILTER: tuple[str, ...] = ()  # set by --impls
+
+
+def wanted(impl: str) -> bool:
+  return not IMPL_FILTER or any(word in impl for word in IMPL_FILTER)
 
 
 def ours_fn(sm_scale):
@@ -319,7 +327,7 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, results):
                                                    sets)),
            ("xla (ours)", lambda: (xla_fn(sm_scale), sets)),
            ("dense xla", lambda: dense_inputs(sets, batch, ctx, dtype, sm_scale))]
-  for impl, build in impls:
+  for impl, build in [(name, build) for name, build in impls if wanted(name)]:
     row = dict(case=f"decode B={batch} ctx={ctx}", impl=impl, batch=batch, ctx=ctx,
                dtype=jnp.dtype(dtype).name, sets=num_sets)
     if not budget.left():
@@ -373,6 +381,8 @@ def mixed_case(dtype, seqs, *, budget, sample_s, copy_bw, results):
            batch["num_seqs"])]
   for impl, fn in (("pallas_mosaic_gpu (ours)", mosaic_fn(sm_scale)),
                    ("pallas_gpu (ours)", ours_fn(sm_scale)), ("xla (ours)", xla_fn(sm_scale))):
+    if not wanted(impl):
+      continue
     row = dict(case=f"mixed: {q_rows} q rows, {len(seqs)} seqs", impl=impl,
                dtype=jnp.dtype(dtype).name, sets=1)
     if not budget.left():
@@ -410,9 +420,10 @@ def to_markdown(results) -> str:
 
 
 def main(argv=None) -> int:
-  global INTERPRET
+  global INTERPRET, IMPL_FILTER
   args = parse_args(argv)
   INTERPRET = args.smoke_cpu
+  IMPL_FILTER = tuple(word for word in args.impls.split(",") if word)
   budget = Budget(args.budget_s)
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
