@@ -45,7 +45,6 @@ from jax.experimental import pallas as pl
 
 from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels.mosaic_gpu import compat
-from paged_jax.pallas_kernels.mosaic_gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
 
 plgpu = compat.plgpu

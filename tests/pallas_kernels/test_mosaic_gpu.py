@@ -255,6 +255,18 @@ def test_split_k_long_sequences(variant, num_splits, num_stages):
 
 
 @needs_interpret
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, storage", [("bfloat16", True), ("float32", False)])
+def test_128_packed_rows(dtype, storage):
+  # Q = 32 rows of G = 4 heads: M = 128 packed rows (two 64-row wgmma blocks), tiles
+  # crossing sequence boundaries, a long prefill chunk over several chunks.
+  case = _case(27, dtype=jnp.dtype(dtype), group=4, head_dim=64, block_size=16,
+               q_lens=[40, 1, 70], kv_lens=[90, 33, 200])
+  _check(case, _named_variant(case, "window_sinks"), storage=storage,
+         tiling=MosaicTiling(q_tile=32, chunk_size=64, num_splits=2, num_stages=2))
+
+
+@needs_interpret
 def test_pages_before_the_window_are_never_read():
   # Poison with NaN every page lying wholly before a sequence's first window (its first
   # query's position - W + 1): a page the kernel copied would carry its NaN V rows into
