@@ -191,6 +191,20 @@ def test_matches_reference(params):
   _check(case, variant, storage=storage, tiling=tiling)
 
 
+@needs_interpret
+def test_no_live_rows_is_zero():
+  # The first fast case's shapes and statics (its compiled interpreter is reused): with
+  # num_seqs = 0 every item is empty, every program writes zeros and lse = -inf.
+  dtype, storage, group, head_dim, block_size, variant, tiling = FAST_CASES[0]
+  case = _case(zlib.crc32(_fast_id(FAST_CASES[0]).encode()), dtype=jnp.dtype(dtype),
+               group=group, head_dim=head_dim, block_size=block_size)
+  args = list(case.jax_args(storage=storage))
+  args[7] = jnp.int32(0)
+  out = _interpret_run(args, sm_scale=head_dim ** -0.5, kv_dtype=case.kv_dtype,
+                       tiling=tiling, **_kwargs(_named_variant(case, variant)))
+  np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
+
+
 # dtype / storage x GQA x head dim, each pair of those with every block size once (the
 # block size cycles): 36 cases cover every (dtype, G, D), (dtype, Z), (G, Z) and (D, Z)
 # pair. float32 above D = 128 is refused (shared memory, see below): D = 128 stands in.
