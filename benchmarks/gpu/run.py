@@ -1,14 +1,18 @@
 """One prepared run on a single GPU (written for an H200, jax 0.11.x, no network).
 
-1. Checks ``pallas_kernels.gpu.ragged_paged_attention`` against the jnp reference on a few
-   realistic shapes (mixed ragged batch, long split-K decode, MQA, D = 256).
-2. Times it (warmed up, median over samples, rotating input sets so a small case does not
-   run from L2) against JAX's built-in Pallas GPU paged attention (decode only), the
+1. Checks ``pallas_kernels.gpu.ragged_paged_attention`` (Triton) and
+   ``pallas_kernels.mosaic_gpu.ragged_paged_attention`` (Mosaic GPU) against the jnp
+   reference on a few realistic shapes (mixed ragged batch, long split-K decode, MQA).
+2. Times them (warmed up, median over samples, rotating input sets so a small case does
+   not run from L2) against JAX's built-in Pallas GPU paged attention (decode only), the
    project's XLA path and a dense XLA attention over a contiguous cache, for decode at
    batch 1/32/256 x context 1k/8k/32k (Llama-3-8B-like: 32 query heads, 8 KV heads,
    D = 128, bf16, 16-token blocks) and for a mixed prefill + decode batch.
    Achieved bandwidth = unique K/V (+ q, out) bytes / time, against the measured
-   device-to-device copy bandwidth.
+   device-to-device copy bandwidth. The Mosaic GPU kernel is timed twice: on bf16 pools
+   (its direct path: the tensor cores read the pages where TMA put them) and on the same
+   pools as uint16 storage bits with ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its
+   staged path converts each chunk through registers).
 
 Every case runs in its own try/except (errors are printed and recorded); a time budget
 skips what is left when it runs out. Writes ``results.json`` and ``results.md`` under $OUT
@@ -52,6 +56,9 @@ def parse_args(argv=None):
   parser.add_argument("--sample-s", type=float, default=1.0,
                       help="seconds of samples per timing (default 1.0)")
   parser.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+  parser.add_argument("--impls", default="",
+                      help="time only the impls whose name contains one of these comma-"
+                           "separated words (e.g. 'mosaic,jax,dense'); default all")
   parser.add_argument("--smoke-cpu", action="store_true",
                       help="plumbing test without a GPU: tiny shapes, kernels in interpret mode")
   return parser.parse_args(argv)
@@ -128,6 +135,11 @@ def ragged_batch(key, seqs, dtype, *, num_heads=NUM_Q_HEADS, pad_rows=0, nan_unu
 # --- Implementations under test (all take [K, N, Z, D] pools; L = 1 is a free reshape). ---
 
 INTERPRET = False  # set by --smoke-cpu only
+IMPL_FILTER: tuple[str, ...] = ()  # set by --impls
+
+
+def wanted(impl: str) -> bool:
+  return not IMPL_FILTER or any(word in impl for word in IMPL_FILTER)
 
 
 def ours_fn(sm_scale):
@@ -138,6 +150,30 @@ def ours_fn(sm_scale):
     return gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
                                       sm_scale=sm_scale, interpret=INTERPRET)
   return f
+
+
+def mosaic_fn(sm_scale, *, kv_dtype=None):
+  """The Mosaic GPU kernel; with ``kv_dtype`` the pools hold its storage bits."""
+  from paged_jax.pallas_kernels import mosaic_gpu
+
+  @jax.jit
+  def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    return mosaic_gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu,
+                                             num_seqs, sm_scale=sm_scale,
+                                             kv_dtype=kv_dtype, interpret=INTERPRET)
+  return f
+
+
+def storage_bits_sets(sets):
+  """The argument sets with the (shared) pools as their storage bits, converted once."""
+  from paged_jax.pallas_kernels import layout
+  converted = {}
+
+  def bits(pool):
+    if id(pool) not in converted:
+      converted[id(pool)] = jax.block_until_ready(layout.to_storage(pool, pool.dtype))
+    return converted[id(pool)]
+  return [(q, bits(k), bits(v), *rest) for q, k, v, *rest in sets]
 
 
 def xla_fn(sm_scale):
@@ -238,9 +274,11 @@ SMOKE_CHECKS = [("smoke_mixed_bf16", jnp.bfloat16, [(1, 40), (9, 9), (0, 3), (4,
 
 def run_checks(results, checks):
   sm_scale = HEAD_DIM ** -0.5
-  ours, ref = ours_fn(sm_scale), reference_fn(sm_scale)
-  for name, dtype, seqs, num_heads, tol in checks:
-    row = dict(name=name, dtype=jnp.dtype(dtype).name)
+  ref = reference_fn(sm_scale)
+  impls = (("pallas_gpu", ours_fn(sm_scale)), ("pallas_mosaic_gpu", mosaic_fn(sm_scale)))
+  for (name, dtype, seqs, num_heads, tol), (impl, ours) in (
+      (check, impl) for check in checks for impl in impls):
+    row = dict(name=f"{name} [{impl}]", dtype=jnp.dtype(dtype).name)
     try:
       batch = ragged_batch(jax.random.key(1), seqs, dtype, num_heads=num_heads, pad_rows=3)
       used = batch["used_blocks"]
@@ -268,6 +306,8 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, results):
   kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * jnp.dtype(dtype).itemsize
   qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
   num_sets = int(max(1, min(MAX_SETS, -(-L2_DEFEAT_BYTES // kv_bytes))))
+  if INTERPRET:
+    num_sets = 1  # plumbing only: an interpreted Mosaic GPU call takes seconds
   blocks_per_seq = ctx // BLOCK_SIZE
   blocks_per_set = batch * blocks_per_seq
   key = jax.random.key(batch * 100003 + ctx)
@@ -279,12 +319,15 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, results):
                      block_offset=s * blocks_per_set)
     sets.append((b["q"], k_pool, v_pool, b["kv_lens"], b["block_tables"], b["cu_q_lens"],
                  b["num_seqs"]))
-  impls = [("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
+  mosaic_bits = lambda: (mosaic_fn(sm_scale, kv_dtype=dtype), storage_bits_sets(sets))
+  impls = [("pallas_mosaic_gpu (ours)", lambda: (mosaic_fn(sm_scale), sets)),
+           ("pallas_mosaic_gpu, storage bits (ours)", mosaic_bits),
+           ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
            ("jax pallas paged_attention", lambda: (jax_pallas_fn(sm_scale, blocks_per_seq),
                                                    sets)),
            ("xla (ours)", lambda: (xla_fn(sm_scale), sets)),
            ("dense xla", lambda: dense_inputs(sets, batch, ctx, dtype, sm_scale))]
-  for impl, build in impls:
+  for impl, build in [(name, build) for name, build in impls if wanted(name)]:
     row = dict(case=f"decode B={batch} ctx={ctx}", impl=impl, batch=batch, ctx=ctx,
                dtype=jnp.dtype(dtype).name, sets=num_sets)
     if not budget.left():
@@ -336,7 +379,10 @@ def mixed_case(dtype, seqs, *, budget, sample_s, copy_bw, results):
   v = random_pool(jax.random.fold_in(key, 2), used, dtype)
   args = [(batch["q"], k, v, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"],
            batch["num_seqs"])]
-  for impl, fn in (("pallas_gpu (ours)", ours_fn(sm_scale)), ("xla (ours)", xla_fn(sm_scale))):
+  for impl, fn in (("pallas_mosaic_gpu (ours)", mosaic_fn(sm_scale)),
+                   ("pallas_gpu (ours)", ours_fn(sm_scale)), ("xla (ours)", xla_fn(sm_scale))):
+    if not wanted(impl):
+      continue
     row = dict(case=f"mixed: {q_rows} q rows, {len(seqs)} seqs", impl=impl,
                dtype=jnp.dtype(dtype).name, sets=1)
     if not budget.left():
@@ -374,9 +420,10 @@ def to_markdown(results) -> str:
 
 
 def main(argv=None) -> int:
-  global INTERPRET
+  global INTERPRET, IMPL_FILTER
   args = parse_args(argv)
   INTERPRET = args.smoke_cpu
+  IMPL_FILTER = tuple(word for word in args.impls.split(",") if word)
   budget = Budget(args.budget_s)
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)

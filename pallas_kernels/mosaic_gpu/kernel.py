@@ -1,0 +1,450 @@
+"""Mosaic GPU kernel: split-K attention of packed work items over the paged KV cache.
+
+One program (CTA, one warpgroup) per (work item w, KV head k, split x). It holds the
+item's M packed query rows of KV head k in shared memory and walks its share of the item's
+KV range ``[begin, horizon)`` one chunk of J positions at a time:
+
+- Pages come in through the block table by TMA into a ring of ``num_stages`` chunk
+  buffers, one copy of K and one of V per copy unit of min(Z, J) positions (J / Z whole
+  pages, or part of one page when Z > J); every unit has its own barrier (both of its
+  copies arrive there), so pages past the item's horizon, or with an id outside the pool,
+  are neither copied nor waited for. Chunk c + S is issued as soon as chunk c's buffer is free:
+  right after it is converted (staged path) or after the dots that read it (direct path).
+- Scores ``Q K^T`` and the update ``P V`` run on the tensor cores (``wgmma``) with float32
+  accumulation; the online softmax, masks and variants run on the float32 accumulator
+  fragments in registers.
+- Staged path (pages stored as bits of another dtype, quantised pages, float32): each
+  chunk goes through registers into operand buffers: storage bits are bitcast back
+  (``layout.from_storage``), quantised values scaled, float32 split into three bfloat16
+  pieces, and V rows that must not count zeroed. Direct path (pages already in the
+  16-bit compute dtype): the dots read the TMA buffers, and only a chunk holding rows
+  that must not count (the item's last chunk, or a skipped page) has those V rows zeroed
+  in place first: 0 * NaN would poison the P V dot.
+
+Split x covers chunks ``[x * c, min((x + 1) * c, n))`` of the item's n chunks
+(``c = cdiv(n, X)``); it writes its partial output normalised by its own softmax sum and
+its log-sum-exp, and the caller merges the splits. Sinks enter split 0 only.
+
+The primitives that the Mosaic GPU interpret mode on CPU cannot run (in jax 0.10.2: a
+``wgmma`` reading a transposed operand, accumulator ``run_state``, ``layout_cast``) sit
+behind one static switch, ``_Primitives``: in interpret mode the two dots are ``jnp.dot``
+of the same shared-memory operands (bfloat16/float16 pieces, float32 accumulation) and
+layout casts are dropped. Everything else (TMA copies through the block table, barriers
+and their phases, the ring, staging, masks, softmax, the epilogue) is the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from paged_jax.pallas_kernels import layout
+from paged_jax.pallas_kernels.mosaic_gpu import compat
+from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
+
+plgpu = compat.plgpu
+
+# A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
+# that sees nothing keeps max = floor, sum = 0 without any inf - inf.
+_MAX_FLOOR = -1e30
+# Products of (piece i, piece j) kept when float32 operands are split into three bfloat16
+# pieces: orders i + j <= 2 (the rest are below float32 rounding).
+_PIECE_PAIRS = {1: ((0, 0),), 3: ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))}
+
+
+def split_pieces(x, pieces: int, dtype):
+  """``x`` as ``pieces`` values of ``dtype`` summing to it: hi, mid, lo for float32 in
+  bfloat16 (24 bits of mantissa in three 8-bit pieces); ``[x]`` cast when ``pieces`` is 1."""
+  if pieces == 1:
+    return [x.astype(dtype)]
+  out = []
+  rest = x.astype(jnp.float32)
+  for i in range(pieces):
+    piece = rest.astype(dtype)
+    out.append(piece)
+    if i + 1 < pieces:
+      rest = rest - piece.astype(jnp.float32)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Primitives:
+  """The static switch between the Hopper primitives and their interpret-mode stand-ins.
+
+  Everything the two paths share is written once in the kernel; only these methods differ.
+  """
+
+  interpret: bool
+
+  def layout_cast(self, x, layout_):
+    return x if self.interpret else plgpu.layout_cast(x, layout_)
+
+  def iota(self, shape, dimension, layout_):
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dimension)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=layout_)
+
+  def scale_row(self, scales_ref, index, offset, size):
+    """``size`` float32 scalars ``scales_ref[*index, offset:offset + size]``: scalar loads
+    from global memory on the GPU (a page's scale row is too short for a TMA copy when
+    Z < 32); one vector read in interpret mode, where every access is a host callback."""
+    if self.interpret:
+      row = scales_ref[(*index, pl.ds(offset, size))]
+      return [row[u] for u in range(size)]
+    return [scales_ref[(*index, offset + u)] for u in range(size)]
+
+  def scores(self, q_refs, k_refs, shape):
+    """``sum_{(i, j)} q_i @ k_j^T`` float32 [M, J] over the piece pairs."""
+    pairs = _PIECE_PAIRS[len(q_refs)]
+    if self.interpret:
+      qs = [ref[...] for ref in q_refs]
+      ks = [ref[...] for ref in k_refs]
+      total = None
+      for i, j in pairs:
+        s = jnp.dot(qs[i], ks[j].T, preferred_element_type=jnp.float32)
+        total = s if total is None else total + s
+      return total
+
+    def run(acc_ref):
+      for i, j in pairs:
+        plgpu.wgmma(acc_ref, q_refs[i], plgpu.transpose_ref(k_refs[j], (1, 0)))
+      return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+  def accumulate(self, acc_MD, p_pieces, v_refs):
+    """``acc + sum_{(i, j)} p_i @ v_j`` (float32 accumulation)."""
+    pairs = _PIECE_PAIRS[len(p_pieces)]
+    if self.interpret:
+      vs = [ref[...] for ref in v_refs]
+      for i, j in pairs:
+        acc_MD = acc_MD + jnp.dot(p_pieces[i], vs[j], preferred_element_type=jnp.float32)
+      return acc_MD
+
+    def run(acc_ref):
+      for i, j in pairs:
+        plgpu.wgmma(acc_ref, p_pieces[i], v_refs[j])
+
+    return pl.run_state(run)(plgpu.ACC.init(acc_MD))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static parameters of one kernel build."""
+
+  sm_scale: float
+  sliding_window: int | None
+  soft_cap: float | None
+  kv_dtype: object | None        # logical K/V dtype when the pages hold storage bits
+  quantized: bool                # pages hold int8/float8 values with float32 scales
+  mma_dtype: object              # bfloat16 or float16: what the tensor cores multiply
+  plan: OperandPlan
+  tiling: MosaicTiling
+  group: int
+  has_sinks: bool
+  interpret: bool
+
+
+def _smem_tile(shape, dtype):
+  """A shared-memory buffer laid out as the wgmma and TMA want it: 8-row tiles, swizzled."""
+  itemsize_bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(shape[-1] * itemsize_bits)
+  minor = swizzle * 8 // itemsize_bits
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(*refs, cfg: KernelConfig):
+  t = cfg.tiling
+  prims = _Primitives(cfg.interpret)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = wgmma_layout.reduce(1)   # one value per row of an [M, J] fragment
+  col_layout = wgmma_layout.reduce(0)   # one value per column
+
+  refs = list(refs)
+  # Input
+  layer_ref = refs.pop(0)       # i32[1]
+  seq_ref = refs.pop(0)         # i32[W] block-table row of each item
+  begin_ref = refs.pop(0)       # i32[W] first KV position read (a multiple of Z)
+  horizon_ref = refs.pop(0)     # i32[W] end of the KV range
+  qbase_ref = refs.pop(0)       # i32[W] position of slot 0 of the item's tile
+  lo_ref = refs.pop(0)          # i32[W] first live slot
+  hi_ref = refs.pop(0)          # i32[W] end of the live slots
+  tables_ref = refs.pop(0)      # i32[S, P + copies per chunk] block tables, padded
+  sinks_ref = refs.pop(0) if cfg.has_sinks else None   # f32[H]
+  q_hbm_refs = [refs.pop(0) for _ in range(cfg.plan.pieces)]  # [W, K, M, D] each: packed
+                                # queries (mma dtype), one array per piece
+  k_pages_ref = refs.pop(0)     # [L, K, N, Z, D] whole pool, storage dtype
+  v_pages_ref = refs.pop(0)
+  k_scales_ref = refs.pop(0) if cfg.quantized else None   # f32[L, K, N, Z]
+  v_scales_ref = refs.pop(0) if cfg.quantized else None
+  # Output
+  out_ref = refs.pop(0)         # f32[X, W, K, M, D] normalised partial outputs (M: Q*G to 8)
+  lse_ref = refs.pop(0)         # f32[X, W, K, M] log-sum-exp, -inf where nothing seen
+  assert not refs
+
+  pieces, rows, head_dim = len(q_hbm_refs), q_hbm_refs[0].shape[2], q_hbm_refs[0].shape[3]
+  num_blocks, block_size = k_pages_ref.shape[2], k_pages_ref.shape[3]
+  num_stages, chunk = t.num_stages, t.chunk_size
+  unit = min(block_size, chunk)        # positions per page copy
+  num_copies = chunk // unit           # page copies per chunk
+  group = cfg.group
+  mma_dtype = cfg.mma_dtype
+  compute_dtype = jnp.float32 if pieces > 1 else mma_dtype
+
+  item = lax.axis_index("w")
+  kv_head = lax.axis_index("k")
+  split = lax.axis_index("x")
+  layer = layer_ref[0]
+  seq = seq_ref[item]
+  begin = begin_ref[item]
+  horizon = horizon_ref[item]
+  num_chunks = lax.div(jnp.maximum(horizon - begin, 0) + (chunk - 1), chunk)
+  per_split = lax.div(num_chunks + (t.num_splits - 1), t.num_splits)
+  chunk_begin = jnp.minimum(split * per_split, num_chunks)
+  chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
+
+  # Query position of each packed row (row m = slot q * G + head g); -1 for dead rows,
+  # which then see nothing.
+  row_M = prims.iota((rows,), 0, row_layout)
+  slot_M = lax.div(row_M, group)
+  lo, hi = lo_ref[item], hi_ref[item]
+  row_live_M = (slot_M >= lo) & (slot_M < hi)
+  qpos_M = jnp.where(row_live_M, qbase_ref[item] + slot_M, -1)
+
+  def page_info(c):
+    """``[(read, page_id, offset)]``, one per copy unit of chunk c: whether copy r happens, from
+    which page and at which slot of it."""
+    info = []
+    for r in range(num_copies):
+      pos = begin + c * chunk + r * unit
+      page_id = tables_ref[seq, lax.div(pos, block_size)]
+      # A page past the horizon is never touched (garbage table entries, other
+      # sequences' blocks); an id outside [0, N) (invalid input) reads nothing rather
+      # than being clamped into a real block.
+      read = (pos < horizon) & (page_id >= 0) & (page_id < num_blocks)
+      offset = lax.rem(pos, block_size) if unit < block_size else 0
+      info.append((read, page_id, offset))
+    return info
+
+  def issue(c, slot, k_raw, v_raw, page_barriers):
+    for r, (read, page_id, offset) in enumerate(page_info(c)):
+      rows_r = pl.ds(r * unit, unit)
+      slots = pl.ds(offset, unit)
+      barrier = page_barriers.at[slot * num_copies + r]
+
+      @pl.when(read)
+      def _copy():
+        plgpu.copy_gmem_to_smem(k_pages_ref.at[layer, kv_head, page_id, slots],
+                                k_raw.at[slot, rows_r], barrier)
+        plgpu.copy_gmem_to_smem(v_pages_ref.at[layer, kv_head, page_id, slots],
+                                v_raw.at[slot, rows_r], barrier)
+
+  def valid_positions(c, info, vector_layout):
+    """bool[J] (in ``vector_layout``): positions of chunk c that may count: before the
+    horizon, on a page that was read."""
+    pos_J = begin + c * chunk + prims.iota((chunk,), 0, vector_layout)
+    valid_J = pos_J < horizon
+    copy_J = lax.div(prims.iota((chunk,), 0, vector_layout), unit)
+    for r, (read, _, _) in enumerate(info):
+      valid_J = valid_J & ((copy_J != r) | read)
+    return pos_J, valid_J
+
+  def load_values(raw_ref, scales_ref, info):
+    """A [J, D] tile as compute values: storage bits bitcast back; quantised values
+    (int8, float8) times their per-token float32 scale, in float32."""
+    values = layout.from_storage(raw_ref[...], cfg.kv_dtype)
+    if scales_ref is None:
+      return values.astype(compute_dtype)
+    # One scale per row (position) of the tile: the rows of copy r are the positions
+    # [offset, offset + unit) of its page. A page that was not read reads block 0's scales
+    # (its rows never count).
+    row_J = prims.iota((chunk,), 0, row_layout)
+    scale_J = prims.layout_cast(jnp.ones((chunk,), jnp.float32), row_layout)
+    for r, (read, page_id, offset) in enumerate(info):
+      row_scales = prims.scale_row(scales_ref, (layer, kv_head, jnp.where(read, page_id, 0)),
+                                   offset, unit)
+      for u, scale in enumerate(row_scales):
+        scale_J = jnp.where(row_J == r * unit + u, scale, scale_J)
+    return values.astype(jnp.float32) * lax.broadcast_in_dim(scale_J, values.shape, [0])
+
+  def stage(raw_ref, op_ref, scales_ref, c, info, *, zero_invalid_rows):
+    values_JD = load_values(raw_ref, scales_ref, info)
+    if zero_invalid_rows:
+      _, valid_J = valid_positions(c, info, row_layout)
+      valid_JD = lax.broadcast_in_dim(valid_J, values_JD.shape, [0])
+      values_JD = jnp.where(valid_JD, values_JD, jnp.zeros_like(values_JD))
+    for i, piece in enumerate(split_pieces(values_JD, pieces, mma_dtype)):
+      op_ref[i][...] = piece
+
+  sink_M = None
+  if sinks_ref is not None:
+    head_M = lax.rem(row_M, group)
+    sink_M = prims.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
+    for g in range(group):
+      sink_M = jnp.where(row_live_M & (head_M == g), sinks_ref[kv_head * group + g], sink_M)
+
+  def main_loop(q_smem, k_raw, v_raw, k_ops, v_ops, q_barrier, page_barriers):
+    for i in range(pieces):
+      plgpu.copy_gmem_to_smem(q_hbm_refs[i].at[item, kv_head], q_smem.at[i], q_barrier)
+    for s in range(num_stages):
+      @pl.when(chunk_begin + s < chunk_end)
+      def _prologue():
+        issue(chunk_begin + s, s, k_raw, v_raw, page_barriers)
+    plgpu.barrier_wait(q_barrier)
+    q_refs = [q_smem.at[i] for i in range(pieces)]
+
+    max_M = prims.layout_cast(jnp.full((rows,), _MAX_FLOOR, jnp.float32), row_layout)
+    sum_M = prims.layout_cast(jnp.full((rows,), 0.0, jnp.float32), row_layout)
+    if sink_M is not None:
+      # The sink is one more logit with no value, counted once: split 0 starts from it
+      # (running max = sink, running sum = exp(sink - max) = 1), the other splits from
+      # nothing. A -inf sink (dead rows) adds 0.
+      first = split == 0
+      max_M = jnp.where(first, jnp.maximum(sink_M, _MAX_FLOOR), max_M)
+      sum_M = jnp.where(first, jnp.exp(sink_M - max_M), sum_M)
+    acc_MD = prims.layout_cast(jnp.full((rows, head_dim), 0.0, jnp.float32), wgmma_layout)
+
+    def body(step, carry):
+      max_M, sum_M, acc_MD = carry
+      c = chunk_begin + step
+      slot = lax.rem(step, num_stages)
+      info = page_info(c)
+      for r, (read, _, _) in enumerate(info):
+        @pl.when(read)
+        def _wait():
+          plgpu.barrier_wait(page_barriers.at[slot * num_copies + r])
+      refill = c + num_stages < chunk_end
+      if cfg.plan.staged:
+        # Through registers into the operand buffers; then the ring slot is free and
+        # the chunk S ahead is issued before this one's dots run.
+        stage(k_raw.at[slot], k_ops, k_scales_ref, c, info, zero_invalid_rows=False)
+        stage(v_raw.at[slot], v_ops, v_scales_ref, c, info, zero_invalid_rows=True)
+        plgpu.commit_smem()
+
+        @pl.when(refill)
+        def _refill():
+          issue(c + num_stages, slot, k_raw, v_raw, page_barriers)
+
+        k_refs, v_refs = k_ops, v_ops
+      else:
+        # The item's last chunk (positions past the horizon) and a chunk with a skipped
+        # page hold V rows that are stale or unwritten: zero them where they lie.
+        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
+        @pl.when((c == num_chunks - 1) | any_skipped)
+        def _zero_rows():
+          stage(v_raw.at[slot], [v_raw.at[slot]], None, c, info, zero_invalid_rows=True)
+          plgpu.commit_smem()
+        k_refs, v_refs = [k_raw.at[slot]], [v_raw.at[slot]]
+
+      scores_MJ = prims.scores(q_refs, k_refs, (rows, chunk)) * cfg.sm_scale
+      if cfg.soft_cap is not None:
+        scores_MJ = cfg.soft_cap * jnp.tanh(scores_MJ / cfg.soft_cap)
+      pos_J, valid_J = valid_positions(c, info, col_layout)
+      pos_MJ = lax.broadcast_in_dim(pos_J, scores_MJ.shape, [1])
+      qpos_MJ = lax.broadcast_in_dim(qpos_M, scores_MJ.shape, [0])
+      visible_MJ = (pos_MJ <= qpos_MJ) & lax.broadcast_in_dim(valid_J, scores_MJ.shape, [1])
+      if cfg.sliding_window is not None:
+        visible_MJ = visible_MJ & (pos_MJ > qpos_MJ - cfg.sliding_window)
+      scores_MJ = jnp.where(visible_MJ, scores_MJ, -jnp.inf)
+
+      new_max_M = jnp.maximum(max_M, jnp.max(scores_MJ, axis=1))
+      probs_MJ = jnp.exp(scores_MJ - lax.broadcast_in_dim(new_max_M, scores_MJ.shape, [0]))
+      rescale_M = jnp.exp(max_M - new_max_M)
+      sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
+      acc_MD = acc_MD * lax.broadcast_in_dim(rescale_M, acc_MD.shape, [0])
+      acc_MD = prims.accumulate(acc_MD, split_pieces(probs_MJ, pieces, mma_dtype), v_refs)
+
+      if not cfg.plan.staged:
+        @pl.when(refill)
+        def _refill():
+          issue(c + num_stages, slot, k_raw, v_raw, page_barriers)
+      return new_max_M, sum_M, acc_MD
+
+    return lax.fori_loop(0, chunk_end - chunk_begin, body, (max_M, sum_M, acc_MD))
+
+  storage_dtype = k_pages_ref.dtype
+  ring_shape = (num_stages, chunk, head_dim)
+  scratch = [
+      _smem_tile((pieces, rows, head_dim), mma_dtype),
+      _smem_tile(ring_shape, storage_dtype),
+      _smem_tile(ring_shape, storage_dtype),
+  ]
+  if cfg.plan.staged:
+    scratch += [[_smem_tile((chunk, head_dim), mma_dtype) for _ in range(pieces)]
+                for _ in range(2)]
+  else:
+    scratch += [[], []]
+  scratch += [plgpu.Barrier(num_arrivals=pieces),
+              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages * num_copies)]
+  max_M, sum_M, acc_MD = pl.run_scoped(main_loop, *scratch)
+
+  seen_M = sum_M > 0.0
+  safe_sum_M = jnp.where(seen_M, sum_M, 1.0)
+  out_MD = acc_MD / lax.broadcast_in_dim(safe_sum_M, acc_MD.shape, [0])
+  lse_M = jnp.where(seen_M, max_M + jnp.log(safe_sum_M), -jnp.inf)
+  out_rows, lse_rows = out_ref.shape[3], lse_ref.shape[3]
+
+  def epilogue(out_smem, lse_smem):
+    out_smem[...] = out_MD
+    lse_smem[...] = lse_M
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, out_rows)], out_ref.at[split, item, kv_head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_rows)], lse_ref.at[split, item, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(epilogue, _smem_tile((rows, head_dim), jnp.float32),
+                plgpu.SMEM((rows,), jnp.float32))
+
+
+def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W, horizon_W,
+                    qbase_W, lo_W, hi_W, tables_SP, sinks_H=None, k_scales_LKNZ=None,
+                    v_scales_LKNZ=None, *, cfg: KernelConfig, out_rows: int,
+                    lse_rows: int):
+  """Partial attention of every (item, KV head, split); see the module docstring.
+
+  Args:
+    q_pieces: one [W, K, M, D] packed-query array per piece, in the mma dtype (float32 as
+      three bfloat16 pieces), M a multiple of 64.
+    k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages as stored.
+    layer: i32[] layer index.
+    seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W: i32[W] item metadata (``items``).
+    tables_SP: i32[S, P + copies per chunk] block tables, padded.
+    sinks_H: f32[H] sink logits or None.
+    k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] scales of quantised pages, or None.
+    cfg: static ``KernelConfig``.
+    out_rows, lse_rows: rows of the partial outputs written back (<= M).
+
+  Returns:
+    ``(out_XWKMD, lse_XWKM)`` float32 with X = ``cfg.tiling.num_splits``, M = ``out_rows``
+    for the outputs and ``lse_rows`` for the log-sum-exp.
+  """
+  num_items, num_kv_heads, _, head_dim = q_pieces[0].shape
+  num_splits = cfg.tiling.num_splits
+  layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  inputs = [layer_arr, seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W, tables_SP]
+  if cfg.has_sinks:
+    inputs.append(sinks_H)
+  inputs += [*q_pieces, k_pages_LKNZD, v_pages_LKNZD]
+  if cfg.quantized:
+    inputs += [k_scales_LKNZ, v_scales_LKNZ]
+  out_type = (
+      jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, out_rows, head_dim),
+                           jnp.float32),
+      jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, lse_rows), jnp.float32),
+  )
+  interpret = compat.interpret_params() if cfg.interpret else None
+  run = plgpu.kernel(
+      functools.partial(_kernel, cfg=cfg),
+      out_type=out_type,
+      grid=(num_items, num_kv_heads, num_splits),
+      grid_names=("w", "k", "x"),
+      compiler_params=plgpu.CompilerParams(approx_math=cfg.plan.pieces == 1),
+      interpret=interpret,
+  )
+  return run(*inputs)
