@@ -108,7 +108,8 @@ def quantize(x, dtype):
   limit = _QUANTIZED[dtype]
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scales = jnp.where(amax > 0, amax / limit, 1.0).astype(SCALE_DTYPE)
+  # amax == 0 (all zeros) takes scale 1; a NaN row keeps a NaN scale, so poison survives.
+  scales = jnp.where(amax == 0, 1.0, amax / limit).astype(SCALE_DTYPE)
   scaled = jnp.clip(x / scales[..., None], -limit, limit)
   if dtype == jnp.int8:
     scaled = jnp.round(scaled)
