@@ -293,13 +293,12 @@ class ShardingPlan:
     """Specs of an engine state with a leading data axis on every leaf: ``P("data")``,
     and the KV cache's pages also split over "model" on their head axis. Generic over
     the state's fields (any ``KVCache`` inside is recognised)."""
-    pages = [None] * len(layout.PAGES_AXES)
-    pages[_PAGES_K_AXIS] = MODEL
-    pages_spec = P(DATA, *pages)
+    def cache_spec(a):  # pages [L, K, N, Z, D] and scales [L, K, N, Z]: K on "model"
+      return P(DATA, *[MODEL if i == _PAGES_K_AXIS else None for i in range(a.ndim - 1)])
 
     def spec(x):
       if isinstance(x, KVCache):
-        return KVCache(k_pages=pages_spec, v_pages=pages_spec)
+        return jax.tree.map(cache_spec, x)
       return P(DATA)
 
     return jax.tree_util.tree_map(spec, state, is_leaf=lambda x: isinstance(x, KVCache))
@@ -315,8 +314,8 @@ class ShardingPlan:
     def expand(x):
       if not isinstance(x, KVCache) or self.replication == 1:
         return x
-      rep = lambda pages: jnp.repeat(pages, self.replication, axis=_PAGES_K_AXIS)
-      return KVCache(k_pages=rep(x.k_pages), v_pages=rep(x.v_pages))
+      # pages and scales alike: K sits at the same axis in both
+      return jax.tree.map(lambda a: jnp.repeat(a, self.replication, axis=_PAGES_K_AXIS), x)
 
     return jax.tree_util.tree_map(expand, state, is_leaf=lambda x: isinstance(x, KVCache))
 
@@ -431,9 +430,10 @@ def pick_slots(free: Sequence[int], n: int, slots_per_shard: int) -> list[int] |
 
 
 def kv_bytes_by_device(cache: KVCache) -> dict[Any, int]:
-  """Bytes of K and V pages each device holds (its addressable shards)."""
+  """Bytes of K and V pages (and a quantised pool's scales) each device holds (its
+  addressable shards)."""
   out: dict[Any, int] = {}
-  for pages in (cache.k_pages, cache.v_pages):
+  for pages in jax.tree.leaves(cache):
     for shard in pages.addressable_shards:
       out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
   return out

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import allocator
+from paged_jax import compile_cache
 from paged_jax import protocol
 from paged_jax import sharding as mesh_sharding
 from paged_jax.engine import state as state_lib
@@ -32,6 +33,7 @@ from paged_jax.engine.calls import DeviceCalls
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
 from paged_jax.spec import KVCacheSpec
+from paged_jax.spec import _canonical_dtype as canonical_dtype
 
 __all__ = ["LLM"]
 
@@ -51,7 +53,12 @@ class LLM:
     config: any object with the ints ``num_layers``, ``num_kv_heads``, ``head_dim``,
       ``vocab_size``, ``max_seq_len`` and optionally ``eos_token_ids`` (``ModelConfig`` is
       one).
-    dtype: KV cache dtype (default: the model's, ``protocol.model_dtype``).
+    kv_cache_dtype: what the KV pool stores (default: the model's dtype,
+      ``protocol.model_dtype``): a float dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` /
+      ``jnp.float8_e5m2`` for a quantised pool of one byte per value plus one float32 scale
+      per token and KV head (``paged_jax.KVCache``), about twice the sequences of a bfloat16
+      pool in the same memory. ``stats["kv_cache_dtype"]`` names it.
+    dtype: the same as ``kv_cache_dtype`` (its older name; give at most one).
     block_size: Z, tokens per KV block.
     num_blocks: N, blocks in the pool. Default: from ``kv_budget_bytes`` when given, else
       enough for ``max_seqs`` sequences of ``min(config.max_seq_len, 2048)`` tokens.
@@ -89,6 +96,11 @@ class LLM:
       abandoned stream), so no freed page keeps another request's K/V. Reads never depend on
       it (attention masks every position a sequence does not own); it is defence in depth,
       at the cost of one masked pass over the pool in each step that frees a block.
+    compilation_cache: JAX's persistent compilation cache (``paged_jax.compile_cache``):
+      True (default) uses ``$PAGED_JAX_COMPILATION_CACHE`` or ``~/.cache/paged_jax/jax``,
+      so a second start of the same engine loads its device calls instead of compiling
+      them; a directory path puts it there; False leaves JAX's setting alone. A cache
+      directory already set through ``jax.config`` is kept.
   """
 
   def __init__(self, model, config, *, dtype=None, block_size: int = 16,
@@ -97,8 +109,16 @@ class LLM:
                max_model_len: int | None = None, steps_per_call: int = 16,
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
                max_traces: int | None = None, scrub_on_release: bool = False,
-               prefix_hash_fn=None, token_buckets: Sequence[int] | None = None):
+               prefix_hash_fn=None, token_buckets: Sequence[int] | None = None,
+               kv_cache_dtype=None, compilation_cache: bool | str | os.PathLike = True):
     protocol.check_model(model)
+    if kv_cache_dtype is not None:
+      kv_cache_dtype = canonical_dtype(kv_cache_dtype, "kv_cache_dtype")
+      if dtype is not None and canonical_dtype(dtype) != kv_cache_dtype:
+        raise ValueError(f"dtype={jnp.dtype(dtype).name} and kv_cache_dtype="
+                         f"{kv_cache_dtype.name}: both name the KV pool's dtype; give one")
+      dtype = kv_cache_dtype
+    self.compilation_cache_dir = compile_cache.enable(compilation_cache)
     protocol.check_config(config)
     self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
         mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
@@ -349,7 +369,9 @@ class LLM:
         cached_blocks=0 if r is None else int(np.sum(r["cached_blocks"])),
         tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,
         requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
-        num_blocks=self.spec.num_blocks, num_free_blocks=free, host_syncs=h["host_syncs"],
+        num_blocks=self.spec.num_blocks, num_free_blocks=free,
+        kv_cache_dtype=jnp.dtype(self.spec.dtype).name, block_size=self.spec.block_size,
+        kv_pool_bytes=self.spec.total_bytes, host_syncs=h["host_syncs"],
         host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
         peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
         device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],

@@ -122,11 +122,13 @@ def zero_blocks(cache: KVCache, mask_N: jax.Array) -> KVCache:
   """Zero the blocks with ``mask_N`` True in every layer; a ``lax.cond`` skips the pass over
   the pool when there are none."""
 
+  n_axis = layout.PAGES_AXES.index("N")  # the same axis in the pages and their scales
+
   def scrub(cache):
-    m = mask_N.reshape([-1 if a == "N" else 1 for a in layout.PAGES_AXES])
-    zero = lambda pages: jnp.where(m, jnp.zeros((), pages.dtype), pages)
-    return dataclasses.replace(cache, k_pages=zero(cache.k_pages),
-                               v_pages=zero(cache.v_pages))
+    def zero(x):  # storage bits (zero bits are the value 0) and a quantised pool's scales
+      m = mask_N.reshape([-1 if a == n_axis else 1 for a in range(x.ndim)])
+      return jnp.where(m, jnp.zeros((), x.dtype), x)
+    return jax.tree.map(zero, cache)
 
   return jax.lax.cond(jnp.any(mask_N), scrub, lambda cache: cache, cache)
 

@@ -188,9 +188,9 @@ def _sharded_forward(model, cfg, m, spec, alloc, tokens_T, num_new_S, logits_ref
   graphdef, params, _ = plan.shard_model(model)
   pages = [None] * 5
   pages[1] = sharding.MODEL
-  cache_spec = KVCache(k_pages=P(*pages), v_pages=P(*pages))
   cache = KVCache.create(dataclasses.replace(spec, num_kv_heads=plan.kv_head_slots),
                          sharding=NamedSharding(plan.mesh, P(*pages)))
+  cache_spec = jax.tree.map(lambda a: P(*pages[:a.ndim]), cache)  # pages (and any scales)
 
   def local(params, a, c):
     logits, a, c, ok = model_steps.prefill_step(nnx.merge(graphdef, params), a, c, tokens_T,
