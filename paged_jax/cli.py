@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from paged_jax import planner
-from paged_jax.cli_run import add_run_parser
+from paged_jax.cli_run import KV_CACHE_DTYPES, add_run_parser
 from paged_jax.spec import KVCacheSpec
 
 
@@ -22,7 +22,10 @@ def _add_plan(subparsers) -> None:
   p.add_argument("--num-kv-heads", type=int, help="override K (default: from the config)")
   p.add_argument("--head-dim", type=int, help="override D (default: from the config)")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                 help="KV dtype (default: the config's)")
+                 help="model dtype (default: the config's)")
+  p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                 help="what the KV pool stores; int8 / float8 count their float32 scales "
+                 "(default: --dtype)")
   p.add_argument("--budget", default="16GiB", help="KV memory budget, e.g. 16GiB (default)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
   p.add_argument("--max-len", type=int, default=4096,
@@ -39,7 +42,8 @@ def _plan(args) -> int:
   model = planner.model_shape_from_config(args.config) if args.config else planner.LLAMA3_8B
   overrides = {k: v for k, v in (("num_layers", args.num_layers),
                                  ("num_kv_heads", args.num_kv_heads),
-                                 ("head_dim", args.head_dim), ("dtype", args.dtype))
+                                 ("head_dim", args.head_dim),
+                                 ("dtype", args.kv_cache_dtype or args.dtype))
                if v is not None}
   if overrides:
     model = planner.dataclasses.replace(model, **overrides)

@@ -63,12 +63,19 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="model dtype (default float32 for the tiny model, the checkpoint's "
                  "otherwise)")
+  p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                 help="what the KV pool stores: a float dtype, or int8 / float8_e4m3fn / "
+                 "float8_e5m2 (one byte per value plus a float32 scale per token and KV head; "
+                 "about twice the sequences of bfloat16) (default: the model dtype)")
   p.add_argument("--compilation-cache", default=None, metavar="DIR",
                  help="persistent compilation cache directory, or 'off' (default: "
                  "$PAGED_JAX_COMPILATION_CACHE, else ~/.cache/paged_jax/jax)")
   p.add_argument("--no-progress", action="store_true",
                  help="no progress lines on stderr (default: progress on)")
   p.set_defaults(func=_run)
+
+
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def _say(enabled: bool, message: str) -> None:
@@ -121,6 +128,7 @@ def _engine(args):
   from paged_jax import LLM
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_seqs=args.max_seqs,
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
+              kv_cache_dtype=args.kv_cache_dtype,
               compilation_cache=(True if args.compilation_cache is None
                                  else args.compilation_cache))
   if args.model:
@@ -154,8 +162,10 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
           f"{stats['num_blocks'] - free} blocks still held")
   rows += [
       ("requests/s", f"{stats['requests_per_s']:.2f}"),
-      ("KV pool", f"{stats['num_blocks']} blocks of {stats.get('kv_cache_dtype', 'KV')}, "
-                  f"{free} free at the end ({leak})"),
+      ("KV pool", f"{stats['num_blocks']} blocks of {stats['block_size']} tokens, "
+                  f"{_pool_dtype(stats['kv_cache_dtype'])}, "
+                  f"{stats['kv_pool_bytes'] / 2**20:.1f} MiB"),
+      ("KV blocks free", f"{free} at the end ({leak})"),
       ("peak blocks in use", f"{stats['peak_blocks_in_use']}"),
       ("mean blocks in use", f"{stats['mean_blocks_in_use']:.1f}"),
       ("KV utilisation", f"{stats['kv_utilization']:.1%} (tokens stored / slots of blocks "
@@ -169,6 +179,12 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   rows += [("note", n) for n in notes]
   width = max(len(k) for k, _ in rows)
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _pool_dtype(name: str) -> str:
+  if name in ("int8", "float8_e4m3fn", "float8_e5m2"):
+    return f"{name} with a float32 scale per token and KV head"
+  return name
 
 
 def _check_args(args) -> None:
@@ -187,7 +203,7 @@ def _precompile(llm, progress: bool) -> float:
   t0 = time.perf_counter()
 
   def say(i, n, what):
-    _say(progress, f"  compiling {i}/{n}: {what} ({time.perf_counter() - t0:.1f} s)")
+    _say(progress, f"  compiling {i + 1}/{n}: {what} ({time.perf_counter() - t0:.1f} s)")
 
   llm.precompile(progress=say)
   return time.perf_counter() - t0

@@ -166,7 +166,8 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       f"model      : {model.name}: L={spec.num_layers} K={spec.num_kv_heads} "
       f"D={spec.head_dim} dtype={spec.dtype}",
       f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
-      f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)",
+      f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)"
+      + (", float32 scales per token and KV head included" if spec.quantized else ""),
       f"per block  : {spec.block_bytes} bytes ({spec.block_bytes / mib:.3f} MiB), "
       f"Z={spec.block_size} tokens",
       f"blocks     : {spec.num_blocks}  ({spec.total_bytes / 2**30:.2f} GiB used)",

@@ -11,7 +11,7 @@ import pathlib
 import jax.numpy as jnp
 import pytest
 
-from paged_jax import cli, compile_cache, models
+from paged_jax import cli, cli_run, compile_cache, models
 from tests.models import helpers
 
 
@@ -100,3 +100,33 @@ def test_compilation_cache_settings(tmp_path, monkeypatch):
   assert compile_cache.resolve(True) is None
   with pytest.raises(ValueError, match="compilation_cache=3"):
     compile_cache.resolve(3)
+
+
+def _plan_sequences(capsys, *extra) -> tuple[int, str]:
+  assert cli.main(["plan", "--budget", "16GiB", *extra]) == 0
+  out = capsys.readouterr().out
+  row = next(line for line in out.splitlines() if line.startswith("| paged |"))
+  return int(row.split("|")[2]), out
+
+
+def test_plan_kv_cache_dtype_counts_scales_and_fits_about_twice(capsys):
+  bf16, _ = _plan_sequences(capsys)
+  int8, out = _plan_sequences(capsys, "--kv-cache-dtype", "int8")
+  # 2 * 32 layers * 8 KV heads * (128 one-byte values + a 4-byte scale) per token
+  assert "per token  : 67584 bytes" in out and "scales" in out
+  assert 1.8 <= int8 / bf16 <= 2.0, (int8, bf16)
+  fp8, _ = _plan_sequences(capsys, "--kv-cache-dtype", "float8_e4m3fn")
+  assert fp8 == int8
+
+
+def test_run_report_names_a_quantised_pool():
+  args = cli.build_parser().parse_args(["run", "--kv-cache-dtype", "float8_e5m2"])
+  assert args.kv_cache_dtype == "float8_e5m2"
+  stats = dict(requests=1, generated_tokens=4, wall_s=1.0, tokens_per_s=4.0, requests_per_s=1.0,
+               num_blocks=8, num_free_blocks=8, block_size=16, kv_cache_dtype="int8",
+               kv_pool_bytes=3 * 2**20, peak_blocks_in_use=1, mean_blocks_in_use=1.0,
+               kv_utilization=0.5, preemptions=0, prefix_hit_rate=0.0, steps=4,
+               device_calls=1, host_syncs=1, host_syncs_per_token=0.25)
+  report = cli_run.format_report(stats, title="t", compile_s=2.0)
+  assert "int8 with a float32 scale per token and KV head, 3.0 MiB" in report
+  assert "compile time" in report and "no leak" in report
