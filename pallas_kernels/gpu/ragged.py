@@ -28,11 +28,12 @@ DEFAULT_BACKEND = "triton"
 def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                     cu_q_lens, num_seqs, *, sm_scale, tiling: GpuTiling | None,
                     backend: str, sliding_window=None, soft_cap=None, sinks=None,
-                    kv_dtype=None) -> None:
+                    kv_dtype=None, k_scales=None, v_scales=None) -> None:
   """The shared shape and variant checks plus what this kernel needs; raises
   ``ValueError``."""
   validation.static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
-                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype)
+                                    block_tables_SP, cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    k_scales=k_scales, v_scales=v_scales)
   if backend not in _BACKENDS:
     raise ValueError(f"backend={backend!r} must be one of {tuple(_BACKENDS)}")
   if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating)):
@@ -44,8 +45,20 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
 
 
 def _compute_dtype(q_THD, k_pages_LKNZD, kv_dtype):
+  """The dtype of the kernel's dot operands: float32 for a quantised pool (q . k_bits may
+  run on q's 16-bit dtype, see ``_qk_dtype``), else q's and the pages' promoted."""
+  if layout.is_quantized(kv_dtype):
+    return jnp.dtype(jnp.float32)
   return jnp.promote_types(q_THD.dtype, kv_dtype if kv_dtype is not None
                            else k_pages_LKNZD.dtype)
+
+
+def _qk_dtype(q_THD, k_pages_LKNZD, kv_dtype):
+  """The dtype q is packed in, that of the q . k dot: for a quantised pool q's own if it is
+  bfloat16 or float16 (int8 and float8 values are exact in both), else float32."""
+  if layout.is_quantized(kv_dtype) and jnp.dtype(q_THD.dtype).itemsize == 2:
+    return jnp.dtype(q_THD.dtype)
+  return _compute_dtype(q_THD, k_pages_LKNZD, kv_dtype)
 
 
 def default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
@@ -63,14 +76,14 @@ def default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
 
 def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, sinks, kv_dtype,
-               tiling, interpret, backend, count_pages):
+               k_scales, v_scales, tiling, interpret, backend, count_pages):
   """The body of ``ragged_paged_attention``; with ``count_pages`` it returns, instead of
   the output, ``(pages_WK, seq_W, live_W)``: pages loaded by each (item, KV head), summed
   over splits, with each item's sequence and whether it is a real item."""
   static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                   cu_q_lens, num_seqs, sm_scale=sm_scale, tiling=tiling, backend=backend,
                   sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
   num_tokens, num_q_heads, head_dim = q_THD.shape
@@ -95,8 +108,9 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   items = work_items.build_work_items(kv_lens_S, cu_q_lens, num_seqs,
                                       num_tokens=num_tokens, q_tile=tiling.q_tile,
                                       num_items=num_items)
-  q_WKMD, qpos_WM = work_items.pack_queries(q_THD, items, num_kv_heads=num_kv_heads,
-                                            rows=rows, dtype=compute_dtype)
+  q_WKMD, qpos_WM = work_items.pack_queries(
+      q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
+      dtype=_qk_dtype(q_THD, k_pages_LKNZD, kv_dtype))
   sinks_KM = None
   if sinks is not None:
     sinks_KM = work_items.pack_sinks(sinks, num_kv_heads=num_kv_heads,
@@ -111,8 +125,8 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
 
   outs = _BACKENDS[backend](
       q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, begin_W,
-      horizon_W, tables_SP, sinks_KM, sm_scale=float(sm_scale), tiling=tiling,
-      sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
+      horizon_W, tables_SP, sinks_KM, k_scales, v_scales, sm_scale=float(sm_scale),
+      tiling=tiling, sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
       count_pages=count_pages, interpret=interpret)
   if count_pages:
     return jnp.sum(outs[2], axis=0), items.seq_W, horizon_W > 0
@@ -131,8 +145,9 @@ _STATICS = ("sm_scale", "sliding_window", "soft_cap", "kv_dtype", "tiling", "int
 def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           sinks=None, kv_dtype=None, tiling: GpuTiling | None = None,
-                           interpret: bool = False, backend: str = DEFAULT_BACKEND):
+                           sinks=None, kv_dtype=None, k_scales=None, v_scales=None,
+                           tiling: GpuTiling | None = None, interpret: bool = False,
+                           backend: str = DEFAULT_BACKEND):
   """Same contract as ``pallas_kernels.reference.ragged_paged_attention_reference``.
 
   Args:
@@ -150,6 +165,9 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
       denominator, with no value.
     kv_dtype: the logical K/V dtype when the pages hold its storage bits
       (``layout.to_storage``); None when they hold it already.
+    k_scales, v_scales: f32[L, K, N, Z], exactly when ``kv_dtype`` is quantised (int8,
+      float8): one scale per token and KV head, value = stored * scale. Each loaded tile's
+      scales are loaded with it and applied inside the kernel; float32 accumulation.
     tiling: static ``GpuTiling``; ``None`` derives it from the shapes.
     interpret: run the Pallas kernel in interpret mode (CPU).
     backend: which Pallas GPU lowering runs the kernel (only "triton" today).
@@ -159,15 +177,16 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   """
   return _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                     cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, tiling=tiling,
-                    interpret=interpret, backend=backend, count_pages=False)
+                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
+                    v_scales=v_scales, tiling=tiling, interpret=interpret, backend=backend,
+                    count_pages=False)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def loaded_pages(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                  cu_q_lens, num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                 soft_cap: float | None = None, sinks=None, kv_dtype=None,
-                 tiling: GpuTiling | None = None, interpret: bool = True,
+                 soft_cap: float | None = None, sinks=None, kv_dtype=None, k_scales=None,
+                 v_scales=None, tiling: GpuTiling | None = None, interpret: bool = True,
                  backend: str = DEFAULT_BACKEND):
   """Pages the kernel loads for these arguments, counted inside the kernel.
 
@@ -181,5 +200,6 @@ def loaded_pages(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
   """
   return _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                     cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, tiling=tiling,
-                    interpret=interpret, backend=backend, count_pages=True)
+                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
+                    v_scales=v_scales, tiling=tiling, interpret=interpret, backend=backend,
+                    count_pages=True)

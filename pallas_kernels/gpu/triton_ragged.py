@@ -15,6 +15,15 @@ Variants (static): ``soft_cap`` maps scores to ``c * tanh(s / c)`` before the ma
 ``sliding_window`` W hides keys at or before ``qpos - W``; ``kv_dtype`` bitcasts each
 loaded tile from the pool's storage bits.
 
+Quantised pools (``kv_dtype`` int8 / float8, scales f32[L, K, N, Z]): each K and V tile is
+gathered as storage bits together with its keys' scales (one float32 per position, from the
+same page ids and offsets under the same mask, so a slot whose tile row is not loaded has
+no scale read either), and the scales are applied after the dots, which is exact because a
+scale belongs to one key row and one value row: ``s_j = (q . k_bits_j) * k_scale_j`` and
+``out = sum_j (p_j * v_scale_j) v_bits_j``. q . k_bits runs on q's dtype (int8 and float8
+values are exact in bfloat16 and float16, so a 16-bit q keeps the tensor-core dot) with
+float32 accumulation; the weights, the V dot and the softmax are float32.
+
 Pages are gathered with masked loads: positions at or past the item's horizon (its causal
 reach, never past the sequence's length) are masked off, so pages a sequence does not own,
 or the unwritten tail of its last page, are never read. The layer is an int32 input used in
@@ -51,12 +60,16 @@ def _kernel(
     sinks_ref,      # f32[M] (block of [K, M]) sink logit of each packed row, or None
     k_pages_ref,    # [L, K, N, Z, D] whole pool, read through masked gathers
     v_pages_ref,    # [L, K, N, Z, D]
+    k_scales_ref,   # f32[L, K, N, Z] whole (quantised pools), read with the pages, or None
+    v_scales_ref,   # f32[L, K, N, Z], or None
     # Output
     out_ref,        # f32[M, D] (block of [X, W, K, M, D]) normalised partial output
     lse_ref,        # f32[M] (block of [X, W, K, M]) log-sum-exp, -inf where nothing seen
     pages_ref,      # i32[M] (block of [X, W, K, M]) pages loaded (count_pages), or None
     *, sm_scale: float, pages_per_chunk: int, num_splits: int, compute_dtype,
     sliding_window: int | None, soft_cap: float | None, kv_dtype):
+  # ``compute_dtype``: the operands of the V dot (and of q . k unless quantised); q
+  # arrives in its QK dtype.
   item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_blocks, block_size, head_dim = k_pages_ref.shape[2:]
   rows = q_ref.shape[0]
@@ -71,20 +84,32 @@ def _kernel(
   chunk_begin = jnp.minimum(split * per_split, num_chunks)
   chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
 
-  q_MD = q_ref[...].astype(compute_dtype)
+  quantized = k_scales_ref is not None
+  qk_dtype = q_ref.dtype if quantized else compute_dtype
+  q_MD = q_ref[...].astype(qk_dtype)
   qpos_M = qpos_ref[...]
 
   dim_1D = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
   zero = 0 if jnp.issubdtype(k_pages_ref.dtype, jnp.integer) else 0.0
 
-  def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD):
+  def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD, dtype):
     # Every index is an array or a scalar, none a slice: one pointer per element of the
     # [J, D] tile (row j from page ``page_ids_J[j]``, slot ``offset_J[j]``), a gather that
     # both the Triton lowering and the interpreter accept. Storage bits are bitcast back
-    # to the logical dtype on the loaded tile only.
+    # to the logical dtype on the loaded tile only; quantised values (int8 / float8) go
+    # through float32 to ``dtype`` (exact for bfloat16 and float16 too).
     index = (layer, kv_head, page_ids_J[:, None], offset_J[:, None], dim_1D)
-    x_JD = plgpu.load(pages_ref.at[index], mask=valid_JD, other=zero)
-    return layout.from_storage(x_JD, kv_dtype).astype(compute_dtype)
+    x_JD = layout.from_storage(plgpu.load(pages_ref.at[index], mask=valid_JD, other=zero),
+                               kv_dtype)
+    if quantized:
+      x_JD = x_JD.astype(jnp.float32)
+    return x_JD.astype(dtype)
+
+  def load_scales(scales_ref, page_ids_J, offset_J, read_J):
+    # The scales of the tile's rows: same page ids, offsets and mask as the tile, so a
+    # slot that is not loaded has no scale read (its NaN scale, if unused, stays unread).
+    return plgpu.load(scales_ref.at[layer, kv_head, page_ids_J, offset_J], mask=read_J,
+                      other=0.0)
 
   def body(c, carry):
     max_M, sum_M, acc_MD, pages = carry
@@ -103,14 +128,18 @@ def _kernel(
     page_ids_J = jnp.where(read_J, page_ids_J, 0)
     offset_J = pos_J % block_size
     valid_JD = jnp.broadcast_to(read_J[:, None], (chunk, head_dim))
-    k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD)
-    v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD)
+    k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD, qk_dtype)
+    v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD, compute_dtype)
     if pages_ref is not None:
       # A page is loaded iff its first slot is (the chunk is page-aligned).
       pages += jnp.sum((read_J & (offset_J == 0)).astype(jnp.int32))
 
     scores_MJ = plgpu.dot(q_MD, k_JD, trans_b=True, precision=lax.Precision.HIGHEST)
-    scores_MJ = scores_MJ * sm_scale
+    if quantized:  # s_j = (q . k_bits_j) * k_scale_j, with sm_scale folded in
+      k_scale_J = load_scales(k_scales_ref, page_ids_J, offset_J, read_J)
+      scores_MJ = scores_MJ * (k_scale_J * sm_scale)[None, :]
+    else:
+      scores_MJ = scores_MJ * sm_scale
     if soft_cap is not None:
       scores_MJ = soft_cap * jnp.tanh(scores_MJ / soft_cap)
     visible_MJ = (pos_J[None, :] <= qpos_M[:, None]) & in_range_J[None, :]
@@ -122,8 +151,12 @@ def _kernel(
     probs_MJ = jnp.exp(scores_MJ - new_max_M[:, None])
     rescale_M = jnp.exp(max_M - new_max_M)
     sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
+    weights_MJ = probs_MJ
+    if quantized:  # out = sum_j (p_j * v_scale_j) v_bits_j
+      v_scale_J = load_scales(v_scales_ref, page_ids_J, offset_J, read_J)
+      weights_MJ = probs_MJ * v_scale_J[None, :]
     acc_MD = acc_MD * rescale_M[:, None] + plgpu.dot(
-        probs_MJ.astype(compute_dtype), v_JD, precision=lax.Precision.HIGHEST)
+        weights_MJ.astype(compute_dtype), v_JD, precision=lax.Precision.HIGHEST)
     return new_max_M, sum_M, acc_MD, pages
 
   max_M = jnp.full((rows,), _MAX_FLOOR, jnp.float32)
@@ -147,14 +180,15 @@ def _kernel(
 
 
 def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W,
-                    horizon_W, block_tables_SP, sinks_KM=None, *, sm_scale: float,
-                    tiling: GpuTiling, sliding_window: int | None = None,
-                    soft_cap: float | None = None, kv_dtype=None, count_pages: bool = False,
-                    interpret: bool = False):
+                    horizon_W, block_tables_SP, sinks_KM=None, k_scales_LKNZ=None,
+                    v_scales_LKNZ=None, *, sm_scale: float, tiling: GpuTiling,
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    kv_dtype=None, count_pages: bool = False, interpret: bool = False):
   """Partial attention of every (item, KV head, split); see the module docstring.
 
   Args:
-    q_WKMD: [W, K, M, D] packed queries (M a power of two >= 16).
+    q_WKMD: [W, K, M, D] packed queries (M a power of two >= 16), in the compute dtype,
+      or for a quantised pool in the dtype of q . k_bits (q's own if 16-bit, else float32).
     qpos_WM: i32[W, M] query position of each packed row; -1 for padding rows.
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (storage bits if ``kv_dtype``).
     layer: i32[] layer index.
@@ -162,6 +196,7 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
       of Z) and end of the KV range.
     block_tables_SP: i32[S, P'] with P' >= P + ``tiling.pages_per_chunk``.
     sinks_KM: f32[K, M] sink logit of each packed row (-inf on padding rows), or None.
+    k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] for a quantised ``kv_dtype``, else None.
     sm_scale, sliding_window, soft_cap: as ``ragged_paged_attention`` (static).
     kv_dtype: logical dtype of the pages when they hold storage bits, else None.
     count_pages: also return how many pages each program loaded (for tests and
@@ -173,24 +208,26 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
   """
   num_items, num_kv_heads, rows, head_dim = q_WKMD.shape
   num_splits = tiling.num_splits
-  # q arrives in the compute dtype; pages of another dtype are cast after loading.
-  compute_dtype = q_WKMD.dtype
   has_sinks = sinks_KM is not None
-  kernel = functools.partial(_kernel, sm_scale=sm_scale,
-                             pages_per_chunk=tiling.pages_per_chunk, num_splits=num_splits,
-                             compute_dtype=compute_dtype, sliding_window=sliding_window,
-                             soft_cap=soft_cap, kv_dtype=kv_dtype)
-  if not has_sinks or not count_pages:
-    # Absent operands arrive as None, in the kernel's argument order.
-    full_kernel = kernel
+  quantized = k_scales_LKNZ is not None
+  if quantized != layout.is_quantized(kv_dtype) or quantized != (v_scales_LKNZ is not None):
+    raise ValueError(f"k_scales and v_scales must be given exactly when kv_dtype={kv_dtype} "
+                     "is int8 or float8")
+  # q arrives in the compute dtype (quantised pools: q . k's, the rest is float32); pages
+  # of another dtype are cast after loading.
+  compute_dtype = jnp.float32 if quantized else q_WKMD.dtype
+  full_kernel = functools.partial(_kernel, sm_scale=sm_scale,
+                                  pages_per_chunk=tiling.pages_per_chunk,
+                                  num_splits=num_splits, compute_dtype=compute_dtype,
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  kv_dtype=kv_dtype)
 
-    def kernel(*refs):
-      refs = list(refs)
-      if not has_sinks:
-        refs.insert(7, None)
-      if not count_pages:
-        refs.append(None)
-      return full_kernel(*refs)
+  def kernel(*refs):
+    # Absent operands arrive as None, in the kernel's argument order.
+    refs = iter(refs)
+    take = lambda n, present=True: [next(refs) for _ in range(n)] if present else [None] * n
+    return full_kernel(*take(7), *take(1, has_sinks), *take(2), *take(2, quantized),
+                       *take(2), *take(1, count_pages))
 
   whole = lambda shape: pl.BlockSpec(shape, lambda w, k, x: (0,) * len(shape))
   row_spec = pl.BlockSpec((None, None, None, rows), lambda w, k, x: (x, w, k, 0))
@@ -210,6 +247,9 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
     in_specs.append(pl.BlockSpec((None, rows), lambda w, k, x: (k, 0)))
   inputs += [k_pages_LKNZD, v_pages_LKNZD]
   in_specs += [whole(k_pages_LKNZD.shape), whole(v_pages_LKNZD.shape)]
+  if quantized:
+    inputs += [k_scales_LKNZ, v_scales_LKNZ]
+    in_specs += [whole(k_scales_LKNZ.shape), whole(v_scales_LKNZ.shape)]
   out_specs = [
       pl.BlockSpec((None, None, None, rows, head_dim), lambda w, k, x: (x, w, k, 0, 0)),
       row_spec,

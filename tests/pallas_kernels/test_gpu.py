@@ -7,6 +7,7 @@ together. The full product grid is marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 
@@ -17,6 +18,7 @@ import pytest
 
 import paged_jax
 from paged_jax.pallas_kernels import gpu
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels.gpu import GpuTiling
 from paged_jax.pallas_kernels.gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.gpu import work_items
@@ -795,3 +797,232 @@ def test_variants_lower_for_cuda(model, variant):
   # The storage-bit pools go to the kernel whole and as they are (no convert of the pool).
   assert "%arg1, %arg2" in calls[0]
   assert f"{Z}x{D}xui16>" in calls[0]
+
+
+# --- Quantised pools (issue 20): int8 / float8 bits, one float32 scale per token and head. ---
+
+def _run_quantized(case, kv_dtype, *, tiling=None, per_tensor=False, **variants):
+  """The kernel on ``case``'s K/V quantised by ``attention_cases.quantized_args`` (unused
+  memory NaN, NaN scales too). Scales and sinks are traced, so cases of one shape and one
+  set of statics share a compiled kernel."""
+  args, pool_kwargs = attention_cases.quantized_args(case, kv_dtype, per_tensor=per_tensor)
+  sm_scale = case.q_THD.shape[-1] ** -0.5
+  out = gpu.ragged_paged_attention(*args, sm_scale=sm_scale, tiling=tiling, interpret=True,
+                                   **pool_kwargs, **_variant_kwargs(variants))
+  return out, sm_scale
+
+
+def _check_quantized(case, kv_dtype, out, sm_scale, **variants):
+  """Against the jnp reference on the SAME quantised pool (bits, scales, NaN scales on
+  unused memory) and the float64 oracle of its dequantised pages, at the tolerance of q's
+  dtype (float32: the kernel computes in float32); finite; padding rows zero. Returns the
+  output as float64 numpy."""
+  assert out.dtype == case.q_THD.dtype and out.shape == case.q_THD.shape
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(out))
+  tol = attention_cases.tolerance(case.q_THD.dtype)
+  args, pool_kwargs = attention_cases.quantized_args(case, kv_dtype)
+  ref = ragged_paged_attention_reference(*args, sm_scale=sm_scale, **pool_kwargs,
+                                         **_variant_kwargs(variants))
+  ref = np.asarray(ref.astype(jnp.float32), np.float64)
+  assert np.abs(ref).max() > 0.1  # the comparisons are not vacuous
+  np.testing.assert_allclose(out, ref, **tol)
+  expected = attention_cases.oracle(attention_cases.dequantized_case(case, kv_dtype),
+                                    sm_scale, **variants)
+  np.testing.assert_allclose(out, expected, **tol)
+  np.testing.assert_array_equal(out[int(case.cu_q_lens[case.num_seqs]):], 0.0)
+  return out
+
+
+def _quant_id(params):
+  variant, kv_dtype, q_dtype, group, head_dim, block_size, tiling = params
+  split = "" if tiling is None else f"-Q{tiling.q_tile}X{tiling.num_splits}"
+  return (f"{jnp.dtype(kv_dtype).name}-{variant}-q{jnp.dtype(q_dtype).name}-G{group}"
+          f"-D{head_dim}-Z{block_size}{split}")
+
+
+# (variant, K/V dtype, q dtype, G, D, Z, tiling). Default run: int8 and float8_e4m3fn with a
+# float32 q (float32 tolerance), each with a window and a cap or sinks, one under split-K;
+# float8_e5m2 with a bfloat16 q (q . k_bits on bfloat16 operands) and every variant. The
+# slow grid adds every variant family, head dims 128 / 256, Z 32 and G 8.
+QUANT_FAST = (
+    ("window_sinks", jnp.int8, jnp.float32, 4, 64, 8,
+     GpuTiling(q_tile=3, pages_per_chunk=2, num_splits=2)),
+    ("window_cap", jnp.float8_e4m3fn, jnp.float32, 2, 32, 16, None),
+    ("all", jnp.float8_e5m2, jnp.bfloat16, 2, 32, 8, None),
+)
+QUANT_SLOW = (
+    ("all", jnp.int8, jnp.bfloat16, 4, 128, 16, None),
+    ("window1_sinks", jnp.int8, jnp.float32, 1, 64, 32, None),
+    ("cap", jnp.int8, jnp.float32, 8, 256, 8, None),
+    ("all", jnp.float8_e4m3fn, jnp.bfloat16, 8, 256, 16, None),
+    ("sinks", jnp.float8_e4m3fn, jnp.float32, 4, 64, 32,
+     GpuTiling(q_tile=4, pages_per_chunk=1, num_splits=3)),
+    ("window_small", jnp.float8_e4m3fn, jnp.bfloat16, 1, 128, 16, None),
+    ("window_eq", jnp.float8_e5m2, jnp.float32, 4, 128, 8, None),
+    ("window_sinks", jnp.float8_e5m2, jnp.float16, 2, 64, 16, None),
+)
+
+
+def _unused_block_first(case):
+  """``case`` with its block ids relabelled so that block 0 is a page no live sequence owns
+  (all NaN: bits and scales). The kernel points the lanes it does not load at block 0, so
+  a scale (or tile) read that is not masked off reads NaN there and poisons the output."""
+  owned = {int(case.block_tables_SP[i, p]) for i in range(case.num_seqs)
+           for p in range(-(-int(case.kv_lens_S[i]) // case.k_pages_LKNZD.shape[3]))}
+  unused = min(set(range(case.k_pages_LKNZD.shape[2])) - owned)
+  order = np.arange(case.k_pages_LKNZD.shape[2])
+  order[[0, unused]] = order[[unused, 0]]  # a swap: its own inverse
+  case = dataclasses.replace(case, k_pages_LKNZD=case.k_pages_LKNZD[:, :, order],
+                             v_pages_LKNZD=case.v_pages_LKNZD[:, :, order],
+                             block_tables_SP=order[case.block_tables_SP].astype(np.int32))
+  assert np.all(np.isnan(case.k_pages_LKNZD[:, :, 0]))
+  return case
+
+
+def _quant_case(params):
+  _, _, q_dtype, group, head_dim, block_size, _ = params
+  case = _variant_case(zlib.crc32(_quant_id(params).encode()), q_dtype, group, head_dim,
+                       block_size)
+  return _unused_block_first(case)
+
+
+def _check_quantized_variant(params):
+  variant_name, kv_dtype, q_dtype, group, head_dim, block_size, tiling = params
+  case = _quant_case(params)
+  variant = _named_variant(case, variant_name)
+  out, sm_scale = _run_quantized(case, kv_dtype, tiling=tiling, **variant)
+  if variant.get("sliding_window"):
+    # Pages wholly before every window of a sequence NaN (bits and scales): never loaded,
+    # so the output is bit for bit the same (same compiled kernel).
+    poisoned = attention_cases.poison_before_window(case, variant["sliding_window"])
+    poisoned_out, _ = _run_quantized(poisoned, kv_dtype, tiling=tiling, **variant)
+    np.testing.assert_array_equal(np.asarray(poisoned_out), np.asarray(out))
+  out = _check_quantized(case, kv_dtype, out, sm_scale, **variant)
+  # Quantisation changed the answer a little (the pool's values were read, not float K/V),
+  # and the variant changed it a lot.
+  exact = attention_cases.oracle(case, sm_scale, **variant)
+  assert 1e-5 < attention_cases.relative_error(out, exact, case) < 0.1
+  if variant_name not in ("window_eq", "window_large"):
+    plain = attention_cases.oracle(attention_cases.dequantized_case(case, kv_dtype),
+                                   sm_scale)
+    assert np.abs(out - plain).max() > 0.05
+
+
+@pytest.mark.parametrize("params", QUANT_FAST, ids=_quant_id)
+def test_quantized_matches_reference(params):
+  _check_quantized_variant(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", QUANT_SLOW, ids=_quant_id)
+def test_quantized_matches_reference_slow_grid(params):
+  _check_quantized_variant(params)
+
+
+# Issue 20's accuracy batch, shared with every impl's tests and
+# benchmarks/kv_quant_accuracy.py: four KV heads 1x..10x apart, three outlier tokens.
+QUANT_ACCURACY_CASE = attention_cases.quant_accuracy_case()
+QUANT_BOUND = {jnp.dtype(jnp.int8): 1.5e-2, jnp.dtype(jnp.float8_e4m3fn): 6e-2}
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_quantized_accuracy_against_float32_kv(kv_dtype):
+  # Issue 20's bound: max abs error / max abs output against the same attention over the
+  # unquantised float32 K/V (float64 oracle). For int8, one scale per tensor on the same
+  # data (same compiled kernel, only the scales differ) is the negative control.
+  case = QUANT_ACCURACY_CASE
+  exact = attention_cases.oracle(case, 128 ** -0.5)
+  out, _ = _run_quantized(case, kv_dtype)
+  assert np.all(np.isfinite(np.asarray(out)))
+  error = attention_cases.relative_error(out, exact, case)
+  print(f"\npallas_gpu {jnp.dtype(kv_dtype).name} relative error {error:.2e}")
+  assert error <= QUANT_BOUND[jnp.dtype(kv_dtype)], error
+  if jnp.dtype(kv_dtype) == jnp.int8:
+    out_tensor, _ = _run_quantized(case, kv_dtype, per_tensor=True)
+    per_tensor = attention_cases.relative_error(out_tensor, exact, case)
+    print(f"pallas_gpu int8 per-tensor relative error {per_tensor:.2e}")
+    assert per_tensor > QUANT_BOUND[jnp.dtype(kv_dtype)] and per_tensor > 2 * error
+
+
+def test_quantized_through_paged_attention_entry_point():
+  # paged_attention(impl="pallas_gpu") on a KVCache(dtype=float8_e4m3fn) built from float
+  # pages (it quantises them, NaN pages giving NaN scales): the kernel gets the bits,
+  # kv_dtype and both scale arrays. Same shapes and statics as the e4m3fn case above, so
+  # the compiled kernel is shared.
+  params = QUANT_FAST[1]
+  variant_name, kv_dtype, _, _, head_dim, _, _ = params
+  case = _quant_case(params)
+  variant = _named_variant(case, variant_name)
+  q, k_pages, v_pages, *rest = case.jax_args()
+  cache = paged_jax.KVCache(k_pages, v_pages, dtype=kv_dtype)
+  assert cache.quantized and cache.k_scales is not None
+  out = paged_jax.paged_attention(q, cache, *rest, impl="pallas_gpu", interpret=True,
+                                  **_variant_kwargs(variant))
+  _check_quantized(case, kv_dtype, out, head_dim ** -0.5, **variant)
+
+
+def _tiny_args(pages_dtype=jnp.float32):
+  """Kernel arguments of one 5-token sequence over [1, 2, 4, 8, 16] pages (no kernel run
+  is needed: validation fails at trace time)."""
+  pages = jnp.zeros((1, 2, 4, 8, 16), pages_dtype)
+  return (jnp.zeros((2, 2, 16), jnp.float32), pages, pages, 0, jnp.array([5], jnp.int32),
+          jnp.array([[0]], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.int32(1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_dtype=jnp.int8), "k_scales"),  # scales missing
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "v_scales"),
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 16), jnp.float32),
+          v_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "k_scales"),  # wrong Z
+    (dict(kv_dtype=jnp.int8, k_scales=jnp.ones((1, 2, 4, 8), jnp.float32),
+          v_scales=jnp.ones((1, 2, 4, 8), jnp.bfloat16)), "v_scales"),  # not float32
+    (dict(kv_dtype=jnp.float8_e4m3fn, k_scales=jnp.ones((1, 2, 4, 8), jnp.float32),
+          v_scales=jnp.ones((1, 2, 4, 8), jnp.float32)), "k_pages"),  # int8 not e4m3 bits
+])
+def test_quantized_rejects_bad_scales(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    gpu.ragged_paged_attention(*_tiny_args(jnp.int8), sm_scale=1.0, interpret=True,
+                               **kwargs)
+
+
+def test_scales_for_an_unquantized_pool_are_refused():
+  scales = jnp.ones((1, 2, 4, 8), jnp.float32)
+  for kwargs in (dict(), dict(kv_dtype=jnp.bfloat16)):
+    pages_dtype = jnp.uint16 if kwargs else jnp.float32
+    with pytest.raises(ValueError, match="k_scales"):
+      gpu.ragged_paged_attention(*_tiny_args(pages_dtype), sm_scale=1.0, interpret=True,
+                                 k_scales=scales, v_scales=scales, **kwargs)
+
+
+QUANT_LOWERINGS = [(model, kv_dtype) for model in MODEL_SHAPES[:2]
+                   for kv_dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)]
+
+
+@pytest.mark.parametrize("model, kv_dtype", QUANT_LOWERINGS,
+                         ids=[f"{m[0]}-{jnp.dtype(d).name}" for m, d in QUANT_LOWERINGS])
+def test_quantized_lowers_for_cuda(model, kv_dtype):
+  # One-byte pools (int8 bits, float8 as uint8 bits) with f32[L, K, N, Z] scales, bfloat16
+  # q, every variant on; a mixed batch of 96 rows over 8 sequences.
+  name, H, K, D, Z = model
+  T, S, num_blocks, blocks_per_seq, num_layers = 96, 8, 256, 64, 2
+  storage = layout.storage_dtype(kv_dtype)
+  pages = jax.ShapeDtypeStruct((num_layers, K, num_blocks, Z, D), storage)
+  scales = jax.ShapeDtypeStruct(layout.scales_shape(num_layers, K, num_blocks, Z),
+                                jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = [jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), pages, pages, i32(), i32(S),
+          i32(S, blocks_per_seq), i32(S + 1), i32(),
+          jax.ShapeDtypeStruct((H,), jnp.float32), scales, scales]
+  f = lambda *a: gpu.ragged_paged_attention(
+      *a[:8], sinks=a[8], k_scales=a[9], v_scales=a[10], sm_scale=D ** -0.5,
+      sliding_window=128, soft_cap=50.0, kv_dtype=kv_dtype)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 1, name
+  assert "ragged_paged_attention_split_k" in text
+  # The one-byte pools and both scale arrays go to the kernel whole and as they are.
+  bits = "ui8" if storage == jnp.uint8 else "i8"
+  assert calls[0].count(f"{num_blocks}x{Z}x{D}x{bits}>") == 2, name
+  assert calls[0].count(f"{num_layers}x{K}x{num_blocks}x{Z}xf32>") == 2, name
