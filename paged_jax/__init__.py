@@ -11,18 +11,58 @@ Layering (no import cycle): ``pallas_kernels`` <- ``spec``, ``kv_cache``, ``allo
 ``engine``; this package's ``__init__`` only re-exports.
 """
 
-from paged_jax import allocator
-from paged_jax import protocol
-from paged_jax import step
-from paged_jax.attention import paged_attention, resolve_impl, validate_attention_inputs
-from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
-from paged_jax.kv_cache import KVCache
-from paged_jax.models import Decoder, ModelConfig, init_random, load_pretrained
-from paged_jax.protocol import ModelConfigLike, PagedModel
-from paged_jax.sampling import SamplingParams
-from paged_jax.spec import KVCacheSpec
-from paged_jax.step import (AttentionMetadata, StepInputs, Steps, decode_step, forward_step,
-                            prepare_step, tokens_from_history)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# The names below are imported on first use (PEP 562), so that ``import paged_jax`` (and the
+# ``paged-jax`` command, which lives here) starts at once; ``from paged_jax import LLM``
+# works as usual. The block under TYPE_CHECKING is what type checkers and readers see.
+if TYPE_CHECKING:
+  from paged_jax import allocator, protocol, step
+  from paged_jax.attention import (checked_paged_attention, paged_attention, resolve_impl,
+                                   validate_attention_inputs)
+  from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
+  from paged_jax.kv_cache import KVCache
+  from paged_jax.models import Decoder, ModelConfig, init_random, load_pretrained
+  from paged_jax.protocol import ModelConfigLike, PagedModel
+  from paged_jax.sampling import SamplingParams
+  from paged_jax.spec import KVCacheSpec
+  from paged_jax.step import (AttentionMetadata, StepInputs, Steps, decode_step,
+                              forward_step, prepare_step, tokens_from_history)
+
+_HOME = {
+    "paged_jax.attention": ("checked_paged_attention", "paged_attention", "resolve_impl",
+                            "validate_attention_inputs"),
+    "paged_jax.engine": ("LLM", "EngineState", "Output", "StreamEvent",
+                         "default_token_buckets"),
+    "paged_jax.kv_cache": ("KVCache",),
+    "paged_jax.models": ("Decoder", "ModelConfig", "init_random", "load_pretrained"),
+    "paged_jax.protocol": ("ModelConfigLike", "PagedModel"),
+    "paged_jax.sampling": ("SamplingParams",),
+    "paged_jax.spec": ("KVCacheSpec",),
+    "paged_jax.step": ("AttentionMetadata", "StepInputs", "Steps", "decode_step",
+                       "forward_step", "prepare_step", "tokens_from_history"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+_SUBMODULES = ("allocator", "protocol", "step")
+
+
+def __getattr__(name: str):
+  if name in _MODULE_OF:
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+  elif name in _SUBMODULES:
+    value = importlib.import_module(f"paged_jax.{name}")
+  else:
+    raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paged_jax import planner
 from paged_jax.cli_run import KV_CACHE_DTYPES, add_run_parser
-from paged_jax.spec import KVCacheSpec
 
 
 def _add_plan(subparsers) -> None:
@@ -39,6 +37,8 @@ def _add_plan(subparsers) -> None:
 
 
 def _plan(args) -> int:
+  from paged_jax import planner  # imported here: the CLI parses (and --help answers) at once
+  from paged_jax.spec import KVCacheSpec
   model = planner.model_shape_from_config(args.config) if args.config else planner.LLAMA3_8B
   overrides = {k: v for k, v in (("num_layers", args.num_layers),
                                  ("num_kv_heads", args.num_kv_heads),

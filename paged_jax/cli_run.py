@@ -125,7 +125,7 @@ class _Progress:
 
 def _engine(args):
   import jax.numpy as jnp
-  from paged_jax import LLM
+  from paged_jax.engine import LLM
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_seqs=args.max_seqs,
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
               kv_cache_dtype=args.kv_cache_dtype,

@@ -11,10 +11,12 @@ its output length is exactly the drawn one. Everything follows from ``seed``.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paged_jax.sampling import SamplingParams
+if TYPE_CHECKING:  # imported in make_requests: the CLI builds its parser without JAX
+  from paged_jax.sampling import SamplingParams
 
 __all__ = ["Workload", "make_requests"]
 
@@ -64,6 +66,7 @@ def _lognormal_lengths(rng, n, median, sigma, max_len) -> np.ndarray:
 
 def make_requests(workload: Workload) -> tuple[list[list[int]], list[SamplingParams]]:
   """``(prompts, params)`` of the workload, ready for ``LLM.generate``."""
+  from paged_jax.sampling import SamplingParams
   w = workload
   rng = np.random.default_rng(w.seed)
   prompt_lens = _lognormal_lengths(rng, w.num_requests, w.prompt_median, w.prompt_sigma,

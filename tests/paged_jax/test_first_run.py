@@ -130,3 +130,16 @@ def test_run_report_names_a_quantised_pool():
   report = cli_run.format_report(stats, title="t", compile_s=2.0)
   assert "int8 with a float32 scale per token and KV head, 3.0 MiB" in report
   assert "compile time" in report and "no leak" in report
+
+
+def test_cli_parses_without_importing_jax():
+  # `paged-jax run` says what it is doing before JAX loads (~2 s): nothing up to argument
+  # parsing imports JAX, and `import paged_jax` stays light until a name is used.
+  import subprocess
+  import sys
+  code = ("import sys, paged_jax, paged_jax.cli as c; c.build_parser().parse_args(['run']); "
+          "assert 'jax' not in sys.modules, 'jax imported'; "
+          "from paged_jax import LLM, KVCache, allocator; assert 'jax' in sys.modules")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).parents[2])
+  assert proc.returncode == 0, proc.stderr
