@@ -14,31 +14,62 @@ from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 from paged_jax.pallas_kernels import xla as xla_kernel
 from paged_jax.kv_cache import KVCache
 
-IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
 _PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
-                   "pallas_gpu": "paged_jax.pallas_kernels.gpu"}
-_AUTO_BY_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+                   "pallas_gpu": "paged_jax.pallas_kernels.gpu",
+                   "pallas_mosaic_gpu": "paged_jax.pallas_kernels.mosaic_gpu"}
+# What "auto" tries on each backend, best first; "xla" is always there.
+_AUTO_BY_BACKEND = {"tpu": ("pallas_tpu",), "gpu": ("pallas_mosaic_gpu", "pallas_gpu"),
+                    "cuda": ("pallas_mosaic_gpu", "pallas_gpu")}
+
+
+def _pallas_module(impl: str):
+  """The Pallas kernel package of ``impl``, or None when the installed JAX lacks its
+  backend (JAX is removing Pallas's Triton backend; older JAX lacks Mosaic GPU pieces)."""
+  try:
+    module = importlib.import_module(_PALLAS_MODULES[impl])
+  except ModuleNotFoundError as e:  # our package, or the JAX backend module it needs
+    if e.name is None or not (e.name == _PALLAS_MODULES[impl] or e.name.startswith("jax")):
+      raise
+    return None
+  if hasattr(module, "available") and not module.available():
+    return None
+  return module
 
 
 def _pallas_impl(impl: str) -> Callable | None:
-  """The Pallas kernel module's ``ragged_paged_attention``, or None while it is absent."""
-  try:
-    module = importlib.import_module(_PALLAS_MODULES[impl])
-  except ModuleNotFoundError as e:
-    if e.name != _PALLAS_MODULES[impl]:
-      raise
-    return None
-  return module.ragged_paged_attention
+  """The Pallas kernel's ``ragged_paged_attention``, or None where JAX lacks its backend."""
+  module = _pallas_module(impl)
+  return None if module is None else module.ragged_paged_attention
 
 
 def resolve_impl(impl: str) -> str:
-  """The concrete implementation ``impl`` names ("auto" picks by the default backend)."""
+  """The concrete implementation ``impl`` names. "auto" picks by the default backend: on
+  TPU "pallas_tpu"; on a GPU "pallas_mosaic_gpu", else "pallas_gpu" (Triton) where the
+  installed JAX has that backend; elsewhere, or when none is there, "xla". (Inside
+  ``paged_attention`` "auto" also passes over a GPU kernel that refuses the shapes.)"""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   if impl != "auto":
     return impl
-  chosen = _AUTO_BY_BACKEND.get(jax.default_backend(), "xla")
-  return chosen if chosen == "xla" or _pallas_impl(chosen) is not None else "xla"
+  for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
+    if _pallas_impl(chosen) is not None:
+      return chosen
+  return "xla"
+
+
+def _auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) -> str:
+  """"auto" for these arguments: the first kernel of the backend that is installed and
+  takes their shapes and dtypes (``unsupported_reason``), else "xla"."""
+  for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
+    module = _pallas_module(chosen)
+    if module is None:
+      continue
+    refuse = getattr(module, "unsupported_reason", None)
+    if refuse is None or refuse(q, k_pages, block_tables, kv_dtype=kv_dtype,
+                                sliding_window=sliding_window) is None:
+      return chosen
+  return "xla"
 
 
 def _kernel_args(cache: KVCache):
@@ -91,7 +122,10 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       ``c * tanh(s / c)`` before the mask and softmax.
     sinks: f32[H] (may be traced) or None: one extra logit per query head in the softmax
       denominator, with no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
-    impl: "auto", "reference", "xla", "pallas_tpu" or "pallas_gpu".
+    impl: "auto", "reference", "xla", "pallas_tpu", "pallas_gpu" (Triton backend) or
+      "pallas_mosaic_gpu" (Mosaic GPU, Hopper and later). "auto": on TPU the Pallas TPU
+      kernel; on a GPU the Mosaic GPU kernel where JAX has it and it takes these shapes,
+      else the Triton one where JAX still has that backend; otherwise XLA.
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
       consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in
@@ -124,7 +158,8 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     sm_scale = float(q.shape[-1]) ** -0.5
   args = (q, k_pages, v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   variants = _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) | _scale_kwargs(cache)
-  chosen = resolve_impl(impl)
+  chosen = (_auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) if impl == "auto"
+            else impl)
   if q.shape[0] == 0:  # no query rows (T = 0): nothing to attend (the reference divides by T)
     return jnp.zeros_like(q)
   if chosen == "reference":
@@ -133,7 +168,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale), **variants)
   kernel = _pallas_impl(chosen)
   if kernel is None:
-    raise NotImplementedError(f"impl={chosen!r} is not available in this build")
+    raise NotImplementedError(
+        f"impl={chosen!r} needs a Pallas backend that jax {jax.__version__} lacks "
+        "(impl='auto' picks one that is there)")
   return kernel(*args, sm_scale=float(sm_scale), interpret=interpret, **variants)
 
 

@@ -143,6 +143,53 @@ def test_auto_resolves_to_xla_on_cpu():
   assert resolve_impl("reference") == "reference"
 
 
+@pytest.fixture
+def without_triton(monkeypatch):
+  """This process as under a JAX without Pallas's Triton backend (being removed)."""
+  import sys
+  monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+  for name in list(sys.modules):
+    if name.startswith("paged_jax.pallas_kernels.gpu"):
+      monkeypatch.delitem(sys.modules, name)
+  return monkeypatch
+
+
+def test_auto_on_a_gpu_prefers_mosaic_and_never_picks_a_missing_backend(without_triton):
+  from paged_jax import attention
+  from paged_jax.pallas_kernels import mosaic_gpu
+  monkeypatch = without_triton
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  assert attention._pallas_impl("pallas_gpu") is None  # import failed: not there
+  assert resolve_impl("auto") == "pallas_mosaic_gpu"
+  args = _good_args()
+  k_bits, _, kv_dtype = attention._kernel_args(args["cache"])
+  chosen = attention._auto_impl(args["q"], k_bits, args["block_tables"], kv_dtype, None)
+  assert chosen == "pallas_mosaic_gpu", mosaic_gpu.unsupported_reason(
+      args["q"], k_bits, args["block_tables"], kv_dtype=kv_dtype)
+  # Shapes Mosaic GPU refuses (H not a multiple of K) and no Triton: XLA, never a
+  # kernel that is not there.
+  monkeypatch.setattr(mosaic_gpu, "unsupported_reason", lambda *a, **k: "refused")
+  assert attention._auto_impl(args["q"], k_bits, args["block_tables"], kv_dtype,
+                              None) == "xla"
+  # JAX without the Mosaic GPU pieces either: "auto" is XLA, explicit names say why.
+  monkeypatch.setattr(mosaic_gpu, "available", lambda: False)
+  assert resolve_impl("auto") == "xla"
+  with pytest.raises(NotImplementedError, match="pallas_gpu.*lacks"):
+    _call(impl="pallas_gpu")
+  with pytest.raises(NotImplementedError, match="pallas_mosaic_gpu.*lacks"):
+    _call(impl="pallas_mosaic_gpu")
+
+
+def test_auto_on_a_gpu_takes_triton_where_mosaic_is_missing(monkeypatch):
+  from paged_jax import attention
+  from paged_jax.pallas_kernels import mosaic_gpu
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(mosaic_gpu, "available", lambda: False)
+  assert resolve_impl("auto") == "pallas_gpu"
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
+  assert resolve_impl("auto") == "pallas_tpu"
+
+
 # --- bad input: each a ValueError naming the argument --------------------------------------
 
 
@@ -223,3 +270,19 @@ def test_out_of_range_table_entry_is_never_clamped(impl):
   out = np.asarray(run(case, impl))
   assert np.all(np.isfinite(out))
   np.testing.assert_allclose(out, 0.0, atol=1e-6)  # zero keys, zero values -> zero output
+
+
+def test_mosaic_gpu_through_the_entry_point_matches_the_reference():
+  # impl="pallas_mosaic_gpu" reaches the Mosaic GPU kernel (interpret mode on CPU) with the
+  # cache's storage bits and dtype; bfloat16 pages, unused pages NaN.
+  q_lens, kv_lens = (1, 3, 1), (9, 20, 33)
+  case = cases.make_case(3, q_lens=q_lens, kv_lens=kv_lens, group=2, head_dim=64,
+                         block_size=16, dtype=jnp.bfloat16)
+  q, k_pages, v_pages, layer, kv_lens_S, tables, cu, num_seqs = case.jax_args()
+  cache = KVCache(k_pages=k_pages, v_pages=v_pages)
+  args = (q, cache, layer, kv_lens_S, tables, cu, num_seqs)
+  out = paged_attention(*args, impl="pallas_mosaic_gpu", interpret=True, sliding_window=12)
+  ref = paged_attention(*args, impl="reference", sliding_window=12)
+  assert not jnp.isnan(out).any()
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
