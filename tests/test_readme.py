@@ -62,3 +62,27 @@ def test_core_dependencies_cover_what_the_library_imports():
           if provided_by.get(top) not in names:
             missing.add(f"{top} ({path.relative_to(ROOT)})")
   assert not missing, f"imported but not a core dependency: {sorted(missing)}"
+
+
+def _readme_python(marker: str) -> str:
+  text = (ROOT / "README.md").read_text()
+  return re.search(rf"<!-- {marker} -->\n```python\n(.+?)\n```", text, re.S).group(1)
+
+
+def test_lower_layers_snippet_runs_and_matches_the_reference():
+  # The snippet defines every name it uses; its output is the reference's, per sequence.
+  import jax.numpy as jnp
+  import numpy as np
+  scope: dict = {}
+  exec(compile(_readme_python("lower-layers"), "README.md", "exec"), scope)  # noqa: S102
+  out = scope["out_THD"]
+  assert out.shape == (8, 4, 64) and bool(jnp.isfinite(out).all())
+  ref = scope["paged_attention"](scope["q_THD"], scope["cache"], 0, scope["alloc"].seq_lens,
+                                 scope["alloc"].block_tables, scope["cu_q_lens"], num_seqs=2,
+                                 impl="reference")
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  # the first row of each sequence attends only to itself: its output is its own V
+  v = np.asarray(scope["v_TKD"], np.float32)
+  np.testing.assert_allclose(np.asarray(out[5], np.float32).reshape(2, 2, 64),
+                             np.broadcast_to(v[5][:, None], (2, 2, 64)), atol=2e-2)
