@@ -125,11 +125,24 @@ class Scheduler:
                          "checkpoint has no tokenizer.json): pass token ids")
       ids = self.tokenizer.encode(prompt).ids
     else:
+      dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
       try:
-        ids = [int(t) for t in prompt]
-      except (TypeError, ValueError):
+        items = list(prompt)
+      except TypeError:
         raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
                          "ids") from None
+      if dtype is not None:
+        if not np.issubdtype(np.dtype(dtype), np.integer):
+          raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
+                           "integers")
+      else:
+        for j, t in enumerate(items):
+          scalar_int = (getattr(t, "shape", None) == ()
+                        and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
+          if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
+            raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
+                             "must be ints (a float id is refused, not truncated)")
+      ids = [int(t) for t in items]
     if len(ids) == 0:
       raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
     v = self.vocab_size

@@ -211,7 +211,9 @@ def test_abandoned_stream_releases_its_blocks(llm, dense_greedy):
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
-                     ("text", "tokenizer")):
+                     ("text", "tokenizer"), ([4, 2.0, 5], r"prompts\[1\]\[1\]=2.0 is a float"),
+                     (np.array([4.5, 6.0]), "prompts\\[1\\] has dtype float64"),
+                     ([4, True], "is a bool")):
     with pytest.raises(ValueError, match=match):
       llm.generate([good, bad], SamplingParams(max_tokens=4))
   with pytest.raises(ValueError, match="n="):
@@ -220,6 +222,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     llm.generate([good, good], [SamplingParams()])
   out, = llm.generate([good], SamplingParams(max_tokens=5, ignore_eos=True))
   assert list(out.token_ids) == dense_greedy(good, 5)[0]
+  # Integer arrays (numpy, JAX) and their scalars are token ids as they are.
+  for ids in (np.array(good, np.int64), jnp.array(good), list(jnp.array(good))):
+    out, = llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert list(out.token_ids) == dense_greedy(good, 2)[0]
   _check_all_free(llm)
 
 
