@@ -131,9 +131,9 @@ class MosaicTiling:
 
     The main loop holds: the packed queries (``pieces`` bfloat16/float16 copies, M x D),
     the ring of ``num_stages`` K and V chunks as stored (J x D each), and when ``staged``
-    one K and one V operand chunk per K/V piece (``kv_pieces``). The epilogue reuses that memory for the
-    float32 partial output (M x D) and its log-sum-exp. Slack covers barriers and the
-    1 KiB alignment of swizzled buffers.
+    one K and one V operand chunk per K/V piece (``kv_pieces``). The epilogue reuses that
+    memory for the float32 partial output (M x D) and its log-sum-exp. Slack covers
+    barriers and the 1 KiB alignment of swizzled buffers.
     """
     rows = packed_rows(self.q_tile, group)
     chunk = self.chunk_size
