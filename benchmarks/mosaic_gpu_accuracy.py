@@ -28,7 +28,9 @@ QUICK_SEQS = ((1, 130), (9, 70), (1, 17))
 # (name, pages' logical dtype, q dtype)
 CASES = (("float32", jnp.float32, jnp.float32), ("bfloat16", jnp.bfloat16, jnp.bfloat16),
          ("float16", jnp.float16, jnp.float16), ("int8", jnp.int8, jnp.bfloat16),
-         ("float8_e4m3fn", jnp.float8_e4m3fn, jnp.bfloat16))
+         ("float8_e4m3fn", jnp.float8_e4m3fn, jnp.bfloat16),
+         ("float8_e5m2", jnp.float8_e5m2, jnp.bfloat16), ("int8", jnp.int8, jnp.float32),
+         ("float8_e4m3fn", jnp.float8_e4m3fn, jnp.float32))
 
 
 def make_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, block_size, seed=0):

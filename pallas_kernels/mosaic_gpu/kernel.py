@@ -15,11 +15,17 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   fragments in registers.
 - Staged path (pages stored as bits of another dtype, quantised pages, float32): each
   chunk goes through registers into operand buffers: storage bits are bitcast back
-  (``layout.from_storage``), quantised values scaled, float32 split into three bfloat16
-  pieces, and V rows that must not count zeroed. Direct path (pages already in the
-  16-bit compute dtype): the dots read the TMA buffers, and only a chunk holding rows
-  that must not count (the item's last chunk, or a skipped page) has those V rows zeroed
-  in place first: 0 * NaN would poison the P V dot.
+  (``layout.from_storage``), float32 split into three bfloat16 pieces, and V rows that
+  must not count zeroed. Direct path (pages already in the 16-bit compute dtype): the
+  dots read the TMA buffers, and only a chunk holding rows that must not count (the
+  item's last chunk, or a skipped page) has those V rows zeroed in place first: 0 * NaN
+  would poison the P V dot.
+- Quantised pages (int8, float8_e4m3fn, float8_e5m2; ``OperandPlan.scaled``): the stored
+  values are staged as they are, converted to bfloat16 (exact), and each position's
+  float32 scale multiplies its column after the dots: ``s_j = (q . k_j) * k_scale_j`` and
+  ``sum_j (p_j * v_scale_j) v_j``, exactly the dequantised products, accumulated in
+  float32. A chunk's scales are read from the scale rows of its pages, beside the pages'
+  copies, and are set to 0 at positions that do not count (their scales may be NaN).
 
 Split x covers chunks ``[x * c, min((x + 1) * c, n))`` of the item's n chunks
 (``c = cdiv(n, X)``); it writes its partial output normalised by its own softmax sum and
@@ -52,9 +58,15 @@ plgpu = compat.plgpu
 # A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
 # that sees nothing keeps max = floor, sum = 0 without any inf - inf.
 _MAX_FLOOR = -1e30
-# Products of (piece i, piece j) kept when float32 operands are split into three bfloat16
-# pieces: orders i + j <= 2 (the rest are below float32 rounding).
-_PIECE_PAIRS = {1: ((0, 0),), 3: ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))}
+
+
+def piece_pairs(a_pieces: int, b_pieces: int) -> tuple[tuple[int, int], ...]:
+  """The products (piece i of a, piece j of b) kept in a dot of operands split into pieces
+  (``split_pieces``): orders i + j below the larger piece count (the rest fall below
+  float32 rounding), smallest first. (3, 3): six pairs; (3, 1), an exact b: three."""
+  top = max(a_pieces, b_pieces)
+  pairs = [(i, j) for i in range(a_pieces) for j in range(b_pieces) if i + j < top]
+  return tuple(sorted(pairs, key=lambda ij: (-(ij[0] + ij[1]), -ij[0])))
 
 
 def split_pieces(x, pieces: int, dtype):
@@ -91,8 +103,10 @@ class _Primitives:
 
   def scale_row(self, scales_ref, index, offset, size):
     """``size`` float32 scalars ``scales_ref[*index, offset:offset + size]``: scalar loads
-    from global memory on the GPU (a page's scale row is too short for a TMA copy when
-    Z < 32); one vector read in interpret mode, where every access is a host callback."""
+    from global memory on the GPU (a TMA copy of a unit's scales, ``4 * min(Z, J)`` bytes,
+    into a contiguous [J] buffer would land at shared-memory offsets that are not
+    128-byte aligned when Z < 32); one vector read in interpret mode, where every access
+    is a host callback."""
     if self.interpret:
       row = scales_ref[(*index, pl.ds(offset, size))]
       return [row[u] for u in range(size)]
@@ -100,7 +114,7 @@ class _Primitives:
 
   def scores(self, q_refs, k_refs, shape):
     """``sum_{(i, j)} q_i @ k_j^T`` float32 [M, J] over the piece pairs."""
-    pairs = _PIECE_PAIRS[len(q_refs)]
+    pairs = piece_pairs(len(q_refs), len(k_refs))
     if self.interpret:
       qs = [ref[...] for ref in q_refs]
       ks = [ref[...] for ref in k_refs]
@@ -119,7 +133,7 @@ class _Primitives:
 
   def accumulate(self, acc_MD, p_pieces, v_refs):
     """``acc + sum_{(i, j)} p_i @ v_j`` (float32 accumulation)."""
-    pairs = _PIECE_PAIRS[len(p_pieces)]
+    pairs = piece_pairs(len(p_pieces), len(v_refs))
     if self.interpret:
       vs = [ref[...] for ref in v_refs]
       for i, j in pairs:
@@ -141,9 +155,8 @@ class KernelConfig:
   sliding_window: int | None
   soft_cap: float | None
   kv_dtype: object | None        # logical K/V dtype when the pages hold storage bits
-  quantized: bool                # pages hold int8/float8 values with float32 scales
   mma_dtype: object              # bfloat16 or float16: what the tensor cores multiply
-  plan: OperandPlan
+  plan: OperandPlan              # plan.scaled: int8/float8 pages with float32 scales
   tiling: MosaicTiling
   group: int
   has_sinks: bool
@@ -181,14 +194,15 @@ def _kernel(*refs, cfg: KernelConfig):
                                 # queries (mma dtype), one array per piece
   k_pages_ref = refs.pop(0)     # [L, K, N, Z, D] whole pool, storage dtype
   v_pages_ref = refs.pop(0)
-  k_scales_ref = refs.pop(0) if cfg.quantized else None   # f32[L, K, N, Z]
-  v_scales_ref = refs.pop(0) if cfg.quantized else None
+  k_scales_ref = refs.pop(0) if cfg.plan.scaled else None   # f32[L, K, N, Z]
+  v_scales_ref = refs.pop(0) if cfg.plan.scaled else None
   # Output
   out_ref = refs.pop(0)         # f32[X, W, K, M, D] normalised partial outputs (M: Q*G to 8)
   lse_ref = refs.pop(0)         # f32[X, W, K, M] log-sum-exp, -inf where nothing seen
   assert not refs
 
   pieces, rows, head_dim = len(q_hbm_refs), q_hbm_refs[0].shape[2], q_hbm_refs[0].shape[3]
+  kv_pieces = cfg.plan.kv_pieces
   num_blocks, block_size = k_pages_ref.shape[2], k_pages_ref.shape[3]
   num_stages, chunk = t.num_stages, t.chunk_size
   unit = min(block_size, chunk)        # positions per page copy
@@ -255,31 +269,40 @@ def _kernel(*refs, cfg: KernelConfig):
       valid_J = valid_J & ((copy_J != r) | read)
     return pos_J, valid_J
 
-  def load_values(raw_ref, scales_ref, info):
-    """A [J, D] tile as compute values: storage bits bitcast back; quantised values
-    (int8, float8) times their per-token float32 scale, in float32."""
+  def load_values(raw_ref):
+    """A [J, D] tile as operand values: storage bits bitcast back (``from_storage``), in
+    the compute dtype; quantised values (int8, float8) as they are, in the mma dtype,
+    where each is exact (their scales apply to the dots' columns, ``scale_vector``)."""
     values = layout.from_storage(raw_ref[...], cfg.kv_dtype)
-    if scales_ref is None:
+    if not cfg.plan.scaled:
       return values.astype(compute_dtype)
-    # One scale per row (position) of the tile: the rows of copy r are the positions
-    # [offset, offset + unit) of its page. A page that was not read reads block 0's scales
-    # (its rows never count).
-    row_J = prims.iota((chunk,), 0, row_layout)
-    scale_J = prims.layout_cast(jnp.ones((chunk,), jnp.float32), row_layout)
+    if jnp.issubdtype(values.dtype, jnp.floating) and values.dtype.itemsize == 1:
+      # Hopper converts float8 to float16 only (one instruction per pair); every float8
+      # value is a float16 and a bfloat16 value, so both steps are exact.
+      values = values.astype(jnp.float16)
+    return values.astype(mma_dtype)
+
+  def scale_vector(scales_ref, info, valid_J):
+    """f32[J] (column layout of an [M, J] fragment): the chunk's per-position scales,
+    ``scales[layer, kv_head, page, slot]`` of each copy unit's positions, and 0 at the
+    positions that do not count (the scale of a slot the sequence does not hold may be
+    NaN; a page that was not copied reads block 0's scales, discarded here)."""
+    col_J = prims.iota((chunk,), 0, col_layout)
+    scale_J = prims.layout_cast(jnp.zeros((chunk,), jnp.float32), col_layout)
     for r, (read, page_id, offset) in enumerate(info):
       row_scales = prims.scale_row(scales_ref, (layer, kv_head, jnp.where(read, page_id, 0)),
                                    offset, unit)
       for u, scale in enumerate(row_scales):
-        scale_J = jnp.where(row_J == r * unit + u, scale, scale_J)
-    return values.astype(jnp.float32) * lax.broadcast_in_dim(scale_J, values.shape, [0])
+        scale_J = jnp.where(col_J == r * unit + u, scale, scale_J)
+    return jnp.where(valid_J, scale_J, 0.0)
 
-  def stage(raw_ref, op_ref, scales_ref, c, info, *, zero_invalid_rows):
-    values_JD = load_values(raw_ref, scales_ref, info)
+  def stage(raw_ref, op_ref, c, info, *, zero_invalid_rows):
+    values_JD = load_values(raw_ref)
     if zero_invalid_rows:
       _, valid_J = valid_positions(c, info, row_layout)
       valid_JD = lax.broadcast_in_dim(valid_J, values_JD.shape, [0])
       values_JD = jnp.where(valid_JD, values_JD, jnp.zeros_like(values_JD))
-    for i, piece in enumerate(split_pieces(values_JD, pieces, mma_dtype)):
+    for i, piece in enumerate(split_pieces(values_JD, len(op_ref), mma_dtype)):
       op_ref[i][...] = piece
 
   sink_M = None
@@ -323,8 +346,8 @@ def _kernel(*refs, cfg: KernelConfig):
       if cfg.plan.staged:
         # Through registers into the operand buffers; then the ring slot is free and
         # the chunk S ahead is issued before this one's dots run.
-        stage(k_raw.at[slot], k_ops, k_scales_ref, c, info, zero_invalid_rows=False)
-        stage(v_raw.at[slot], v_ops, v_scales_ref, c, info, zero_invalid_rows=True)
+        stage(k_raw.at[slot], k_ops, c, info, zero_invalid_rows=False)
+        stage(v_raw.at[slot], v_ops, c, info, zero_invalid_rows=True)
         plgpu.commit_smem()
 
         @pl.when(refill)
@@ -338,14 +361,18 @@ def _kernel(*refs, cfg: KernelConfig):
         any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
         @pl.when((c == num_chunks - 1) | any_skipped)
         def _zero_rows():
-          stage(v_raw.at[slot], [v_raw.at[slot]], None, c, info, zero_invalid_rows=True)
+          stage(v_raw.at[slot], [v_raw.at[slot]], c, info, zero_invalid_rows=True)
           plgpu.commit_smem()
         k_refs, v_refs = [k_raw.at[slot]], [v_raw.at[slot]]
 
-      scores_MJ = prims.scores(q_refs, k_refs, (rows, chunk)) * cfg.sm_scale
+      pos_J, valid_J = valid_positions(c, info, col_layout)
+      scores_MJ = prims.scores(q_refs, k_refs, (rows, chunk))
+      if k_scales_ref is not None:  # s_j = (q . k_j) * k_scale_j
+        k_scale_J = scale_vector(k_scales_ref, info, valid_J)
+        scores_MJ = scores_MJ * lax.broadcast_in_dim(k_scale_J, scores_MJ.shape, [1])
+      scores_MJ = scores_MJ * cfg.sm_scale
       if cfg.soft_cap is not None:
         scores_MJ = cfg.soft_cap * jnp.tanh(scores_MJ / cfg.soft_cap)
-      pos_J, valid_J = valid_positions(c, info, col_layout)
       pos_MJ = lax.broadcast_in_dim(pos_J, scores_MJ.shape, [1])
       qpos_MJ = lax.broadcast_in_dim(qpos_M, scores_MJ.shape, [0])
       visible_MJ = (pos_MJ <= qpos_MJ) & lax.broadcast_in_dim(valid_J, scores_MJ.shape, [1])
@@ -358,7 +385,11 @@ def _kernel(*refs, cfg: KernelConfig):
       rescale_M = jnp.exp(max_M - new_max_M)
       sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
       acc_MD = acc_MD * lax.broadcast_in_dim(rescale_M, acc_MD.shape, [0])
-      acc_MD = prims.accumulate(acc_MD, split_pieces(probs_MJ, pieces, mma_dtype), v_refs)
+      weights_MJ = probs_MJ
+      if v_scales_ref is not None:  # sum_j (p_j * v_scale_j) v_j
+        v_scale_J = scale_vector(v_scales_ref, info, valid_J)
+        weights_MJ = probs_MJ * lax.broadcast_in_dim(v_scale_J, probs_MJ.shape, [1])
+      acc_MD = prims.accumulate(acc_MD, split_pieces(weights_MJ, pieces, mma_dtype), v_refs)
 
       if not cfg.plan.staged:
         @pl.when(refill)
@@ -376,7 +407,7 @@ def _kernel(*refs, cfg: KernelConfig):
       _smem_tile(ring_shape, storage_dtype),
   ]
   if cfg.plan.staged:
-    scratch += [[_smem_tile((chunk, head_dim), mma_dtype) for _ in range(pieces)]
+    scratch += [[_smem_tile((chunk, head_dim), mma_dtype) for _ in range(kv_pieces)]
                 for _ in range(2)]
   else:
     scratch += [[], []]
@@ -431,7 +462,7 @@ def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_
   if cfg.has_sinks:
     inputs.append(sinks_H)
   inputs += [*q_pieces, k_pages_LKNZD, v_pages_LKNZD]
-  if cfg.quantized:
+  if cfg.plan.scaled:
     inputs += [k_scales_LKNZ, v_scales_LKNZ]
   out_type = (
       jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, out_rows, head_dim),

@@ -23,26 +23,34 @@ from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
 _MMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _dtypes(q_dtype, pages_dtype, kv_dtype, quantized):
-  """``(compute_dtype, mma_dtype, pieces)``: float32 computes as three bfloat16 pieces.
-  Quantised pages (dequantised to float32 in the kernel) compute in q's dtype."""
-  logical = jnp.dtype(kv_dtype if kv_dtype is not None else pages_dtype)
-  if quantized:
-    compute = jnp.dtype(q_dtype)
+def _mma_dtype_and_pieces(q_dtype, pages_dtype, kv_dtype):
+  """``(mma_dtype, pieces)``: the 16-bit dtype the tensor cores multiply and how many pieces
+  of it each float32 operand takes (three bfloat16 pieces for float32 compute).
+
+  Unquantised pools compute in ``promote(q, K/V)``. Quantised pools (scale after the dot,
+  see ``OperandPlan.scaled``) compute in bfloat16 when q is bfloat16: q and the stored
+  values are exact there, only the probabilities times the V scales are rounded, as a
+  bfloat16 pool's probabilities are. Any other q (float16, float32) computes in float32:
+  ``p_j * v_scale_j`` spans float32's range (a float8_e5m2 scale is amax / 57344), which
+  float16 operands would underflow."""
+  if layout.is_quantized(kv_dtype):
+    compute = jnp.dtype(jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.bfloat16 else jnp.float32)
   else:
+    logical = jnp.dtype(kv_dtype if kv_dtype is not None else pages_dtype)
     compute = jnp.dtype(jnp.promote_types(q_dtype, logical))
   if compute in _MMA_DTYPES:
-    return compute, compute, 1
-  return jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), 3
+    return compute, 1
+  return jnp.dtype(jnp.bfloat16), 3
 
 
 def operand_plan(q_dtype, pages_dtype, *, kv_dtype=None) -> OperandPlan:
   """How K/V tiles reach the tensor cores for these dtypes (see ``OperandPlan``)."""
   quantized = layout.is_quantized(kv_dtype)
-  _, mma_dtype, pieces = _dtypes(q_dtype, pages_dtype, kv_dtype, quantized)
+  mma_dtype, pieces = _mma_dtype_and_pieces(q_dtype, pages_dtype, kv_dtype)
   staged = pieces > 1 or quantized or jnp.dtype(pages_dtype) != mma_dtype
   return OperandPlan(storage_itemsize=jnp.dtype(pages_dtype).itemsize,
-                     mma_dtype_name=mma_dtype.name, pieces=pieces, staged=staged)
+                     mma_dtype_name=mma_dtype.name, pieces=pieces, staged=staged,
+                     scaled=quantized)
 
 
 def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
@@ -128,9 +136,10 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
       denominator, with no value.
     kv_dtype: the logical K/V dtype when the pages hold its storage bits
       (``layout.to_storage``); None when they hold it already.
-    k_scales, v_scales: f32[L, K, N, Z] per-token scales of quantised pages
-      (``kv_dtype`` int8 / float8, ``layout.quantize``), None otherwise: each loaded tile is
-      dequantised in the kernel (``value = stored * scale``).
+    k_scales, v_scales: f32[L, K, N, Z] per-token scales, given exactly when
+      ``kv_dtype`` is quantised (int8, float8_e4m3fn, float8_e5m2; ``layout.quantize``):
+      ``value = stored * scale``, applied in the kernel to what it loads (a page's scale
+      row read with its page).
     tiling: static ``MosaicTiling``; ``None`` derives it from the shapes.
     interpret: run the kernel in the Mosaic GPU interpret mode (CPU).
 
@@ -140,6 +149,11 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   Scores and the probability update run on bfloat16/float16 tensor cores with float32
   accumulation: in the compute dtype ``promote(q, K/V)`` when that is 16-bit, and for
   float32 as three bfloat16 pieces per operand (float32 accuracy, six products per dot).
+  Quantised pages: the stored values go to the tensor cores as they are (converted to
+  bfloat16 in the kernel, exactly) and the scales multiply the dots' columns,
+  ``s_j = (q . k_j) * k_scale_j`` and ``sum_j (p_j * v_scale_j) v_j``; the compute dtype
+  is bfloat16 for a bfloat16 q, else float32 (three pieces of q and of the weights
+  against one of K/V: three products per dot).
   """
   compat.require()
   static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
@@ -148,7 +162,6 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                   kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
   kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
-  quantized = layout.is_quantized(kv_dtype)
   num_tokens, num_q_heads, head_dim = q_THD.shape
   dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
   num_kv_heads, block_size = dims["K"], dims["Z"]
@@ -163,7 +176,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
   tiling.check_shapes(group=group, block_size=block_size, head_dim=head_dim, plan=plan)
-  _, mma_dtype, pieces = _dtypes(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype, quantized)
+  mma_dtype, pieces = jnp.dtype(plan.mma_dtype_name), plan.pieces
   rows = tiling_lib.packed_rows(tiling.q_tile, group)
   num_items = tiling_lib.num_work_items(num_tokens, num_seq_rows, tiling.q_tile)
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
@@ -182,7 +195,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                       ((0, 0), (0, tiling.copies_per_chunk(block_size))))
   cfg = kernel_lib.KernelConfig(
       sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-      kv_dtype=kv_dtype, quantized=quantized, mma_dtype=mma_dtype, plan=plan,
+      kv_dtype=kv_dtype, mma_dtype=mma_dtype, plan=plan,
       tiling=tiling, group=group, has_sinks=sinks is not None, interpret=interpret)
   out_rows = tiling_lib.out_rows(tiling.q_tile, group)
   lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))

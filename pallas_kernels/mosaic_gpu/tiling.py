@@ -68,15 +68,27 @@ class OperandPlan:
     pieces: 1, or 3 for float32 compute: each float32 operand is split into three
       bfloat16 pieces (hi + mid + lo) and each product summed over the six piece pairs
       whose orders add up to at most 2, float32 accuracy from bfloat16 tensor cores.
-    staged: tiles are converted through registers (storage bits -> logical dtype,
-      dequantisation, the piece split) into separate operand buffers; otherwise the
-      wgmma reads the TMA destination directly.
+    staged: tiles are converted through registers (storage bits -> logical dtype, the
+      piece split) into separate operand buffers; otherwise the wgmma reads the TMA
+      destination directly.
+    scaled: quantised pools (int8 / float8 with per-token scales). The K and V operands
+      are the stored values themselves, one piece in the mma dtype (every int8, float8
+      e4m3fn and e5m2 value is exact in bfloat16), and each token's scale multiplies its
+      column of the scores (``s_j = (q . k_j) * k_scale_j``) and of the probabilities
+      before the update (``sum_j (p_j * v_scale_j) v_j``): exact rewrites of the dequantised
+      product, so the dots see no rounding of the dequantised values.
   """
 
   storage_itemsize: int
   mma_dtype_name: str
   pieces: int
   staged: bool
+  scaled: bool = False
+
+  @property
+  def kv_pieces(self) -> int:
+    """Pieces of each K and V operand: one for quantised values, else ``pieces``."""
+    return 1 if self.scaled else self.pieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +131,15 @@ class MosaicTiling:
 
     The main loop holds: the packed queries (``pieces`` bfloat16/float16 copies, M x D),
     the ring of ``num_stages`` K and V chunks as stored (J x D each), and when ``staged``
-    one K and one V operand chunk per piece. The epilogue reuses that memory for the
-    float32 partial output (M x D) and its log-sum-exp. Slack covers barriers and the
-    1 KiB alignment of swizzled buffers.
+    one K and one V operand chunk per K/V piece (``kv_pieces``). The epilogue reuses that
+    memory for the float32 partial output (M x D) and its log-sum-exp. Slack covers
+    barriers and the 1 KiB alignment of swizzled buffers.
     """
     rows = packed_rows(self.q_tile, group)
     chunk = self.chunk_size
     q_bytes = plan.pieces * rows * head_dim * 2
     ring = self.num_stages * 2 * chunk * head_dim * plan.storage_itemsize
-    staged = 2 * plan.pieces * chunk * head_dim * 2 if plan.staged else 0
+    staged = 2 * plan.kv_pieces * chunk * head_dim * 2 if plan.staged else 0
     loop = q_bytes + ring + staged
     epilogue = rows * head_dim * 4 + lse_rows(self.q_tile, group) * 4
     return max(loop, epilogue) + _SLACK
