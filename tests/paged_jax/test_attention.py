@@ -147,7 +147,9 @@ def test_auto_resolves_to_xla_on_cpu():
 def without_triton(monkeypatch):
   """This process as under a JAX without Pallas's Triton backend (being removed)."""
   import sys
+  from jax.experimental import pallas
   monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+  monkeypatch.delattr(pallas, "triton", raising=False)  # else `from pallas import triton` finds it
   for name in list(sys.modules):
     if name.startswith("paged_jax.pallas_kernels.gpu"):
       monkeypatch.delitem(sys.modules, name)

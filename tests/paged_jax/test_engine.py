@@ -325,7 +325,7 @@ def test_cli_run_prints_report(capsys):
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
               "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests"):
     assert key in captured.out
-  assert "6/6 completions" in captured.err  # the progress bar
+  assert "served 6/6 requests" in captured.err  # the progress line
 
 
 def test_cli_run_prompt_needs_a_tokenizer():
