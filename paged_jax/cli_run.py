@@ -111,16 +111,28 @@ class _Progress:
       sys.stderr.write("\n")
       sys.stderr.flush()
 
-  def steady_tokens_per_s(self) -> float:
+  def steady_tokens_per_s(self, burst_gap_s: float = 1e-3) -> float:
     """Tokens/s between 10% and 90% of the tokens served: the ramp-up of the first
-    admissions and the drain of the last requests left out."""
-    if not self.trace or self.tokens < 10:
+    admissions and the drain of the last requests left out. Tokens arrive in bursts, one
+    per device call (updates closer than ``burst_gap_s`` are one burst); the rate is taken
+    between the arrivals of bursts, and is 0 (not reported) when the window holds fewer
+    than two device calls' worth of tokens."""
+    bursts = []  # [arrival time, tokens so far at its end]
+    last_t = None
+    for t, n in self.trace:
+      if last_t is not None and t - last_t < burst_gap_s:
+        bursts[-1][1] = n
+      else:
+        bursts.append([t, n])
+      last_t = t
+    if self.tokens < 10 or len(bursts) < 3:
       return 0.0
     lo, hi = 0.1 * self.tokens, 0.9 * self.tokens
-    t_lo = next(t for t, n in self.trace if n >= lo)
-    t_hi, n_hi = next((t, n) for t, n in self.trace if n >= hi)
-    n_lo = next(n for t, n in self.trace if n >= lo)
-    return (n_hi - n_lo) / (t_hi - t_lo) if t_hi > t_lo else 0.0
+    i = next(k for k, (_, n) in enumerate(bursts) if n >= lo)
+    j = next(k for k, (_, n) in enumerate(bursts) if n >= hi)
+    if j - i < 2 or bursts[j][0] <= bursts[i][0]:
+      return 0.0
+    return (bursts[j][1] - bursts[i][1]) / (bursts[j][0] - bursts[i][0])
 
 
 def _engine(args):

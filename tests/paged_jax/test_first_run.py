@@ -143,3 +143,15 @@ def test_cli_parses_without_importing_jax():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         cwd=pathlib.Path(__file__).parents[2])
   assert proc.returncode == 0, proc.stderr
+
+
+def test_steady_tokens_per_s_counts_bursts_not_events():
+  # One device call delivers its tokens as a burst of events microseconds apart: the
+  # steady rate is taken between bursts (10 tokens every 0.1 s = 100 tokens/s), never
+  # between two events of one burst (which would claim millions).
+  p = cli_run._Progress(total=4, enabled=False)
+  p.trace = [(0.1 * call + 1e-6 * k, 10 * call + k + 1) for call in range(10) for k in range(10)]
+  p.tokens = 100
+  assert p.steady_tokens_per_s() == pytest.approx(100.0)
+  p.trace, p.tokens = [(0.1 + 1e-6 * k, k + 1) for k in range(40)], 40  # one device call
+  assert p.steady_tokens_per_s() == 0.0
