@@ -18,7 +18,8 @@ Z = ``block_size``):
 
 Free structure. There is no free list or stack: a block is free iff its ``ref_counts`` is 0,
 and free blocks are handed out in the order of the key ``(last_used, block id)``: least
-recently freed first, then the lowest id (``_free_order_N``, one stable sort). An op that
+recently freed first, then the lowest id (``_free_order_N``, one stable sort, which
+``_take`` skips when the oldest free blocks suffice). An op that
 needs ``k`` blocks takes the first ``k`` of that order, and each requester receives a
 contiguous range of it (exclusive cumsum of the grants).
 
@@ -73,6 +74,7 @@ of a state are checked by the host function ``validate``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -179,9 +181,58 @@ def _evict(state: AllocatorState, taken_N: jax.Array) -> dict:
 
 
 def _first_of_order_N(order_N: jax.Array, count) -> jax.Array:
-  """bool[N]: the blocks at positions ``[0, count)`` of ``order_N``."""
+  """bool[N]: the blocks at positions ``[0, count)`` of ``order_N`` (entries N: none)."""
   n = order_N.shape[0]
-  return jnp.zeros(n, jnp.bool_).at[order_N].set(jnp.arange(n) < count)
+  return jnp.zeros(n, jnp.bool_).at[order_N].set(jnp.arange(n) < count, mode="drop")
+
+
+def _first_above(cum_N: jax.Array, r: jax.Array, *, n: int) -> jax.Array:
+  """The first index i with ``cum_N[i] > r`` (n if none), for non-decreasing ``cum_N``: a
+  binary search unrolled into log2(N) + 1 gathers of ``r``'s shape (no loop primitive)."""
+  lo, hi = jnp.zeros_like(r), jnp.full_like(r, n)
+  for _ in range(n.bit_length()):
+    mid = (lo + hi) // 2
+    right = cum_N[jnp.minimum(mid, n - 1)] <= r
+    lo, hi = jnp.where(right & (lo < hi), mid + 1, lo), jnp.where(~right, mid, hi)
+  return lo
+
+
+def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
+  """``(blocks, taken_N)``: the blocks at positions ``ranks`` (any shape, each < ``count``
+  where used) of the free order ``_free_order_N(state)``, and bool[N] its first ``count``.
+
+  The cost follows the blocks taken, not the pool: when the free, unregistered blocks of
+  the two oldest ``last_used`` stamps hold ``count`` blocks (a big pool's never-used blocks
+  share stamp 0; a release frees a sequence's blocks under one stamp), prefix sums rank
+  them by (stamp, id) exactly as the sort would, and a binary search finds each rank; the
+  O(N log N) sort of the whole pool (and its O(N) scatter) runs only otherwise."""
+  n = state.num_blocks
+  fresh_N = (state.ref_counts == 0) & (state.depth_N < 0)
+  big = jnp.iinfo(jnp.int32).max
+  stamp_N = jnp.where(fresh_N, state.last_used, big)
+  first = jnp.min(stamp_N)
+  second = jnp.min(jnp.where(stamp_N > first, stamp_N, big))
+  in_first_N = fresh_N & (stamp_N == first)
+  in_second_N = fresh_N & (stamp_N == second) & (second > first)
+  cum_first_N = jnp.cumsum(in_first_N, dtype=jnp.int32)
+  cum_second_N = jnp.cumsum(in_second_N, dtype=jnp.int32)
+  num_first = cum_first_N[-1]
+  enough = num_first + cum_second_N[-1] >= count
+
+  def two_groups():
+    ranks_i = jnp.asarray(ranks, jnp.int32)
+    find = functools.partial(_first_above, n=n)
+    blocks = jnp.where(ranks_i < num_first, find(cum_first_N, ranks_i),
+                       find(cum_second_N, ranks_i - num_first))
+    taken_N = ((in_first_N & (cum_first_N <= count))
+               | (in_second_N & (num_first + cum_second_N <= count)))
+    return jnp.clip(blocks, 0, n - 1), taken_N
+
+  def sorted_pool():
+    order_N = _free_order_N(state)
+    return order_N[jnp.clip(ranks, 0, n - 1)], _first_of_order_N(order_N, count)
+
+  return jax.lax.cond(enough, two_groups, sorted_pool)
 
 
 def _grant_in_order(need_X: jax.Array, valid_X: jax.Array, num_free) -> jax.Array:
@@ -246,12 +297,11 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   start_S = end_S - grant_S  # sequence s takes free-order positions [start_s, end_s)
   total = end_S[-1]
 
-  order_N = _free_order_N(state)
   j_P = jnp.arange(p, dtype=jnp.int32)
   new_SP = (j_P >= have_S[:, None]) & (j_P < (have_S + grant_S)[:, None])
   rank_SP = jnp.clip(start_S[:, None] + j_P - have_S[:, None], 0, state.num_blocks - 1)
-  block_tables = jnp.where(new_SP, order_N[rank_SP], state.block_tables)
-  taken_N = _first_of_order_N(order_N, total)
+  new_block_SP, taken_N = _take(state, total, rank_SP)
+  block_tables = jnp.where(new_SP, new_block_SP, state.block_tables)
   new_state = dataclasses.replace(
       state,
       block_tables=block_tables,
@@ -340,8 +390,7 @@ def fork(state: AllocatorState, src,
   grant_F = copy_F.astype(jnp.int32)
   rank_F = jnp.cumsum(grant_F) - grant_F  # fork f takes free-order position rank_f
   total = jnp.sum(grant_F)
-  order_N = _free_order_N(state)
-  new_block_F = order_N[jnp.clip(rank_F, 0, n - 1)]
+  new_block_F, taken_N = _take(state, total, jnp.clip(rank_F, 0, n - 1))
 
   row_FP = state.block_tables[src_c]
   j_P = jnp.arange(p, dtype=jnp.int32)
@@ -349,7 +398,6 @@ def fork(state: AllocatorState, src,
   tail_FP = copy_F[:, None] & (j_P == full_F[:, None])
   new_row_FP = jnp.where(share_FP, row_FP, jnp.where(tail_FP, new_block_F[:, None], NO_BLOCK))
   dst_ok_F = jnp.where(ok_F, dst_F, s)  # failed forks are dropped by the scatters
-  taken_N = _first_of_order_N(order_N, total)
   new_state = dataclasses.replace(
       state,
       block_tables=state.block_tables.at[dst_ok_F].set(new_row_FP, mode="drop"),
