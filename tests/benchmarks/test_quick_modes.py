@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import attention_cpu
 
 
@@ -24,3 +26,23 @@ def test_gpu_accuracy_quick():
   for row in rows:
     assert all(math.isfinite(row[k]) for k in ("ours_abs", "ours_rel", "jax_abs", "jax_rel"))
     assert row["ours_rel"] < 1e-2, row  # bfloat16 inputs, float32 accumulation
+
+
+@pytest.mark.slow
+def test_kv_quant_engine_quick():
+  from benchmarks import kv_quant_engine
+  rows = {r["pool"]: r for r in kv_quant_engine.main(["--quick"])}
+  assert set(rows) == {"bfloat16", "int8", "float8_e4m3fn", "float32"}
+  assert rows["float32"]["logit_err_mean"] == 0.0 and rows["bfloat16"]["tokens_agree"] == 1.0
+  # one-byte pools err more than bfloat16, fp8 e4m3 (3 mantissa bits) more than int8
+  errs = [rows[d]["logit_err_mean"] for d in ("bfloat16", "int8", "float8_e4m3fn")]
+  assert 0 < errs[0] < errs[1] < errs[2] < 0.1, errs
+
+
+@pytest.mark.slow
+def test_first_run_quick():
+  from benchmarks import first_run
+  out = first_run.main(["--quick"])
+  cold, warm = out["cold"][0], out["warm"][0]
+  assert cold["compile_s"] > 0 and warm["wall_s"] > 0 and cold["tokens"] > 0
+  assert all(math.isfinite(row["tokens_per_s"]) for row in out["by_count"].values())
