@@ -38,11 +38,3 @@ def test_kv_quant_engine_quick():
   errs = [rows[d]["logit_err_mean"] for d in ("bfloat16", "int8", "float8_e4m3fn")]
   assert 0 < errs[0] < errs[1] < errs[2] < 0.1, errs
 
-
-@pytest.mark.slow
-def test_first_run_quick():
-  from benchmarks import first_run
-  out = first_run.main(["--quick"])
-  cold, warm = out["cold"][0], out["warm"][0]
-  assert cold["compile_s"] > 0 and warm["wall_s"] > 0 and cold["tokens"] > 0
-  assert all(math.isfinite(row["tokens_per_s"]) for row in out["by_count"].values())
