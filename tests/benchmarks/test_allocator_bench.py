@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import allocator as allocator_bench
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_allocator_bench_quick(capsys):
   rows = allocator_bench.main(["--quick"])  # --quick never writes the results file
   assert [row["batch"] for row in rows] == list(allocator_bench.QUICK_BATCHES)

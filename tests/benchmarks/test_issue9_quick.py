@@ -20,6 +20,7 @@ def test_memory_quick_rows():
     assert row["peak_concurrent"] >= 1 and row["steps"] >= 1
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_throughput_quick_rows(capsys):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
@@ -44,6 +45,7 @@ def test_throughput_quick_rows(capsys):
   assert "| system | batch (max concurrent) |" in out and "| system | batch size" in out
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_decode_step_quick_rows(capsys):
   from benchmarks import decode_step
   result = decode_step.main(["--quick"])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import prefix_cache
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_prefix_cache_quick(capsys):
   rows = prefix_cache.main(["--quick"])
   assert [r["workload"] for r in rows] == [w.name for w in prefix_cache.QUICK_WORKLOADS]

@@ -12,6 +12,7 @@ from benchmarks.tpu import run as tpu_run
 from benchmarks.tpu import window_pages
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_tpu_accuracy_quick(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(tpu_accuracy, "RESULTS_PATH", tmp_path / "RESULTS_tpu_section.md")
   rows = tpu_accuracy.main(["--quick"])
@@ -38,6 +39,7 @@ def test_tpu_accuracy_quick(tmp_path, monkeypatch, capsys):
       tmp_path / "RESULTS_tpu_section.md").read_text()
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_tpu_run_dry_run(tmp_path):
   results = tpu_run.main(["--dry-run", "--out", str(tmp_path)])
   assert results["dry_run"]

@@ -398,7 +398,9 @@ QUANTIZED_GRID = tuple(
     for q_dtype in ("bfloat16", "float32", "float16")
     for group, head_dim, block_size in ((1, 64, 8), (4, 128, 32), (8, 256, 128), (2, 64, 64))
     if (q_dtype != "float16" or head_dim == 128)
-    and (q_dtype != "float32" or head_dim != 256 or kv_dtype == "float8_e4m3fn"))
+    # D=256 (the slowest to interpret): bfloat16 q over int8 and e4m3 pools; the other
+    # pairings at D=256 are covered by the CUDA lowering tests
+    and (head_dim != 256 or (q_dtype == "bfloat16" and kv_dtype != "float8_e5m2")))
 
 
 @needs_interpret

@@ -203,6 +203,7 @@ def test_with_model_axis_copies_and_keeps_the_original():
     model.with_model_axis(3)
 
 
+@pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_benchmark_quick_mode(tmp_path):
   # The benchmark sets XLA_FLAGS itself before importing JAX: run it as a script.
   out = tmp_path / "rows.json"
