@@ -43,6 +43,16 @@ def _pallas_impl(impl: str) -> Callable | None:
   return None if module is None else module.ragged_paged_attention
 
 
+def _first_on_backend(takes: Callable = lambda module: True) -> str:
+  """The first kernel "auto" tries on the default backend that the installed JAX has and
+  that ``takes(module)``, else "xla"."""
+  for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
+    module = _pallas_module(chosen)
+    if module is not None and takes(module):
+      return chosen
+  return "xla"
+
+
 def resolve_impl(impl: str) -> str:
   """The concrete implementation ``impl`` names. "auto" picks by the default backend: on
   TPU "pallas_tpu"; on a GPU "pallas_mosaic_gpu", else "pallas_gpu" (Triton) where the
@@ -50,26 +60,19 @@ def resolve_impl(impl: str) -> str:
   ``paged_attention`` "auto" also passes over a GPU kernel that refuses the shapes.)"""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-  if impl != "auto":
-    return impl
-  for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
-    if _pallas_impl(chosen) is not None:
-      return chosen
-  return "xla"
+  return _first_on_backend() if impl == "auto" else impl
 
 
 def _auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) -> str:
   """"auto" for these arguments: the first kernel of the backend that is installed and
   takes their shapes and dtypes (``unsupported_reason``), else "xla"."""
-  for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
-    module = _pallas_module(chosen)
-    if module is None:
-      continue
+
+  def takes(module) -> bool:
     refuse = getattr(module, "unsupported_reason", None)
-    if refuse is None or refuse(q, k_pages, block_tables, kv_dtype=kv_dtype,
-                                sliding_window=sliding_window) is None:
-      return chosen
-  return "xla"
+    return refuse is None or refuse(q, k_pages, block_tables, kv_dtype=kv_dtype,
+                                    sliding_window=sliding_window) is None
+
+  return _first_on_backend(takes)
 
 
 def _kernel_args(cache: KVCache):
