@@ -118,7 +118,6 @@ class LLM:
         raise ValueError(f"dtype={jnp.dtype(dtype).name} and kv_cache_dtype="
                          f"{kv_cache_dtype.name}: both name the KV pool's dtype; give one")
       dtype = kv_cache_dtype
-    self.compilation_cache_dir = compile_cache.enable(compilation_cache)
     protocol.check_config(config)
     self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
         mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
@@ -173,6 +172,8 @@ class LLM:
       param_specs = None
     else:
       self._graphdef, self._params, param_specs = self._plan.shard_model(model)
+    # Arguments checked: now (and only now) point JAX at the persistent cache.
+    self.compilation_cache_dir = compile_cache.enable(compilation_cache)
     self._device = DeviceCalls(
         static=dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
                     scrub_on_release=self.scrub_on_release,
