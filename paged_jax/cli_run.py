@@ -194,7 +194,8 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
 
 
 def _pool_dtype(name: str) -> str:
-  if name in ("int8", "float8_e4m3fn", "float8_e5m2"):
+  from paged_jax.pallas_kernels import layout  # after the engine: JAX is loaded by then
+  if layout.is_quantized(name):
     return f"{name} with a float32 scale per token and KV head"
   return name
 
