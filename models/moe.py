@@ -1,27 +1,27 @@
 """gpt-oss's mixture-of-experts MLP: top-k routing and a grouped matmul over the experts.
 
-Per token ``x`` (width E), with O experts and Y experts per token:
+Per token ``x`` (width E), with O experts of which each token chooses k:
 
-1. Router: ``logits_O = x @ router_EO + router_bias_O``; keep the Y largest logits and take a
-   softmax over those Y only (transformers' ``GptOssTopKRouter``: ``topk`` then ``softmax``
-   of the kept values), giving the weights ``w_Y``.
+1. Router: ``logits_O = x @ router_EO + router_bias_O``; keep the k largest logits and take
+   a softmax over those k only (transformers' ``GptOssTopKRouter``: ``topk`` then
+   ``softmax`` of the kept values), giving the weights ``w_1..w_k``.
 2. Each chosen expert ``o`` runs a clamped SwiGLU:
    ``gate = min(x @ gate_OEI[o] + gate_bias_OI[o], limit)``,
    ``up = clip(x @ up_OEI[o] + up_bias_OI[o], -limit, limit)``,
    ``h = (up + 1) * gate * sigmoid(alpha * gate)`` (alpha 1.702, limit 7.0 in gpt-oss),
    ``y = h @ down_OIE[o] + down_bias_OE[o]``.
-3. ``out = sum_y w_y * y_y``.
+3. ``out = sum_j w_j * y_j``.
 
-The experts run as a grouped matmul: the T * Y (token, expert) assignments, flattened to A
-rows, are sorted by expert, so each expert's rows are contiguous, and
+The experts run as a grouped matmul: the Y = T * k routed rows (one per (token, chosen
+expert) pair) are sorted by expert, so each expert's rows are contiguous, and
 ``jax.lax.ragged_dot`` multiplies each contiguous group by its own expert's matrix. Every
 expert's weights are read once per call and each row meets only its own expert: no dense
 loop over experts, no expert computed for a token that did not choose it. Shapes are
-static under ``jit`` (A = T * Y rows whatever the routing); an expert no token chose is a
+static under ``jit`` (Y = T * k rows whatever the routing); an expert no token chose is a
 group of size 0.
 
-Letters: O experts, Y experts chosen per token (top-k), A assignments (T * Y rows, sorted
-by expert); see GLOSSARY.md.
+Letters (GLOSSARY.md): O experts, Y routed rows (T * k; in token-major order, row
+``t * k + j`` is token t's j-th choice, unless the name says ``sorted``).
 
 Checkpoint layout (transformers' ``GptOssExperts``): ``experts.gate_up_proj`` is
 ``[O, E, 2I]`` (input-major, unlike ``nn.Linear``) with gate and up INTERLEAVED along the
@@ -69,12 +69,13 @@ def from_hf_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def route(logits_TO: jax.Array, experts_per_token: int) -> tuple[jax.Array, jax.Array]:
-  """(weights ``[T, Y]``, expert ids i32``[T, Y]``): the Y largest logits of each token, and
-  a softmax over those Y alone (the other experts get no weight, not a renormalised one).
-  Exact ties go to the lower expert id (``jax.lax.top_k``)."""
-  top_TY, experts_TY = jax.lax.top_k(logits_TO, experts_per_token)
-  weights_TY = jax.nn.softmax(top_TY.astype(jnp.float32), axis=-1).astype(logits_TO.dtype)
-  return weights_TY, experts_TY.astype(jnp.int32)
+  """(weights ``[Y]``, expert ids i32``[Y]``), token-major (row ``t * k + j``): each token's
+  k largest logits, and a softmax over those k alone (the other experts get no weight, not
+  a renormalised one). Exact ties go to the lower expert id (``jax.lax.top_k``)."""
+  t, k = logits_TO.shape[0], experts_per_token
+  top_logits, top_experts = jax.lax.top_k(logits_TO, k)  # [T, k] each
+  weights = jax.nn.softmax(top_logits.astype(jnp.float32), axis=-1).astype(logits_TO.dtype)
+  return weights.reshape(t * k), top_experts.astype(jnp.int32).reshape(t * k)
 
 
 class MoEMLP(nnx.Module):
@@ -84,7 +85,7 @@ class MoEMLP(nnx.Module):
     embed_dim: E.
     mlp_dim: I, each expert's intermediate width.
     num_experts: O.
-    experts_per_token: Y (top-k), ``1 <= Y <= O``.
+    experts_per_token: k (top-k), ``1 <= k <= O``.
     swiglu_alpha: the sigmoid gain of the gate (gpt-oss: 1.702).
     swiglu_limit: clamp of the gate (from above) and of up (both sides) (gpt-oss: 7.0).
     dtype: parameter dtype.
@@ -117,47 +118,51 @@ class MoEMLP(nnx.Module):
     self.down_bias_OE = bias((o, e))
 
   def router(self, x_TE: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(weights ``[T, Y]``, expert ids i32``[T, Y]``) of each token (``route``)."""
+    """(weights ``[Y]``, expert ids i32``[Y]``) of each token's choices (``route``)."""
     logits_TO = jnp.einsum("TE,EO->TO", x_TE, self.router_EO[...]) + self.router_bias_O[...]
     return route(logits_TO, self.experts_per_token)
 
   def __call__(self, x_TE: jax.Array, *, model_axis: str | None = None) -> jax.Array:
     """``[T, E]`` -> ``[T, E]``.
 
-    ``model_axis``: as ``layers.SwiGLU``: inside a ``shard_map`` whose mesh axis of that
+    ``model_axis``: as ``layers``' gated MLP: inside a ``shard_map`` whose mesh axis of that
     name splits every expert's I columns (``gate_OEI``, ``up_OEI``, their biases, and the
-    rows of ``down_OIE``; the router and ``down_bias_OE`` whole), each device computes its
-    partial down projection, the weighted partial sums are ``psum``-ed over the axis, and
-    the experts' output biases are added once, after the sum. (Expert parallelism, experts
-    split over devices with an all-to-all of the rows, is not done.)
+    rows of ``down_OIE``; the router and ``down_bias_OE`` whole, as the names' letters tell
+    ``paged_jax.sharding``), each device computes its partial down projection, the weighted
+    partial sums are ``psum``-ed over the axis, and the experts' output biases are added
+    once, after the sum. (Expert parallelism, experts split over devices with an all-to-all
+    of the rows, is not done.)
     """
-    t, _ = x_TE.shape
-    y = self.experts_per_token
-    weights_TY, experts_TY = self.router(x_TE)
-
-    # Group the A = T * Y assignments by expert: a stable sort keeps each expert's rows in
-    # token order; group_sizes_O counts the rows of each expert (0 for an unchosen one).
-    experts_A = experts_TY.reshape(t * y)
-    order_A = jnp.argsort(experts_A, stable=True)
-    sorted_experts_A = experts_A[order_A]
+    t, k = x_TE.shape[0], self.experts_per_token
     num_experts = self.router_bias_O.shape[0]
-    group_sizes_O = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
-    x_AE = jnp.take(x_TE, order_A // y, axis=0)
+    weights_Y, experts_Y = self.router(x_TE)
 
-    gate_AI = (jax.lax.ragged_dot(x_AE, self.gate_OEI[...], group_sizes_O)
-               + jnp.take(self.gate_bias_OI[...], sorted_experts_A, axis=0))
-    up_AI = (jax.lax.ragged_dot(x_AE, self.up_OEI[...], group_sizes_O)
-             + jnp.take(self.up_bias_OI[...], sorted_experts_A, axis=0))
-    gate_AI = jnp.minimum(gate_AI, self.swiglu_limit)
-    up_AI = jnp.clip(up_AI, -self.swiglu_limit, self.swiglu_limit)
-    hidden_AI = (up_AI + 1) * (gate_AI * jax.nn.sigmoid(gate_AI * self.swiglu_alpha))
-    down_AE = jax.lax.ragged_dot(hidden_AI, self.down_OIE[...], group_sizes_O)
+    # Group the rows by expert: a stable sort keeps each expert's rows in token order;
+    # group_sizes_O counts each expert's rows (0 for one no token chose).
+    order_Y = jnp.argsort(experts_Y, stable=True)
+    sorted_experts_Y = experts_Y[order_Y]
+    group_sizes_O = jnp.bincount(experts_Y, length=num_experts).astype(jnp.int32)
+    sorted_x_YE = jnp.take(x_TE, order_Y // k, axis=0)
 
-    # Back to (token, choice) order, then the weighted sum over each token's Y experts.
-    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * y, dtype=order_A.dtype))
-    down_TYE = jnp.take(down_AE, inverse_A, axis=0).reshape(t, y, -1)
-    out_TE = jnp.einsum("TYE,TY->TE", down_TYE, weights_TY.astype(down_TYE.dtype))
+    gate_YI = (jax.lax.ragged_dot(sorted_x_YE, self.gate_OEI[...], group_sizes_O)
+               + jnp.take(self.gate_bias_OI[...], sorted_experts_Y, axis=0))
+    up_YI = (jax.lax.ragged_dot(sorted_x_YE, self.up_OEI[...], group_sizes_O)
+             + jnp.take(self.up_bias_OI[...], sorted_experts_Y, axis=0))
+    gate_YI = jnp.minimum(gate_YI, self.swiglu_limit)
+    up_YI = jnp.clip(up_YI, -self.swiglu_limit, self.swiglu_limit)
+    hidden_YI = (up_YI + 1) * (gate_YI * jax.nn.sigmoid(gate_YI * self.swiglu_alpha))
+    sorted_down_YE = jax.lax.ragged_dot(hidden_YI, self.down_OIE[...], group_sizes_O)
+
+    # Back to token-major order (a gather through the inverse permutation), then each
+    # token's k rows, weighted, summed.
+    inverse_Y = jnp.zeros_like(order_Y).at[order_Y].set(jnp.arange(t * k, dtype=order_Y.dtype))
+    down_YE = jnp.take(sorted_down_YE, inverse_Y, axis=0)
+
+    def per_token(rows_YE):
+      weighted_YE = rows_YE * weights_Y[:, None].astype(rows_YE.dtype)
+      return weighted_YE.reshape(t, k, -1).sum(axis=1)
+
+    out_TE = per_token(down_YE)
     if model_axis is not None:
       out_TE = jax.lax.psum(out_TE, model_axis)
-    bias_TYE = jnp.take(self.down_bias_OE[...], experts_TY, axis=0)
-    return out_TE + jnp.einsum("TYE,TY->TE", bias_TYE, weights_TY.astype(bias_TYE.dtype))
+    return out_TE + per_token(jnp.take(self.down_bias_OE[...], experts_Y, axis=0))

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
-E, I, O, Y = 32, 24, 8, 3  # width, expert width, experts, experts per token
+E, I, O, TOP_K = 32, 24, 8, 3  # width, expert width, experts, experts per token
 
 
 def _relative_error(got, want) -> float:
@@ -36,7 +36,7 @@ def _relative_error(got, want) -> float:
 
 def _hf_config(**overrides):
   kwargs = dict(hidden_size=E, intermediate_size=I, num_local_experts=O,
-                num_experts_per_tok=Y, num_hidden_layers=2, num_attention_heads=4,
+                num_experts_per_tok=TOP_K, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, vocab_size=64)
   kwargs.update(overrides)
   config = transformers.GptOssConfig(**kwargs)
@@ -62,7 +62,7 @@ def hf_mlp():
 def _ours(hf) -> moe.MoEMLP:
   """Our module holding ``hf``'s weights (checkpoint layout -> ours)."""
   ours = nnx.eval_shape(lambda: moe.MoEMLP(embed_dim=E, mlp_dim=I, num_experts=O,
-                                           experts_per_token=Y, rngs=nnx.Rngs(0)))
+                                           experts_per_token=TOP_K, rngs=nnx.Rngs(0)))
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
   gate, up = moe.from_hf_gate_up(sd["experts.gate_up_proj"])
   gate_bias, up_bias = moe.from_hf_gate_up(sd["experts.gate_up_proj_bias"])
@@ -90,10 +90,11 @@ def _hf_run(hf, x_TE):
     return hf(torch.from_numpy(x_TE)[None])[0][0].numpy()
 
 
-def _hf_experts(hf, x_TE):
+def _hf_routing(hf, x_TE):
+  """transformers' (weights ``[Y]``, expert ids ``[Y]``), token-major like ours."""
   with torch.no_grad():
-    _, _, experts_TY = hf.router(torch.from_numpy(x_TE))
-  return experts_TY.numpy()
+    _, weights, experts = hf.router(torch.from_numpy(x_TE))
+  return weights.numpy().reshape(-1), experts.numpy().reshape(-1)
 
 
 # 2 tokens x 3 choices are 6 assignments over 8 experts: at least 2 experts get no row (a
@@ -101,16 +102,17 @@ def _hf_experts(hf, x_TE):
 @pytest.mark.parametrize("num_tokens,seed", [(2, 3), (40, 1)])
 def test_moe_matches_transformers(hf_mlp, num_tokens, seed):
   x_TE = np.random.default_rng(seed).standard_normal((num_tokens, E)).astype(np.float32)
-  experts_TY = _hf_experts(hf_mlp, x_TE)
-  counts_O = np.bincount(experts_TY.reshape(-1), minlength=O)
+  want_weights_Y, want_experts_Y = _hf_routing(hf_mlp, x_TE)
+  counts_O = np.bincount(want_experts_Y, minlength=O)
   if num_tokens == 2:
     assert (counts_O == 0).any(), counts_O  # some expert receives no token
   else:
     assert (counts_O >= 2).all(), counts_O
   ours = _ours(hf_mlp)
-  weights_TY, ours_experts_TY = ours.router(jnp.asarray(x_TE))
-  np.testing.assert_array_equal(np.asarray(ours_experts_TY), experts_TY)
-  np.testing.assert_allclose(np.asarray(weights_TY).sum(-1), 1.0, rtol=1e-6)
+  weights_Y, experts_Y = ours.router(jnp.asarray(x_TE))
+  np.testing.assert_array_equal(np.asarray(experts_Y), want_experts_Y)
+  np.testing.assert_allclose(np.asarray(weights_Y), want_weights_Y, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(weights_Y).reshape(-1, TOP_K).sum(-1), 1.0, rtol=1e-6)
   want = _hf_run(hf_mlp, x_TE)
   got = _run(ours, x_TE)
   assert _relative_error(got, want) < 1e-5
@@ -121,16 +123,16 @@ def test_routing_is_top_k(hf_mlp):
   x_TE = np.random.default_rng(5).standard_normal((6, E)).astype(np.float32)
   ours = _ours(hf_mlp)
   base = _run(ours, x_TE)
-  experts_TY = _hf_experts(hf_mlp, x_TE)
-  unchosen = sorted(set(range(O)) - set(experts_TY[0].tolist()))
-  chosen = int(experts_TY[0, -1])  # the lowest-weighted of token 0's choices
+  choices = _hf_routing(hf_mlp, x_TE)[1].reshape(-1, TOP_K)  # [T, k]
+  unchosen = sorted(set(range(O)) - set(choices[0].tolist()))
+  chosen = int(choices[0, -1])  # the lowest-weighted of token 0's choices
   for expert, moves in ((unchosen[0], False), (chosen, True)):
     changed = _ours(hf_mlp)
     changed.down_OIE[...] = changed.down_OIE[...].at[expert].multiply(3.0)
     changed.down_bias_OE[...] = changed.down_bias_OE[...].at[expert].add(1.0)
     out = _run(changed, x_TE)
     assert (_relative_error(out[0], base[0]) > 1e-3) == moves, (expert, moves)
-    users = (experts_TY == expert).any(-1)  # the tokens routed to this expert
+    users = (choices == expert).any(-1)  # the tokens routed to this expert
     np.testing.assert_array_equal(out[~users], base[~users])
   # Negative control: softmax over all O logits, every expert for every token.
   x = jnp.asarray(x_TE)
@@ -145,9 +147,9 @@ def test_routing_is_top_k(hf_mlp):
 
 
 def test_experts_run_as_one_grouped_matmul():
-  module = moe.MoEMLP(embed_dim=E, mlp_dim=I, num_experts=O, experts_per_token=Y,
-                      rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(module)
+  module = nnx.eval_shape(lambda: moe.MoEMLP(embed_dim=E, mlp_dim=I, num_experts=O,
+                                              experts_per_token=TOP_K, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(module)  # abstract: tracing needs no weights
   jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(
       state, jnp.zeros((5, E), jnp.float32)).jaxpr
   names = [eqn.primitive.name for eqn in jaxpr.eqns]
@@ -175,8 +177,8 @@ def test_model_axis_splits_expert_columns(hf_mlp):
       flat.append((path, v.replace(value=value)))
     halves.append(nnx.from_flat_state(flat))
   stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), halves[0], halves[1])
-  split_out = jax.vmap(lambda s, x: nnx.merge(graphdef, s)(x, model_axis="model"),
-                       in_axes=(0, None), axis_name="model")(stacked, jnp.asarray(x_TE))
+  split_out = jax.jit(jax.vmap(lambda s, x: nnx.merge(graphdef, s)(x, model_axis="model"),
+                               in_axes=(0, None), axis_name="model"))(stacked, jnp.asarray(x_TE))
   whole = _run(ours, x_TE)
   for part in range(2):
     assert _relative_error(split_out[part], whole) < 1e-5
