@@ -9,7 +9,9 @@ operations transformers' ``modeling_rope_utils`` uses, in the same order (numpy'
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -88,3 +90,64 @@ def yarn_inv_frequencies(*, head_dim: int, theta: float, factor: float,
   keep = np.float32(1) - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
   inv_freq = interpolation * (np.float32(1) - keep) + extrapolation * keep
   return inv_freq.astype(np.float32), float(attention_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN RoPE scaling (``rope_type="yarn"``), as a ``ModelConfig.rope_scaling``.
+
+  Attributes: those of ``yarn_inv_frequencies`` (``attention_factor`` None: derived from
+  ``factor``, and from ``mscale`` / ``mscale_all_dim`` when both are given).
+  """
+
+  factor: float
+  original_max_position_embeddings: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+
+  def __post_init__(self):
+    if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not (
+        self.factor > 0):
+      raise ValueError(f"rope_scaling.factor={self.factor!r} must be a positive number")
+    o = self.original_max_position_embeddings
+    if isinstance(o, bool) or not isinstance(o, int) or o <= 0:
+      raise ValueError(f"rope_scaling.original_max_position_embeddings={o!r} must be a "
+                       "positive int")
+    if not isinstance(self.truncate, bool):
+      raise ValueError(f"rope_scaling.truncate={self.truncate!r} must be a bool")
+    if self.attention_factor is not None and not self.attention_factor > 0:
+      raise ValueError(f"rope_scaling.attention_factor={self.attention_factor!r} must be > 0")
+
+  @classmethod
+  def from_hf(cls, params: Mapping[str, Any], *, max_position_embeddings: int | None = None
+              ) -> "YarnScaling":
+    """From a ``rope_parameters`` / ``rope_scaling`` dict of type "yarn", with transformers'
+    defaults: a missing ``factor`` is ``max_position_embeddings / original``, a 0 or missing
+    beta is 32 / 1, a missing ``truncate`` is True."""
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+      raise ValueError("rope_scaling of type 'yarn' lacks 'original_max_position_embeddings'")
+    factor = params.get("factor")
+    if factor is None:
+      if max_position_embeddings is None:
+        raise ValueError("rope_scaling of type 'yarn' lacks 'factor'")
+      factor = max_position_embeddings / original
+    return cls(factor=factor, original_max_position_embeddings=original,
+               beta_fast=params.get("beta_fast") or 32.0,
+               beta_slow=params.get("beta_slow") or 1.0,
+               truncate=params.get("truncate", True),
+               attention_factor=params.get("attention_factor"),
+               mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"))
+
+  def inv_frequencies(self, head_dim: int, theta: float) -> tuple[np.ndarray, float]:
+    """``(inv_freq f32[D / 2], attention_factor)`` (``yarn_inv_frequencies``)."""
+    return yarn_inv_frequencies(
+        head_dim=head_dim, theta=theta, factor=self.factor,
+        original_max_position_embeddings=self.original_max_position_embeddings,
+        beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+        attention_factor=self.attention_factor, mscale=self.mscale,
+        mscale_all_dim=self.mscale_all_dim)

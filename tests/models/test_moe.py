@@ -208,6 +208,11 @@ def test_yarn_matches_transformers(overrides):
       head_dim=config.head_dim, theta=p["rope_theta"], factor=p["factor"],
       original_max_position_embeddings=p["original_max_position_embeddings"],
       beta_fast=p["beta_fast"], beta_slow=p["beta_slow"], truncate=p.get("truncate", True))
+  scaling = rope.YarnScaling.from_hf(p)  # the same, read from the dict with its defaults
+  assert scaling.truncate == p.get("truncate", True)
+  from_dict = scaling.inv_frequencies(config.head_dim, p["rope_theta"])
+  np.testing.assert_array_equal(from_dict[0], inv_freq)
+  assert from_dict[1] == factor
   assert inv_freq.dtype == np.float32 and inv_freq.shape == (config.head_dim // 2,)
   # numpy's and torch's float32 pow may round theta ** x an ulp apart.
   np.testing.assert_allclose(inv_freq, want_inv_freq.numpy(), rtol=4e-7, atol=0)
@@ -226,3 +231,7 @@ def test_yarn_rejects_bad_arguments():
   with pytest.raises(ValueError, match="factor=0"):
     rope.yarn_inv_frequencies(head_dim=8, theta=1e4, factor=0,
                               original_max_position_embeddings=64)
+  with pytest.raises(ValueError, match="original_max_position_embeddings"):
+    rope.YarnScaling.from_hf({"rope_type": "yarn", "factor": 4.0})
+  with pytest.raises(ValueError, match="truncate='no'"):
+    rope.YarnScaling(factor=4.0, original_max_position_embeddings=64, truncate="no")
