@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama / Mistral / Qwen2 checkpoint (config.json + safetensors).
+"""Load a Hugging Face checkpoint of a supported family (config.json + safetensors).
 
 No torch: tensors are read with ``safetensors.safe_open(framework="np")``; bfloat16 ones
 (which numpy cannot name) are mapped straight from the file with ``np.memmap`` and
@@ -61,8 +61,11 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
       ("final_norm", "scale_E"): _Tensor("model.norm.weight", (e,), same),
       ("layers", "attn_norm", "scale_E"): _Tensor(
           "model.layers.{layer}.input_layernorm.weight", (e,), same),
+      # Llama's "post_attention_layernorm" is the norm before the MLP; Gemma's is the norm
+      # after attention (below), its pre-MLP norm "pre_feedforward_layernorm".
       ("layers", "mlp_norm", "scale_E"): _Tensor(
-          "model.layers.{layer}.post_attention_layernorm.weight", (e,), same),
+          "model.layers.{layer}." + ("pre_feedforward_layernorm.weight" if c.sandwich_norms
+                                     else "post_attention_layernorm.weight"), (e,), same),
       # nn.Linear stores [out, in].
       ("layers", "attn", "q_EHD"): _Tensor(attn + "q_proj.weight", (h * d, e),
                                            lambda x: x.T.reshape(e, h, d)),
@@ -85,6 +88,16 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
                                                     lambda x: x.reshape(k, d))
   if c.o_bias:
     plan[("layers", "attn", "o_bias_E")] = _Tensor(attn + "o_proj.bias", (e,), same)
+  if c.qk_norm:
+    plan[("layers", "attn", "q_norm", "scale_D")] = _Tensor(attn + "q_norm.weight", (d,), same)
+    plan[("layers", "attn", "k_norm", "scale_D")] = _Tensor(attn + "k_norm.weight", (d,), same)
+  if c.attention_sinks:
+    plan[("layers", "attn", "sinks_H")] = _Tensor(attn + "sinks", (h,), same)
+  if c.sandwich_norms:
+    plan[("layers", "post_attn_norm", "scale_E")] = _Tensor(
+        "model.layers.{layer}.post_attention_layernorm.weight", (e,), same)
+    plan[("layers", "post_mlp_norm", "scale_E")] = _Tensor(
+        "model.layers.{layer}.post_feedforward_layernorm.weight", (e,), same)
   if not c.tie_word_embeddings:
     plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
   return plan
@@ -199,7 +212,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
       when it declares none).
     impl: the model's default ``paged_attention`` implementation.
     interpret: run a Pallas impl in interpret mode.
-    max_seq_len: see ``ModelConfig.from_hf_dict`` (sliding windows >= it are ignored).
+    max_seq_len: see ``ModelConfig.from_hf_dict``.
     sharding: optional ``(param_path, shape) -> jax.sharding.Sharding`` placing each
       parameter (e.g. a ``NamedSharding`` over a mesh); default: the default device.
       ``param_path`` is the parameter's path in the model, e.g. ``("layers", "attn",

@@ -47,7 +47,7 @@ def test_rope_parameters_of_transformers_5():
   assert c.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
 
 
-@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope"])
 def test_unsupported_rope_scaling_is_refused(rope_type):
   with pytest.raises(ValueError, match=f"rope_scaling type '{rope_type}'"):
     helpers.tiny_config(rope_scaling={"type": rope_type, "factor": 2.0})
@@ -78,26 +78,37 @@ def test_llama3_inverse_frequencies_by_hand():
   np.testing.assert_allclose(want, 0.05118, rtol=1e-3)
 
 
-def test_mistral_sliding_window_policy():
-  # None, or a window no shorter than the longest servable sequence: full attention.
-  assert helpers.tiny_config("mistral", sliding_window=None).max_seq_len == 256
-  assert helpers.tiny_config("mistral", sliding_window=256).max_seq_len == 256
-  with pytest.raises(ValueError, match="sliding_window=64 < max_seq_len=256"):
-    helpers.tiny_config("mistral", sliding_window=64)
-  # Serving at most 64 tokens per sequence makes the window irrelevant.
-  hf = helpers.hf_config_dict("mistral", sliding_window=64)
-  assert ModelConfig.from_hf_dict(hf, max_seq_len=64).max_seq_len == 64
+def test_mistral_window_applies_to_every_layer():
+  assert helpers.tiny_config("mistral", sliding_window=None).layer_types == ()
+  c = helpers.tiny_config("mistral", sliding_window=64)  # shorter than max_seq_len=256
+  assert c.sliding_window == 64 and c.max_seq_len == 256
+  assert c.attention_kinds() == (("sliding_attention",), (0, 0))
+  assert c.window_of("sliding_attention") == 64
 
 
 def test_qwen2_sliding_window_only_when_enabled():
-  assert helpers.tiny_config("qwen2", use_sliding_window=False, sliding_window=32)
-  with pytest.raises(ValueError, match="sliding_window=32"):
-    helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32)
+  c = helpers.tiny_config("qwen2", use_sliding_window=False, sliding_window=32)
+  assert c.layer_types == () and c.sliding_window is None
+  # Without layer_types, layers >= max_window_layers slide (transformers' default).
+  c = helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32,
+                          max_window_layers=1)
+  assert c.layer_types == ("full_attention", "sliding_attention")
+  assert c.attention_kinds() == (("full_attention", "sliding_attention"), (0, 1))
+  assert [c.window_of(t) for t in c.layer_types] == [None, 32]
+  # Listed layer_types win.
+  c = helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32,
+                          layer_types=["sliding_attention", "full_attention"])
+  assert c.layer_types == ("sliding_attention", "full_attention")
 
 
 @pytest.mark.parametrize("override, match", [
     (dict(model_type="gpt2"), "model_type='gpt2'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(model_type="gemma2", layer_types=["full_attention"]), "layer_types="),
+    (dict(model_type="gemma2", layer_types=["full_attention", "chunked_attention"]),
+     "layer_types="),
+    (dict(model_type="gemma2", use_bidirectional_attention=True), "bidirectional"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window=0"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(num_key_value_heads=3), "num_heads=4 must be a multiple of num_kv_heads=3"),
     (dict(head_dim=15), "head_dim=15 must be even"),
