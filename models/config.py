@@ -21,11 +21,19 @@ Supported ``model_type``s, each read as transformers (5.x) reads its ``config.js
   rest slide); sliding layers rotate with ``rope_local_base_freq`` (10k), global ones with
   ``rope_theta`` (1M) and ``rope_scaling``; transformers 5 writes both as
   ``rope_parameters[layer_type]``.
-- RoPE: ``rope_scaling`` / ``rope_parameters`` of type None / "default" (plain), "linear"
-  or "llama3"; any other type ("dynamic", "yarn", ...) and ``partial_rotary_factor != 1``
+- "gpt_oss": a mixture-of-experts MLP (``num_local_experts`` experts, the top
+  ``num_experts_per_tok`` per token, ``models.moe``), a learned sink logit per query head,
+  biases on q/k/v/o (``attention_bias``, default True), ``layer_types`` (default: even
+  layers slide, odd ones are global) and YaRN RoPE (default: transformers' gpt-oss one).
+  MXFP4-quantised checkpoints (``quantization_config`` of ``quant_method`` "mxfp4", as
+  OpenAI publishes them) are refused: dequantise them to bfloat16 first (``models.moe``).
+- RoPE: ``rope_scaling`` / ``rope_parameters`` of type None / "default" (plain), "linear",
+  "llama3" or "yarn" (``models.rope.YarnScaling``, its attention factor multiplying cos and
+  sin); any other type ("dynamic", "longrope", ...) and ``partial_rotary_factor != 1``
   are refused. Both the legacy keys (``rope_theta`` + ``rope_scaling`` with "type" or
   "rope_type") and transformers>=5's ``rope_parameters`` are read.
-- The MLP: SwiGLU (``hidden_act`` "silu") or GeGLU (Gemma's "gelu_pytorch_tanh").
+- The MLP: SwiGLU (``hidden_act`` "silu") or GeGLU (Gemma's "gelu_pytorch_tanh"), or
+  gpt-oss's experts (each a clamped SwiGLU, ``swiglu_alpha`` / ``swiglu_limit``).
 
 A window is W tokens, the token itself included (``paged_attention``'s ``sliding_window``);
 sliding layers are served at any window size, including windows shorter than the context.
@@ -41,12 +49,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from paged_jax.models.rope import YarnScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+                         "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL, SLIDING = "full_attention", "sliding_attention"
 """The per-layer attention kinds of transformers' ``layer_types``."""
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 """The gated MLP's activations: SwiGLU's and GeGLU's (tanh-approximated GELU)."""
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+"""transformers' RoPE for a gpt-oss config.json that names none (theta 150000)."""
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -106,6 +120,8 @@ def _inv_frequencies(head_dim: int, theta: float, scaling) -> np.ndarray:
     return inv_freq
   if isinstance(scaling, LinearRopeScaling):
     return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+  if isinstance(scaling, YarnScaling):
+    return scaling.inv_frequencies(head_dim, theta)[0]
   s = scaling
   low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -135,8 +151,8 @@ class ModelConfig:
     head_dim: D (HF ``head_dim``, default ``E // H``); must be even for RoPE.
     rms_norm_eps: epsilon of every RMSNorm.
     rope_theta: RoPE base (of the full-attention layers when ``local_rope_theta`` is set).
-    rope_scaling: None (plain RoPE), a llama3 ``RopeScaling`` or a ``LinearRopeScaling``
-      (of the full-attention layers when ``local_rope_theta`` is set).
+    rope_scaling: None (plain RoPE), a llama3 ``RopeScaling``, a ``LinearRopeScaling`` or
+      a ``YarnScaling`` (of the full-attention layers when ``local_rope_theta`` is set).
     max_seq_len: longest sequence the model is meant to serve (HF
       ``max_position_embeddings`` unless overridden).
     tie_word_embeddings: the LM head is the transposed embedding.
@@ -163,6 +179,10 @@ class ModelConfig:
       model dtype first, as transformers does).
     attention_sinks: each layer learns one sink logit per query head (gpt-oss), passed to
       ``paged_attention(..., sinks=)``.
+    num_experts: O, 0 for a dense gated MLP; else every layer's MLP is a mixture of O
+      experts of width ``mlp_dim`` (``models.moe.MoEMLP``, gpt-oss).
+    experts_per_token: k, the experts each token is routed to (0 when ``num_experts`` is).
+    swiglu_alpha, swiglu_limit: the experts' clamped SwiGLU (gpt-oss: 1.702, 7.0).
   """
 
   model_type: str
@@ -195,6 +215,10 @@ class ModelConfig:
   hidden_act: str = "silu"
   scale_embeddings: bool = False
   attention_sinks: bool = False
+  num_experts: int = 0
+  experts_per_token: int = 0
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -216,10 +240,21 @@ class ModelConfig:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-    if self.rope_scaling is not None and not isinstance(self.rope_scaling,
-                                                        (RopeScaling, LinearRopeScaling)):
-      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None, a RopeScaling or "
-                       "a LinearRopeScaling")
+    if self.rope_scaling is not None and not isinstance(
+        self.rope_scaling, (RopeScaling, LinearRopeScaling, YarnScaling)):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None, a RopeScaling, "
+                       "a LinearRopeScaling or a YarnScaling")
+    for name in ("num_experts", "experts_per_token"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+    if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+      raise ValueError(f"experts_per_token={self.experts_per_token} must be in "
+                       f"[1, num_experts={self.num_experts}]")
+    if not self.num_experts and self.experts_per_token:
+      raise ValueError(f"experts_per_token={self.experts_per_token} needs num_experts > 0")
+    for name in ("swiglu_alpha", "swiglu_limit"):
+      object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
     eos = self.eos_token_ids
     if not isinstance(eos, tuple) or not all(isinstance(e, int) for e in eos):
       raise ValueError(f"eos_token_ids={eos!r} must be a tuple of ints")
@@ -262,9 +297,12 @@ class ModelConfig:
     return _inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
   def rope_attention_factor(self, layer_type: str = FULL) -> float:
-    """What RoPE's cos and sin are multiplied by in layers of this type (YaRN's attention
-    factor); 1 for the RoPE types served so far."""
-    del layer_type
+    """What RoPE's cos and sin are multiplied by in layers of this type: YaRN's attention
+    factor, 1 for the other RoPE types."""
+    if layer_type == SLIDING and self.local_rope_theta is not None:
+      return 1.0
+    if isinstance(self.rope_scaling, YarnScaling):
+      return self.rope_scaling.inv_frequencies(self.head_dim, self.rope_theta)[1]
     return 1.0
 
   @classmethod
@@ -296,6 +334,12 @@ class ModelConfig:
       raise ValueError(f"hidden_act={act!r} is not supported; expected one of {ACTIVATIONS}")
     if hf.get("mlp_bias", False):
       raise ValueError("mlp_bias=True is not supported (gated MLPs without biases only)")
+    quantization = hf.get("quantization_config") or {}
+    if quantization:
+      raise ValueError(
+          f"quantization_config={dict(quantization)!r}: quantised checkpoints are not "
+          "supported; load a bfloat16 / float32 one (gpt-oss's MXFP4 experts: dequantise "
+          "first, e.g. transformers' Mxfp4Config(dequantize=True) then save_pretrained)")
     if hf.get("use_bidirectional_attention"):
       raise ValueError("use_bidirectional_attention=True is not supported (causal decoders "
                        "only)")
@@ -310,7 +354,7 @@ class ModelConfig:
 
     layer_types, window = hf_attention_layout(hf)
     full_rope, sliding_rope = _rope_parameters_by_layer_type(hf)
-    rope_theta, rope_scaling = _rope_from_params(full_rope)
+    rope_theta, rope_scaling = _rope_from_params(full_rope, max_position_embeddings=positions)
     local_theta = None
     if sliding_rope is not None and SLIDING in layer_types:
       local_theta, local_scaling = _rope_from_params(sliding_rope)
@@ -318,7 +362,15 @@ class ModelConfig:
         raise ValueError("rope_parameters['sliding_attention'] with a rope_type other than "
                          "'default' is not supported")
 
-    attention_bias = bool(hf.get("attention_bias", False))
+    gpt_oss = model_type == "gpt_oss"
+    attention_bias = bool(hf.get("attention_bias", gpt_oss))
+    num_experts = experts_per_token = 0
+    if gpt_oss:  # transformers' attribute_map: num_experts -> num_local_experts
+      num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+      experts_per_token = hf.get("num_experts_per_tok", hf.get("experts_per_token"))
+      if num_experts is None or experts_per_token is None:
+        raise ValueError("config.json keys 'num_local_experts' and 'num_experts_per_tok' "
+                         f"are needed (got {num_experts!r}, {experts_per_token!r})")
     eos = hf.get("eos_token_id")
     eos = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, (list, tuple))
                                   else (int(eos),))
@@ -335,7 +387,7 @@ class ModelConfig:
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
@@ -357,6 +409,11 @@ class ModelConfig:
         sandwich_norms=gemma,
         hidden_act=act,
         scale_embeddings=gemma,
+        attention_sinks=gpt_oss,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+        swiglu_limit=hf.get("swiglu_limit", 7.0),
     )
 
   @classmethod
@@ -388,6 +445,8 @@ def hf_attention_layout(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], int | N
   if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
     raise ValueError(f"num_hidden_layers={num_layers!r} in config.json must be a positive int")
   window = hf.get("sliding_window")
+  if "sliding_window" not in hf and model_type == "gpt_oss":
+    window = 128  # transformers' GptOssConfig default
   if window is not None:
     window = _positive_int("sliding_window", window)
   listed = hf.get("layer_types")
@@ -427,8 +486,12 @@ def _rope_parameters_by_layer_type(hf: Mapping[str, Any]
   if legacy:
     params = {**params, **legacy}
   gemma3 = hf.get("model_type") == "gemma3_text"
-  # transformers' defaults: Gemma 3 global 1M, local 10k; everyone else 10k.
-  params.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0 if gemma3 else 10_000.0))
+  if hf.get("model_type") == "gpt_oss" and "rope_type" not in params and "type" not in params:
+    params.update(GPT_OSS_ROPE)  # transformers' GptOssConfig default
+  # transformers' defaults: Gemma 3 global 1M, gpt-oss 150k, local 10k; everyone else 10k.
+  default_theta = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}.get(
+      hf.get("model_type"), 10_000.0)
+  params.setdefault("rope_theta", hf.get("rope_theta", default_theta))
   params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if gemma3:
     sliding = dict(sliding or {})
@@ -436,9 +499,10 @@ def _rope_parameters_by_layer_type(hf: Mapping[str, Any]
   return params, sliding
 
 
-def _rope_from_params(params: Mapping[str, Any]
-                      ) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
-  """(rope_theta, rope_scaling) of one set of RoPE parameters."""
+def _rope_from_params(params: Mapping[str, Any], *, max_position_embeddings: int | None = None
+                      ) -> tuple[float, RopeScaling | LinearRopeScaling | YarnScaling | None]:
+  """(rope_theta, rope_scaling) of one set of RoPE parameters (``max_position_embeddings``:
+  YaRN's factor when its parameters give none)."""
   theta = params.get("rope_theta", 10000.0)
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -453,6 +517,8 @@ def _rope_from_params(params: Mapping[str, Any]
     if "factor" not in params:
       raise ValueError("rope_scaling of type 'linear' lacks ['factor']")
     return theta, LinearRopeScaling(factor=params["factor"])
+  if rope_type == "yarn":
+    return theta, YarnScaling.from_hf(params, max_position_embeddings=max_position_embeddings)
   missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings") if k not in params]
   if missing:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from paged_jax import attention
 from paged_jax.kv_cache import KVCache
-from paged_jax.models import layers
+from paged_jax.models import layers, moe
 from paged_jax.models.config import ModelConfig
 from paged_jax.spec import KVCacheSpec
 from paged_jax.step import AttentionMetadata
@@ -40,7 +40,11 @@ def _mlp(config: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module | None:
   """One layer's MLP when it is not the default gated MLP (``DecoderLayer``'s ``mlp`` slot):
   a family whose MLP differs (a mixture of experts) builds its module here; None keeps
   ``layers.GatedMLP`` with ``config.hidden_act``."""
-  del config, dtype, rngs
+  c = config
+  if c.num_experts:  # gpt-oss
+    return moe.MoEMLP(embed_dim=c.embed_dim, mlp_dim=c.mlp_dim, num_experts=c.num_experts,
+                      experts_per_token=c.experts_per_token, swiglu_alpha=c.swiglu_alpha,
+                      swiglu_limit=c.swiglu_limit, dtype=dtype, rngs=rngs)
   return None
 
 
@@ -263,9 +267,12 @@ class Decoder(nnx.Module):
     return self._logits(x_TE).reshape(b, t, -1)
 
 
-# Input axes (after the L axis of stacked layers) of each weight, for its fan-in.
-_FAN_IN_AXES = {"q_EHD": 1, "k_EKD": 1, "v_EKD": 1, "o_HDE": 2, "gate_EI": 1, "up_EI": 1,
-                "down_IE": 1, "lm_head_EV": 1}
+# Input axes (after the L axis of stacked layers) of each weight, for its fan-in: (first,
+# end); the experts' weights have their O axis first.
+_FAN_IN_AXES = {"q_EHD": (0, 1), "k_EKD": (0, 1), "v_EKD": (0, 1), "o_HDE": (0, 2),
+                "gate_EI": (0, 1), "up_EI": (0, 1), "down_IE": (0, 1), "lm_head_EV": (0, 1),
+                "router_EO": (0, 1), "gate_OEI": (1, 2), "up_OEI": (1, 2),
+                "down_OIE": (1, 2)}
 
 
 def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: str = "auto",
@@ -296,8 +303,9 @@ def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: 
     elif name == "embed_VE":
       value = draw
     else:
-      first = 1 if path[0] == "layers" else 0
-      fan_in = int(np.prod(shape[first:first + _FAN_IN_AXES[name]]))
+      lead = 1 if path[0] == "layers" else 0
+      first, end = _FAN_IN_AXES[name]
+      fan_in = int(np.prod(shape[lead + first:lead + end]))
       value = draw * fan_in ** -0.5
     filled.append((path, variable.replace(value=jnp.asarray(value.astype(host_dtype)))))
   return nnx.merge(graphdef, nnx.from_flat_state(filled))

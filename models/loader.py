@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.models.config import ModelConfig
+from paged_jax.models import moe
 from paged_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
@@ -98,6 +99,27 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
         "model.layers.{layer}.post_attention_layernorm.weight", (e,), same)
     plan[("layers", "post_mlp_norm", "scale_E")] = _Tensor(
         "model.layers.{layer}.post_feedforward_layernorm.weight", (e,), same)
+  if c.num_experts:  # gpt-oss: the MLP is a mixture of experts (models.moe)
+    for name in ("gate_EI", "up_EI", "down_IE"):
+      del plan[("layers", "mlp", name)]
+    o = c.num_experts
+    experts = mlp + "experts."
+    plan.update({
+        ("layers", "mlp", "router_EO"): _Tensor(mlp + "router.weight", (o, e), lambda x: x.T),
+        ("layers", "mlp", "router_bias_O"): _Tensor(mlp + "router.bias", (o,), same),
+        # gate_up_proj is input-major [O, E, 2I] with gate and up interleaved; each of our
+        # two parameters reads it and keeps its own columns.
+        ("layers", "mlp", "gate_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i),
+                                               lambda x: moe.from_hf_gate_up(x)[0]),
+        ("layers", "mlp", "up_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i),
+                                             lambda x: moe.from_hf_gate_up(x)[1]),
+        ("layers", "mlp", "gate_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
+                                                   lambda x: moe.from_hf_gate_up(x)[0]),
+        ("layers", "mlp", "up_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
+                                                 lambda x: moe.from_hf_gate_up(x)[1]),
+        ("layers", "mlp", "down_OIE"): _Tensor(experts + "down_proj", (o, i, e), same),
+        ("layers", "mlp", "down_bias_OE"): _Tensor(experts + "down_proj_bias", (o, e), same),
+    })
   if not c.tie_word_embeddings:
     plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
   return plan
@@ -173,6 +195,10 @@ class _CheckpointReader:
   def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``name`` as numpy, after checking its shape (before reading its data)."""
     if name not in self._weight_map:
+      if name + "_blocks" in self._weight_map:
+        raise ValueError(f"tensor {name!r} is stored MXFP4-quantised ({name}_blocks, "
+                         f"{name}_scales) in the checkpoint at {self._path!r}: dequantise it "
+                         "to bfloat16 first (models.moe's docstring)")
       raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}")
     file = self._weight_map[name]
     handle = self._open(file)
