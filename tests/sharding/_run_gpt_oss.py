@@ -1,0 +1,46 @@
+"""Runs on 2 CPU devices (``python -m tests.sharding._run_gpt_oss``): a tiny random gpt-oss
+decoder served unsharded and over a (1 data x 2 model) mesh, which splits its query / KV
+heads and sinks and every expert's I columns; prints one JSON line with both engines'
+greedy tokens and log-probs (``test_gpt_oss_sharding.py`` compares them)."""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=2"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from paged_jax import LLM, SamplingParams, models  # noqa: E402
+
+HF = dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=48,
+          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+          max_position_embeddings=256)
+
+
+def main() -> None:
+  config = models.ModelConfig.from_hf_dict(HF)
+  model = models.init_random(config, impl="xla")
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(3, 128, n)] for n in (9, 5, 13)]
+  params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+  options = dict(block_size=4, num_blocks=32, max_seqs=4, max_tokens_per_step=16,
+                 token_buckets=(16,), compilation_cache=False)
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+  result = {}
+  for name, extra in (("unsharded", {}), ("1x2", {"mesh": mesh})):
+    outs = LLM(model, config, **options, **extra).generate(prompts, params)
+    result[name] = {"tokens": [list(o.token_ids) for o in outs],
+                    "logprobs": [list(o.logprobs) for o in outs]}
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
