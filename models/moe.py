@@ -18,7 +18,10 @@ expert) pair) are sorted by expert, so each expert's rows are contiguous, and
 expert's weights are read once per call and each row meets only its own expert: no dense
 loop over experts, no expert computed for a token that did not choose it. Shapes are
 static under ``jit`` (Y = T * k rows whatever the routing); an expert no token chose is a
-group of size 0.
+group of size 0. On TPU and GPU ``ragged_dot`` lowers to XLA's grouped GEMM
+(``chlo.ragged_dot``); JAX 0.10.2 on CPU has no such instruction and emulates it with a
+masked dense product over every expert (O times the routed FLOPs), which is fine for the
+CPU tests and tiny models but not how the accelerators run it.
 
 Letters (GLOSSARY.md): O experts, Y routed rows (T * k; in token-major order, row
 ``t * k + j`` is token t's j-th choice, unless the name says ``sorted``).

@@ -159,6 +159,23 @@ def test_experts_run_as_one_grouped_matmul():
   assert max(sizes) < 5 * O * min(I, E), max(sizes)
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_accelerator_lowering_keeps_the_grouped_matmul(platform):
+  """On TPU and GPU the grouped matmul lowers to XLA's ``ragged_dot`` (a grouped GEMM): no
+  [O, Y, E] operand (every expert's copy of every row) appears. JAX 0.10.2 on CPU, by
+  contrast, lowers ``ragged_dot`` to exactly that masked dense form (checked by hand: the
+  [8, 15, 32] operand below), so CPU runs cost O times the routed FLOPs."""
+  module = nnx.eval_shape(lambda: moe.MoEMLP(embed_dim=E, mlp_dim=I, num_experts=O,
+                                              experts_per_token=TOP_K, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(module)
+  exported = jax.export.export(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)),
+                               platforms=[platform])(
+      state, jax.ShapeDtypeStruct((5, E), jnp.float32))
+  text = exported.mlir_module()
+  assert text.count('stablehlo.composite "chlo.ragged_dot"') == 3  # gate, up, down
+  assert f"{O}x{5 * TOP_K}x{E}x" not in text  # the dense emulation's expanded rows
+
+
 def test_model_axis_splits_expert_columns(hf_mlp):
   """Two halves of every expert's I columns under a named vmap axis, ``psum``-ed, equal the
   whole module (the split ``paged_jax.sharding`` makes from the names' I letters)."""
