@@ -136,7 +136,7 @@ def test_dense_logits_match_transformers(family):
   if name == "gemma3_text":
     assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
     assert (config.rope_theta, config.local_rope_theta) == (1000.0, 50.0)
-    assert config.rope_scaling == models.config.LinearRopeScaling(4.0)
+    assert config.rope_scaling == models.LinearRopeScaling(4.0)
   got = model(jnp.asarray(tokens_BT))
   assert got.shape == want.shape
   assert _relative_error(got, want) < RTOL
