@@ -97,7 +97,8 @@ def test_cli_plan_shows_per_layer_kv_cost_of_sliding_and_full_layers(tmp_path, c
                 num_key_value_heads=1, head_dim=256, hidden_size=1152, sliding_window=512,
                 torch_dtype="bfloat16")
   (tmp_path / "config.json").write_text(json.dumps(config))
-  assert cli.main(["plan", "--config", str(tmp_path), "--block-size", "16"]) == 0
+  assert cli.main(["plan", "--config", str(tmp_path), "--block-size", "16",
+                   "--budget", "64MiB"]) == 0
   out = capsys.readouterr().out
   # One layer's block: 2 (K and V) * 16 tokens * 1 head * 256 dims * 2 bytes = 16384 bytes.
   assert "| 22 (0, 1, 2, 3, 4, 6, ...) | sliding, window 512 | 16384 bytes | 360448 bytes |" in out
