@@ -1,4 +1,5 @@
-"""Flax NNX decoders (Llama family) and the Hugging Face checkpoint loader.
+"""Flax NNX decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text) and the Hugging
+Face checkpoint loader.
 
 - ``ModelConfig`` (``from_hf_dict`` / ``from_json``): the frozen model config.
 - ``Decoder``: the decoder; ``paged_forward(tokens_T, positions_T, cache, metadata)`` and
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from paged_jax.models.config import ModelConfig, RopeScaling
+from paged_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 from paged_jax.models.decoder import Decoder, init_random
 from paged_jax.models.loader import load_pretrained
 from paged_jax.models.steps import Steps, decode_step, prefill_step
@@ -20,6 +21,7 @@ from paged_jax.step import AttentionMetadata  # moved to paged_jax; kept here fo
 __all__ = [
     "AttentionMetadata",
     "Decoder",
+    "LinearRopeScaling",
     "ModelConfig",
     "RopeScaling",
     "Steps",

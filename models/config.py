@@ -328,8 +328,9 @@ class ModelConfig:
       return hf[key]
 
     gemma = model_type in ("gemma2", "gemma3_text")
-    act = (hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-           if gemma else hf.get("hidden_act", "silu"))
+    # Gemma's modules read only hidden_activation (its hidden_act, if any, is unused).
+    act = (hf.get("hidden_activation") or "gelu_pytorch_tanh" if gemma
+           else hf.get("hidden_act", "silu"))
     if act not in ACTIVATIONS:
       raise ValueError(f"hidden_act={act!r} is not supported; expected one of {ACTIVATIONS}")
     if hf.get("mlp_bias", False):

@@ -52,11 +52,10 @@ class _Tensor:
 def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
   """Our parameter path -> the checkpoint tensor it comes from."""
   c = config
-  e, i, v = c.embed_dim, c.mlp_dim, c.vocab_size
+  e, v = c.embed_dim, c.vocab_size
   h, k, d = c.num_heads, c.num_kv_heads, c.head_dim
   same = lambda x: x
   attn = "model.layers.{layer}.self_attn."
-  mlp = "model.layers.{layer}.mlp."
   plan = {
       ("embed_VE",): _Tensor("model.embed_tokens.weight", (v, e), same),
       ("final_norm", "scale_E"): _Tensor("model.norm.weight", (e,), same),
@@ -76,10 +75,8 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
                                            lambda x: x.T.reshape(e, k, d)),
       ("layers", "attn", "o_HDE"): _Tensor(attn + "o_proj.weight", (e, h * d),
                                            lambda x: x.T.reshape(h, d, e)),
-      ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
-      ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
-      ("layers", "mlp", "down_IE"): _Tensor(mlp + "down_proj.weight", (e, i), lambda x: x.T),
   }
+  plan.update(_mlp_plan(c))
   if c.qkv_bias:
     plan[("layers", "attn", "q_bias_HD")] = _Tensor(attn + "q_proj.bias", (h * d,),
                                                     lambda x: x.reshape(h, d))
@@ -123,6 +120,18 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
   if not c.tie_word_embeddings:
     plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
   return plan
+
+
+def _mlp_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
+  """The tensors of each layer's MLP: the gated MLP's (``layers.GatedMLP``); a family whose
+  MLP module differs (``decoder._mlp``) maps its own parameters here."""
+  e, i = config.embed_dim, config.mlp_dim
+  mlp = "model.layers.{layer}.mlp."
+  return {
+      ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "down_IE"): _Tensor(mlp + "down_proj.weight", (e, i), lambda x: x.T),
+  }
 
 
 class _CheckpointReader:

@@ -130,3 +130,49 @@ def test_from_json(tmp_path):
   (tmp_path / "bad.json").write_text("{")
   with pytest.raises(ValueError, match="not valid JSON"):
     ModelConfig.from_json(tmp_path / "bad.json")
+
+
+def test_gemma2_defaults_as_transformers_fills_them():
+  hf = helpers.hf_config_dict("gemma2", num_hidden_layers=4, sliding_window=8)
+  del hf["hidden_act"], hf["tie_word_embeddings"]  # Gemma's defaults: GeGLU, tied
+  c = ModelConfig.from_hf_dict(hf)
+  assert c.layer_types == ("sliding_attention", "full_attention") * 2
+  assert (c.attn_soft_cap, c.final_soft_cap) == (50.0, 30.0)
+  assert c.sm_scale == 256 ** -0.5  # query_pre_attn_scalar defaults to 256, not head_dim
+  assert c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings
+  assert c.gemma_norms and c.sandwich_norms and c.scale_embeddings and not c.qk_norm
+
+
+def test_gemma3_rope_parameters_per_layer_type_of_transformers_5():
+  hf = helpers.hf_config_dict("gemma3_text", num_hidden_layers=7, sliding_window=8,
+                              query_pre_attn_scalar=16)
+  del hf["rope_theta"]
+  hf["rope_parameters"] = {
+      "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+      "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 400.0}}
+  c = ModelConfig.from_hf_dict(hf)
+  # Default pattern: every 6th layer global.
+  assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+  assert c.qk_norm and c.attn_soft_cap is None and c.sm_scale == 0.25
+  # head_dim 16: inv_freq = theta ** -(0, 2, ..., 14) / 16; the global ones / factor 2.
+  exponent = np.arange(0, 16, 2) / 16
+  np.testing.assert_allclose(c.rope_inv_frequencies("sliding_attention"), 100.0 ** -exponent,
+                             rtol=1e-6)
+  np.testing.assert_allclose(c.rope_inv_frequencies("full_attention"),
+                             400.0 ** -exponent / 2, rtol=1e-6)
+  # The legacy keys of the published checkpoints say the same.
+  del hf["rope_parameters"]
+  hf.update(rope_theta=400.0, rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window_pattern=3)
+  legacy = ModelConfig.from_hf_dict(hf)
+  assert legacy.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2 + (
+      "sliding_attention",)
+  assert (legacy.rope_theta, legacy.local_rope_theta, legacy.rope_scaling) == (
+      c.rope_theta, c.local_rope_theta, c.rope_scaling)
+
+
+def test_qwen3_qk_norm_and_biases_only_with_attention_bias():
+  c = helpers.tiny_config("qwen3")
+  assert c.qk_norm and not c.qkv_bias and not c.o_bias and c.layer_types == ()
+  c = helpers.tiny_config("qwen3", attention_bias=True)
+  assert c.qkv_bias and c.o_bias
