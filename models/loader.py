@@ -96,27 +96,6 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
         "model.layers.{layer}.post_attention_layernorm.weight", (e,), same)
     plan[("layers", "post_mlp_norm", "scale_E")] = _Tensor(
         "model.layers.{layer}.post_feedforward_layernorm.weight", (e,), same)
-  if c.num_experts:  # gpt-oss: the MLP is a mixture of experts (models.moe)
-    for name in ("gate_EI", "up_EI", "down_IE"):
-      del plan[("layers", "mlp", name)]
-    o = c.num_experts
-    experts = mlp + "experts."
-    plan.update({
-        ("layers", "mlp", "router_EO"): _Tensor(mlp + "router.weight", (o, e), lambda x: x.T),
-        ("layers", "mlp", "router_bias_O"): _Tensor(mlp + "router.bias", (o,), same),
-        # gate_up_proj is input-major [O, E, 2I] with gate and up interleaved; each of our
-        # two parameters reads it and keeps its own columns.
-        ("layers", "mlp", "gate_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i),
-                                               lambda x: moe.from_hf_gate_up(x)[0]),
-        ("layers", "mlp", "up_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i),
-                                             lambda x: moe.from_hf_gate_up(x)[1]),
-        ("layers", "mlp", "gate_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
-                                                   lambda x: moe.from_hf_gate_up(x)[0]),
-        ("layers", "mlp", "up_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
-                                                 lambda x: moe.from_hf_gate_up(x)[1]),
-        ("layers", "mlp", "down_OIE"): _Tensor(experts + "down_proj", (o, i, e), same),
-        ("layers", "mlp", "down_bias_OE"): _Tensor(experts + "down_proj_bias", (o, e), same),
-    })
   if not c.tie_word_embeddings:
     plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
   return plan
@@ -127,6 +106,23 @@ def _mlp_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
   MLP module differs (``decoder._mlp``) maps its own parameters here."""
   e, i = config.embed_dim, config.mlp_dim
   mlp = "model.layers.{layer}.mlp."
+  if config.num_experts:  # gpt-oss: a mixture of experts (models.moe.MoEMLP)
+    o, same = config.num_experts, lambda x: x
+    experts = mlp + "experts."
+    gate, up = (lambda x: moe.from_hf_gate_up(x)[0]), (lambda x: moe.from_hf_gate_up(x)[1])
+    return {
+        ("layers", "mlp", "router_EO"): _Tensor(mlp + "router.weight", (o, e), lambda x: x.T),
+        ("layers", "mlp", "router_bias_O"): _Tensor(mlp + "router.bias", (o,), same),
+        # gate_up_proj is input-major [O, E, 2I] with gate and up interleaved; each of our
+        # two parameters reads it and keeps its own columns.
+        ("layers", "mlp", "gate_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i), gate),
+        ("layers", "mlp", "up_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i), up),
+        ("layers", "mlp", "gate_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
+                                                   gate),
+        ("layers", "mlp", "up_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i), up),
+        ("layers", "mlp", "down_OIE"): _Tensor(experts + "down_proj", (o, i, e), same),
+        ("layers", "mlp", "down_bias_OE"): _Tensor(experts + "down_proj_bias", (o, e), same),
+    }
   return {
       ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
       ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
