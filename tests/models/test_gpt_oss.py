@@ -191,3 +191,26 @@ def test_config_defaults_and_refusals_follow_transformers():
   with pytest.raises(ValueError, match="experts_per_token=5 must be in"):
     models.ModelConfig.from_hf_dict({**GPT_OSS_20B, "num_local_experts": 4,
                                      "num_experts_per_tok": 5})
+
+
+def test_mxfp4_expert_tensors_are_named_in_the_error(checkpoint, tmp_path):
+  """A checkpoint holding the experts as MXFP4 blocks and scales (no quantization_config
+  to refuse it early) fails on the first such tensor, saying what it is."""
+  import json
+  import os
+
+  from safetensors.numpy import load_file
+
+  from tests.models import helpers
+
+  path, _ = checkpoint
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+    o, e, two_i = tensors.pop(name).shape
+    tensors[name + "_blocks"] = np.zeros((o, two_i, e // 32, 16), np.uint8)
+    tensors[name + "_scales"] = np.full((o, two_i, e // 32), 127, np.uint8)
+  with open(os.path.join(path, "config.json")) as f:
+    hf_dict = json.load(f)
+  helpers.write_numpy_checkpoint(tmp_path, hf_dict, tensors)
+  with pytest.raises(ValueError, match=r"gate_up_proj' is stored MXFP4-quantised"):
+    models.load_pretrained(tmp_path, dtype=jnp.float32)
