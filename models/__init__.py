@@ -1,5 +1,5 @@
-"""Flax NNX decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text) and the Hugging
-Face checkpoint loader.
+"""Flax NNX decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, gpt-oss) and the
+Hugging Face checkpoint loader.
 
 - ``ModelConfig`` (``from_hf_dict`` / ``from_json``): the frozen model config.
 - ``Decoder``: the decoder; ``paged_forward(tokens_T, positions_T, cache, metadata)`` and
@@ -15,6 +15,8 @@ from __future__ import annotations
 from paged_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 from paged_jax.models.decoder import Decoder, init_random
 from paged_jax.models.loader import load_pretrained
+from paged_jax.models.moe import MoEMLP
+from paged_jax.models.rope import YarnScaling
 from paged_jax.models.steps import Steps, decode_step, prefill_step
 from paged_jax.step import AttentionMetadata  # moved to paged_jax; kept here for old imports
 
@@ -23,8 +25,10 @@ __all__ = [
     "Decoder",
     "LinearRopeScaling",
     "ModelConfig",
+    "MoEMLP",
     "RopeScaling",
     "Steps",
+    "YarnScaling",
     "decode_step",
     "init_random",
     "load_pretrained",
