@@ -214,3 +214,28 @@ def test_mxfp4_expert_tensors_are_named_in_the_error(checkpoint, tmp_path):
   helpers.write_numpy_checkpoint(tmp_path, hf_dict, tensors)
   with pytest.raises(ValueError, match=r"gate_up_proj' is stored MXFP4-quantised"):
     models.load_pretrained(tmp_path, dtype=jnp.float32)
+
+
+def test_bfloat16_checkpoint_loads_the_same_expert_weights(checkpoint, tmp_path):
+  """gpt-oss ships bfloat16 tensors: the loader maps them from the file (no float32 copy)
+  and de-interleaves gate and up from that mapping; every expert weight must come out
+  bit-equal to transformers' own bfloat16 tensors."""
+  import copy
+
+  _, hf_model = checkpoint
+  copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
+  model, config = models.load_pretrained(tmp_path)
+  assert config.checkpoint_dtype == "bfloat16"
+  mlp = model.layers.mlp
+  assert mlp.gate_OEI[...].dtype == jnp.bfloat16
+  for layer in range(2):
+    experts = hf_model.model.layers[layer].mlp.experts
+    gate_up = experts.gate_up_proj.detach().to(torch.bfloat16).float().numpy()
+    gate_up_bias = experts.gate_up_proj_bias.detach().to(torch.bfloat16).float().numpy()
+    down = experts.down_proj.detach().to(torch.bfloat16).float().numpy()
+    as32 = lambda p: np.asarray(p[...][layer].astype(jnp.float32))
+    np.testing.assert_array_equal(as32(mlp.gate_OEI), gate_up[..., 0::2])
+    np.testing.assert_array_equal(as32(mlp.up_OEI), gate_up[..., 1::2])
+    np.testing.assert_array_equal(as32(mlp.gate_bias_OI), gate_up_bias[..., 0::2])
+    np.testing.assert_array_equal(as32(mlp.up_bias_OI), gate_up_bias[..., 1::2])
+    np.testing.assert_array_equal(as32(mlp.down_OIE), down)
