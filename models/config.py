@@ -358,6 +358,7 @@ class ModelConfig:
         sandwich_norms=gemma,
         hidden_act=act,
         scale_embeddings=gemma,
+        attention_sinks=model_type == "gpt_oss",
     )
 
   @classmethod
