@@ -33,7 +33,7 @@ last axis (column ``2i`` is gate unit i, column ``2i + 1`` up unit i), and
 ``down_proj_bias`` ``[O, E]``; ``router.weight`` is ``[O, E]`` (``nn.Linear``) with
 ``router.bias`` ``[O]``. ``from_hf_gate_up`` splits the interleaved form into our separate
 ``gate_OEI`` / ``up_OEI`` (kept apart so that a tensor-parallel split of I slices both the
-same way, by name, like ``layers.SwiGLU``'s).
+same way, by name, like ``layers.GatedMLP``'s).
 
 MXFP4 checkpoints: OpenAI's released gpt-oss weights store the experts' matrices in MXFP4,
 as ``experts.gate_up_proj_blocks`` (uint8 ``[O, 2I, E / 32, 16]``: output-major, each
