@@ -137,7 +137,8 @@ def _dense_decode(graphdef, params, k_LSKMD, v_LSKMD, len_S, tokens_S):
     block = nnx.merge(layer_graphdef, jax.tree.map(lambda p: p[layer], stacked))
     cache = {}
 
-    def attend(q_THD, k_TKD, v_TKD, layer=layer, cache=cache):
+    def attend(q_THD, k_TKD, v_TKD, sinks_H, layer=layer, cache=cache):
+      del sinks_H  # the benchmark's Llama shape has none
       k_SKMD = k_LSKMD[layer].at[seq_S, :, len_S].set(k_TKD.astype(k_LSKMD[layer].dtype),
                                                       mode="drop")
       v_SKMD = v_LSKMD[layer].at[seq_S, :, len_S].set(v_TKD.astype(v_LSKMD[layer].dtype),

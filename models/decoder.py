@@ -1,4 +1,4 @@
-"""The top-level Llama-family decoder: the only module that reads ``ModelConfig``.
+"""The top-level decoder: the only module that reads ``ModelConfig``.
 
 Two forwards share the same layers:
 - ``paged_forward(tokens_T, positions_T, cache, metadata)``: a ragged batch of new tokens
@@ -7,11 +7,19 @@ Two forwards share the same layers:
 - ``__call__(tokens_BT)``: a dense batch with no cache, causal, positions ``0..T-1``.
 
 The L layers live stacked (every parameter has a leading L axis) and run under one
-``jax.lax.scan`` whose xs are the layer parameters and the layer index; the cache rides in
-the carry and is indexed by that (traced) index, so no layer's pool is sliced or copied and
-compile time does not grow with depth.
-"""
+``jax.lax.scan`` whose xs are the layer parameters, the layer index and the layer's
+attention kind; the cache rides in the carry and is indexed by that (traced) index, so no
+layer's pool is sliced or copied and compile time does not grow with depth.
 
+Attention kinds (A, ``ModelConfig.attention_kinds``): the distinct layer types of the
+model ("full_attention", "sliding_attention"), each with its own sliding window and RoPE.
+The window must reach ``paged_attention`` as a static argument, so the scan body holds one
+``paged_attention`` call per distinct window under ``jax.lax.switch`` on the layer's kind
+(no switch when every layer attends alike); the RoPE tables of every kind are computed
+before the scan (``[A, T, D]``) and the body indexes its kind's. The program stays one
+layer body (with at most a few attention branches) whatever the depth. The dense forward
+masks with the kind's window read from an array instead (it needs nothing static).
+"""
 from __future__ import annotations
 
 import jax
@@ -22,29 +30,43 @@ from flax import nnx
 
 from paged_jax import attention
 from paged_jax.kv_cache import KVCache
-from paged_jax.models import layers
+from paged_jax.models import layers, moe
 from paged_jax.models.config import ModelConfig
 from paged_jax.spec import KVCacheSpec
 from paged_jax.step import AttentionMetadata
 
 
+def _mlp(config: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module | None:
+  """One layer's MLP when it is not the default gated MLP (``DecoderLayer``'s ``mlp`` slot):
+  a family whose MLP differs (a mixture of experts) builds its module here; None keeps
+  ``layers.GatedMLP`` with ``config.hidden_act``."""
+  c = config
+  if c.num_experts:  # gpt-oss
+    return moe.MoEMLP(embed_dim=c.embed_dim, mlp_dim=c.mlp_dim, num_experts=c.num_experts,
+                      experts_per_token=c.experts_per_token, swiglu_alpha=c.swiglu_alpha,
+                      swiglu_limit=c.swiglu_limit, dtype=dtype, rngs=rngs)
+  return None
+
+
 def _stacked_layers(config: ModelConfig, dtype, rngs: nnx.Rngs) -> layers.DecoderLayer:
   """L ``DecoderLayer``s as one module whose parameters have a leading L axis."""
+  c = config
 
-  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.split_rngs(splits=c.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def make(rngs: nnx.Rngs) -> layers.DecoderLayer:
     return layers.DecoderLayer(
-        embed_dim=config.embed_dim, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps, qkv_bias=config.qkv_bias, o_bias=config.o_bias,
-        dtype=dtype, rngs=rngs)
+        embed_dim=c.embed_dim, mlp_dim=c.mlp_dim, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        qkv_bias=c.qkv_bias, o_bias=c.o_bias, dtype=dtype, rngs=rngs, qk_norm=c.qk_norm,
+        norm_unit_offset=c.gemma_norms, sandwich_norms=c.sandwich_norms,
+        sinks=c.attention_sinks, activation=c.hidden_act, mlp=_mlp(c, dtype, rngs))
 
   return make(rngs)
 
 
 class Decoder(nnx.Module):
-  """Llama / Mistral / Qwen2 decoder-only transformer.
+  """Decoder-only transformer of every supported family (``config.model_type``).
 
   Args:
     config: the model config (the only place it is read).
@@ -79,7 +101,8 @@ class Decoder(nnx.Module):
     self.embed_VE = nnx.Param(
         jax.random.normal(rngs.params(), (config.vocab_size, config.embed_dim)).astype(dtype))
     self.layers = _stacked_layers(config, dtype, rngs)
-    self.final_norm = layers.RMSNorm(config.embed_dim, eps=config.rms_norm_eps, dtype=dtype)
+    self.final_norm = layers.RMSNorm(config.embed_dim, eps=config.rms_norm_eps, dtype=dtype,
+                                     unit_offset=config.gemma_norms)
     self.lm_head_EV = None if config.tie_word_embeddings else nnx.Param(
         layers._normal(rngs, (config.embed_dim, config.vocab_size), config.embed_dim, dtype))
 
@@ -109,31 +132,47 @@ class Decoder(nnx.Module):
                        dtype=self.dtype if dtype is None else dtype)
 
   def _embed(self, tokens) -> jax.Array:
-    return jnp.take(self.embed_VE[...], tokens, axis=0, mode="clip")
+    x = jnp.take(self.embed_VE[...], tokens, axis=0, mode="clip")
+    if self.config.scale_embeddings:  # sqrt(E) rounded to the model dtype, as in transformers
+      x = x * jnp.asarray(self.config.embed_dim ** 0.5, x.dtype)
+    return x
 
   def _logits(self, x_TE) -> jax.Array:
     x_TE = self.final_norm(x_TE)
     if self.lm_head_EV is None:
-      return jnp.einsum("TE,VE->TV", x_TE, self.embed_VE[...])
-    return jnp.einsum("TE,EV->TV", x_TE, self.lm_head_EV[...])
+      logits_TV = jnp.einsum("TE,VE->TV", x_TE, self.embed_VE[...])
+    else:
+      logits_TV = jnp.einsum("TE,EV->TV", x_TE, self.lm_head_EV[...])
+    return layers.cap_logits(logits_TV, self.config.final_soft_cap)
+
+  def _windows(self) -> tuple[int | None, ...]:
+    """The sliding window of each attention kind (A)."""
+    kinds, _ = self.config.attention_kinds()
+    return tuple(self.config.window_of(kind) for kind in kinds)
 
   def _run_layers(self, x_TE, positions_T, attend, carry):
-    """Scan the stacked layers; ``attend(q, k, v, layer, carry) -> (out_THD, carry)``."""
-    cos_TD, sin_TD = layers.rope_cos_sin(positions_T, self.config.rope_inv_frequencies(),
-                                         x_TE.dtype)
+    """Scan the stacked layers; ``attend(q, k, v, sinks_H, layer, kind, carry) ->
+    (out_THD, carry)`` with ``kind`` the layer's index into the attention kinds."""
+    c = self.config
+    kinds, kind_of_layer = c.attention_kinds()
+    rope_A = [layers.rope_cos_sin(positions_T, c.rope_inv_frequencies(kind), x_TE.dtype,
+                                  scale=c.rope_attention_factor(kind)) for kind in kinds]
+    cos_ATD = jnp.stack([cos for cos, _ in rope_A])
+    sin_ATD = jnp.stack([sin for _, sin in rope_A])
     graphdef, stacked = nnx.split(self.layers)
 
     def body(state, xs):
       x_TE, carry = state
-      params, layer = xs
+      params, layer, kind = xs
       block = nnx.merge(graphdef, params)
-      x_TE, carry = block(x_TE, cos_TD, sin_TD,
-                          lambda q, k, v: attend(q, k, v, layer, carry),
+      x_TE, carry = block(x_TE, cos_ATD[kind], sin_ATD[kind],
+                          lambda q, k, v, sinks: attend(q, k, v, sinks, layer, kind, carry),
                           model_axis=self.model_axis)
       return (x_TE, carry), None
 
-    layer_L = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-    (x_TE, carry), _ = jax.lax.scan(body, (x_TE, carry), (stacked, layer_L),
+    layer_L = jnp.arange(c.num_layers, dtype=jnp.int32)
+    kind_L = jnp.asarray(kind_of_layer, jnp.int32)
+    (x_TE, carry), _ = jax.lax.scan(body, (x_TE, carry), (stacked, layer_L, kind_L),
                                     unroll=self.scan_unroll)
     return x_TE, carry
 
@@ -174,14 +213,25 @@ class Decoder(nnx.Module):
       raise ValueError(f"metadata.slots_T.shape={tuple(metadata.slots_T.shape)} must be "
                        f"[T]=[{tokens_T.shape[0]}]")
     impl = self.impl if impl is None else impl
-    sm_scale = c.head_dim ** -0.5
     m = metadata
+    # One paged_attention call per distinct window (static), chosen by the layer's kind.
+    windows = self._windows()
+    distinct = tuple(dict.fromkeys(windows))
+    branch_A = jnp.asarray([distinct.index(w) for w in windows], jnp.int32)
 
-    def attend(q_THD, k_TKD, v_TKD, layer, cache):
+    def attend(q_THD, k_TKD, v_TKD, sinks_H, layer, kind, cache):
       cache = cache.write(layer, k_TKD, v_TKD, m.slots_T)
-      out_THD = attention.paged_attention(
-          q_THD, cache, layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs,
-          sm_scale=sm_scale, impl=impl, interpret=self.interpret)
+
+      def attention_with(window):
+        return lambda q_THD, cache, sinks_H: attention.paged_attention(
+            q_THD, cache, layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs,
+            sm_scale=c.sm_scale, sliding_window=window, soft_cap=c.attn_soft_cap,
+            sinks=sinks_H, impl=impl, interpret=self.interpret)
+
+      if len(distinct) == 1:
+        return attention_with(distinct[0])(q_THD, cache, sinks_H), cache
+      out_THD = jax.lax.switch(branch_A[kind], [attention_with(w) for w in distinct],
+                               q_THD, cache, sinks_H)
       return out_THD, cache
 
     x_TE = self._embed(tokens_T)
@@ -196,15 +246,20 @@ class Decoder(nnx.Module):
       raise ValueError(f"tokens.shape={tuple(tokens_BT.shape)} must be [B, T]")
     b, t = tokens_BT.shape
     c = self.config
-    sm_scale = c.head_dim ** -0.5
     positions_T = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
+    windows = self._windows()
+    # The window as data: a full-attention kind's t covers the whole sequence.
+    window_A = (None if all(w is None for w in windows)
+                else jnp.asarray([t if w is None else w for w in windows], jnp.int32))
 
-    def attend(q_THD, k_TKD, v_TKD, layer, carry):
+    def attend(q_THD, k_TKD, v_TKD, sinks_H, layer, kind, carry):
       del layer
       out_BTHD = layers.dense_causal_attention(
           q_THD.reshape(b, t, c.num_heads, c.head_dim),
           k_TKD.reshape(b, t, c.num_kv_heads, c.head_dim),
-          v_TKD.reshape(b, t, c.num_kv_heads, c.head_dim), sm_scale=sm_scale)
+          v_TKD.reshape(b, t, c.num_kv_heads, c.head_dim), sm_scale=c.sm_scale,
+          sliding_window=None if window_A is None else window_A[kind],
+          soft_cap=c.attn_soft_cap, sinks_H=sinks_H)
       return out_BTHD.reshape(b * t, c.num_heads, c.head_dim), carry
 
     x_TE = self._embed(tokens_BT.reshape(-1))
@@ -212,9 +267,12 @@ class Decoder(nnx.Module):
     return self._logits(x_TE).reshape(b, t, -1)
 
 
-# Input axes (after the L axis of stacked layers) of each weight, for its fan-in.
-_FAN_IN_AXES = {"q_EHD": 1, "k_EKD": 1, "v_EKD": 1, "o_HDE": 2, "gate_EI": 1, "up_EI": 1,
-                "down_IE": 1, "lm_head_EV": 1}
+# Input axes (after the L axis of stacked layers) of each weight, for its fan-in: (first,
+# end); the experts' weights have their O axis first.
+_FAN_IN_AXES = {"q_EHD": (0, 1), "k_EKD": (0, 1), "v_EKD": (0, 1), "o_HDE": (0, 2),
+                "gate_EI": (0, 1), "up_EI": (0, 1), "down_IE": (0, 1), "lm_head_EV": (0, 1),
+                "router_EO": (0, 1), "gate_OEI": (1, 2), "up_OEI": (1, 2),
+                "down_OIE": (1, 2)}
 
 
 def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: str = "auto",
@@ -224,7 +282,8 @@ def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: 
   ``Decoder(config, rngs=...)`` draws with ``jax.random``, whose per-shape compilation
   costs seconds on CPU; this builds the model abstractly and fills it from
   ``np.random.default_rng(seed)``: weights N(0, 1 / fan_in), embedding N(0, 1), norm
-  scales 1 + N(0, 0.1^2), biases N(0, 0.1^2). For tests, benchmarks and demos.
+  scales 1 + N(0, 0.1^2) (Gemma norms, which add the 1 themselves: N(0, 0.1^2)), biases
+  N(0, 0.1^2), attention sinks N(0, 1). For tests, benchmarks and demos.
   """
   abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, impl=impl,
                                             interpret=interpret, rngs=nnx.Rngs(0)))
@@ -235,15 +294,18 @@ def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: 
   for path, variable in nnx.to_flat_state(state):
     shape, name = variable.get_value().shape, path[-1]
     draw = rng.standard_normal(shape, dtype=np.float32)
-    if name == "scale_E":
-      value = 1 + 0.1 * draw
+    if name.startswith("scale_"):
+      value = (0.0 if config.gemma_norms else 1.0) + 0.1 * draw
+    elif name == "sinks_H":
+      value = draw
     elif "bias" in name:
       value = 0.1 * draw
     elif name == "embed_VE":
       value = draw
     else:
-      first = 1 if path[0] == "layers" else 0
-      fan_in = int(np.prod(shape[first:first + _FAN_IN_AXES[name]]))
+      lead = 1 if path[0] == "layers" else 0
+      first, end = _FAN_IN_AXES[name]
+      fan_in = int(np.prod(shape[lead + first:lead + end]))
       value = draw * fan_in ** -0.5
     filled.append((path, variable.replace(value=jnp.asarray(value.astype(host_dtype)))))
   return nnx.merge(graphdef, nnx.from_flat_state(filled))

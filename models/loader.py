@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama / Mistral / Qwen2 checkpoint (config.json + safetensors).
+"""Load a Hugging Face checkpoint of a supported family (config.json + safetensors).
 
 No torch: tensors are read with ``safetensors.safe_open(framework="np")``; bfloat16 ones
 (which numpy cannot name) are mapped straight from the file with ``np.memmap`` and
@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.models.config import ModelConfig
+from paged_jax.models import moe
 from paged_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
@@ -51,18 +52,20 @@ class _Tensor:
 def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
   """Our parameter path -> the checkpoint tensor it comes from."""
   c = config
-  e, i, v = c.embed_dim, c.mlp_dim, c.vocab_size
+  e, v = c.embed_dim, c.vocab_size
   h, k, d = c.num_heads, c.num_kv_heads, c.head_dim
   same = lambda x: x
   attn = "model.layers.{layer}.self_attn."
-  mlp = "model.layers.{layer}.mlp."
   plan = {
       ("embed_VE",): _Tensor("model.embed_tokens.weight", (v, e), same),
       ("final_norm", "scale_E"): _Tensor("model.norm.weight", (e,), same),
       ("layers", "attn_norm", "scale_E"): _Tensor(
           "model.layers.{layer}.input_layernorm.weight", (e,), same),
+      # Llama's "post_attention_layernorm" is the norm before the MLP; Gemma's is the norm
+      # after attention (below), its pre-MLP norm "pre_feedforward_layernorm".
       ("layers", "mlp_norm", "scale_E"): _Tensor(
-          "model.layers.{layer}.post_attention_layernorm.weight", (e,), same),
+          "model.layers.{layer}." + ("pre_feedforward_layernorm.weight" if c.sandwich_norms
+                                     else "post_attention_layernorm.weight"), (e,), same),
       # nn.Linear stores [out, in].
       ("layers", "attn", "q_EHD"): _Tensor(attn + "q_proj.weight", (h * d, e),
                                            lambda x: x.T.reshape(e, h, d)),
@@ -72,10 +75,8 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
                                            lambda x: x.T.reshape(e, k, d)),
       ("layers", "attn", "o_HDE"): _Tensor(attn + "o_proj.weight", (e, h * d),
                                            lambda x: x.T.reshape(h, d, e)),
-      ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
-      ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
-      ("layers", "mlp", "down_IE"): _Tensor(mlp + "down_proj.weight", (e, i), lambda x: x.T),
   }
+  plan.update(_mlp_plan(c))
   if c.qkv_bias:
     plan[("layers", "attn", "q_bias_HD")] = _Tensor(attn + "q_proj.bias", (h * d,),
                                                     lambda x: x.reshape(h, d))
@@ -85,9 +86,48 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
                                                     lambda x: x.reshape(k, d))
   if c.o_bias:
     plan[("layers", "attn", "o_bias_E")] = _Tensor(attn + "o_proj.bias", (e,), same)
+  if c.qk_norm:
+    plan[("layers", "attn", "q_norm", "scale_D")] = _Tensor(attn + "q_norm.weight", (d,), same)
+    plan[("layers", "attn", "k_norm", "scale_D")] = _Tensor(attn + "k_norm.weight", (d,), same)
+  if c.attention_sinks:
+    plan[("layers", "attn", "sinks_H")] = _Tensor(attn + "sinks", (h,), same)
+  if c.sandwich_norms:
+    plan[("layers", "post_attn_norm", "scale_E")] = _Tensor(
+        "model.layers.{layer}.post_attention_layernorm.weight", (e,), same)
+    plan[("layers", "post_mlp_norm", "scale_E")] = _Tensor(
+        "model.layers.{layer}.post_feedforward_layernorm.weight", (e,), same)
   if not c.tie_word_embeddings:
     plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
   return plan
+
+
+def _mlp_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
+  """The tensors of each layer's MLP: the gated MLP's (``layers.GatedMLP``); a family whose
+  MLP module differs (``decoder._mlp``) maps its own parameters here."""
+  e, i = config.embed_dim, config.mlp_dim
+  mlp = "model.layers.{layer}.mlp."
+  if config.num_experts:  # gpt-oss: a mixture of experts (models.moe.MoEMLP)
+    o, same = config.num_experts, lambda x: x
+    experts = mlp + "experts."
+    gate, up = (lambda x: moe.from_hf_gate_up(x)[0]), (lambda x: moe.from_hf_gate_up(x)[1])
+    return {
+        ("layers", "mlp", "router_EO"): _Tensor(mlp + "router.weight", (o, e), lambda x: x.T),
+        ("layers", "mlp", "router_bias_O"): _Tensor(mlp + "router.bias", (o,), same),
+        # gate_up_proj is input-major [O, E, 2I] with gate and up interleaved; each of our
+        # two parameters reads it and keeps its own columns.
+        ("layers", "mlp", "gate_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i), gate),
+        ("layers", "mlp", "up_OEI"): _Tensor(experts + "gate_up_proj", (o, e, 2 * i), up),
+        ("layers", "mlp", "gate_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i),
+                                                   gate),
+        ("layers", "mlp", "up_bias_OI"): _Tensor(experts + "gate_up_proj_bias", (o, 2 * i), up),
+        ("layers", "mlp", "down_OIE"): _Tensor(experts + "down_proj", (o, i, e), same),
+        ("layers", "mlp", "down_bias_OE"): _Tensor(experts + "down_proj_bias", (o, e), same),
+    }
+  return {
+      ("layers", "mlp", "gate_EI"): _Tensor(mlp + "gate_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "up_EI"): _Tensor(mlp + "up_proj.weight", (i, e), lambda x: x.T),
+      ("layers", "mlp", "down_IE"): _Tensor(mlp + "down_proj.weight", (e, i), lambda x: x.T),
+  }
 
 
 class _CheckpointReader:
@@ -160,6 +200,10 @@ class _CheckpointReader:
   def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``name`` as numpy, after checking its shape (before reading its data)."""
     if name not in self._weight_map:
+      if name + "_blocks" in self._weight_map:
+        raise ValueError(f"tensor {name!r} is stored MXFP4-quantised ({name}_blocks, "
+                         f"{name}_scales) in the checkpoint at {self._path!r}: dequantise it "
+                         "to bfloat16 first (models.moe's docstring)")
       raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}")
     file = self._weight_map[name]
     handle = self._open(file)
@@ -199,7 +243,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
       when it declares none).
     impl: the model's default ``paged_attention`` implementation.
     interpret: run a Pallas impl in interpret mode.
-    max_seq_len: see ``ModelConfig.from_hf_dict`` (sliding windows >= it are ignored).
+    max_seq_len: see ``ModelConfig.from_hf_dict``.
     sharding: optional ``(param_path, shape) -> jax.sharding.Sharding`` placing each
       parameter (e.g. a ``NamedSharding`` over a mesh); default: the default device.
       ``param_path`` is the parameter's path in the model, e.g. ``("layers", "attn",

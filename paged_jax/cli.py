@@ -45,6 +45,8 @@ def _plan(args) -> int:
                                  ("head_dim", args.head_dim),
                                  ("dtype", args.kv_cache_dtype or args.dtype))
                if v is not None}
+  if args.num_layers is not None and args.num_layers != model.num_layers:
+    overrides["layer_types"] = ()  # the config's per-layer kinds no longer apply
   if overrides:
     model = planner.dataclasses.replace(model, **overrides)
   budget = planner.parse_bytes(args.budget)

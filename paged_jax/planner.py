@@ -46,13 +46,21 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-  """The part of a model that sizes its KV cache."""
+  """The part of a model that sizes its KV cache.
+
+  ``layer_types``: () (every layer full attention) or "full_attention" /
+  "sliding_attention" per layer, as transformers reads the config; ``sliding_window``: W
+  of the sliding layers. Only reported: every layer, sliding or not, holds a block for
+  each Z tokens of its sequence (blocks wholly behind a window are not freed yet).
+  """
 
   num_layers: int
   num_kv_heads: int
   head_dim: int
   dtype: Any = jnp.bfloat16
   name: str = "custom"
+  layer_types: tuple[str, ...] = ()
+  sliding_window: int | None = None
 
 
 # The embedded default: Llama-3-8B's attention shape.
@@ -85,9 +93,17 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
   head_dim = int(config.get("head_dim") or hidden // num_heads)
   dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+  # Lazy: the layer-type defaults of each family live with the model config.
+  from paged_jax.models.config import hf_attention_layout
+  try:
+    layer_types, window = hf_attention_layout(config)
+  except ValueError as e:
+    raise ValueError(f"config={path!r}: {e}") from e
   return ModelShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype=_HF_DTYPES.get(str(dtype_name), jnp.bfloat16),
-                    name=config.get("_name_or_path") or os.path.basename(os.path.dirname(path)))
+                    name=config.get("_name_or_path") or os.path.basename(os.path.dirname(path)),
+                    layer_types=layer_types if window is not None else (),
+                    sliding_window=window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +191,8 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       f"lengths    : log-normal, median {dist.median_len}, sigma {dist.sigma}, clipped to "
       f"[1, {dist.max_len}], seed {dist.seed}",
       "",
+      *_layer_lines(spec, model),
+      "",
       "| strategy | sequences that fit | KV utilisation | vs max-length |",
       "|---|---:|---:|---:|",
   ]
@@ -183,3 +201,27 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
     lines.append(f"| {p.name} | {p.num_seqs} | {100 * p.utilization:.1f}% | "
                  f"{p.num_seqs / base:.2f}x |")
   return "\n".join(lines)
+
+
+def _layer_lines(spec: KVCacheSpec, model: ModelShape) -> list[str]:
+  """Per-layer KV cost, by attention kind (a table), and what sliding layers hold."""
+  per_layer = spec.block_bytes // spec.num_layers
+  types = model.layer_types if len(model.layer_types) == spec.num_layers else ()
+  window = model.sliding_window
+  kinds = {}
+  for layer, kind in enumerate(types or ("full_attention",) * spec.num_layers):
+    kinds.setdefault(kind, []).append(layer)
+  lines = ["| layers | attention | per layer, per block | all such layers, per block |",
+           "|---|---|---:|---:|"]
+  for kind, members in kinds.items():
+    shown = ", ".join(map(str, members[:6])) + (", ..." if len(members) > 6 else "")
+    what = (f"sliding, window {window}" if kind == "sliding_attention" and window is not None
+            else "full")
+    lines.append(f"| {len(members)} ({shown}) | {what} | {per_layer} bytes | "
+                 f"{per_layer * len(members)} bytes |")
+  if "sliding_attention" in kinds and window is not None:
+    lines += [f"Sliding layers attend to their last {window} tokens but still hold every "
+              "block of their sequence:",
+              "blocks behind the window are not freed yet (issue 22), so they cost what "
+              "full layers cost in the counts below."]
+  return lines

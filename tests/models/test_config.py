@@ -47,7 +47,7 @@ def test_rope_parameters_of_transformers_5():
   assert c.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
 
 
-@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])  # yarn: test_gpt_oss.py
 def test_unsupported_rope_scaling_is_refused(rope_type):
   with pytest.raises(ValueError, match=f"rope_scaling type '{rope_type}'"):
     helpers.tiny_config(rope_scaling={"type": rope_type, "factor": 2.0})
@@ -78,26 +78,37 @@ def test_llama3_inverse_frequencies_by_hand():
   np.testing.assert_allclose(want, 0.05118, rtol=1e-3)
 
 
-def test_mistral_sliding_window_policy():
-  # None, or a window no shorter than the longest servable sequence: full attention.
-  assert helpers.tiny_config("mistral", sliding_window=None).max_seq_len == 256
-  assert helpers.tiny_config("mistral", sliding_window=256).max_seq_len == 256
-  with pytest.raises(ValueError, match="sliding_window=64 < max_seq_len=256"):
-    helpers.tiny_config("mistral", sliding_window=64)
-  # Serving at most 64 tokens per sequence makes the window irrelevant.
-  hf = helpers.hf_config_dict("mistral", sliding_window=64)
-  assert ModelConfig.from_hf_dict(hf, max_seq_len=64).max_seq_len == 64
+def test_mistral_window_applies_to_every_layer():
+  assert helpers.tiny_config("mistral", sliding_window=None).layer_types == ()
+  c = helpers.tiny_config("mistral", sliding_window=64)  # shorter than max_seq_len=256
+  assert c.sliding_window == 64 and c.max_seq_len == 256
+  assert c.attention_kinds() == (("sliding_attention",), (0, 0))
+  assert c.window_of("sliding_attention") == 64
 
 
 def test_qwen2_sliding_window_only_when_enabled():
-  assert helpers.tiny_config("qwen2", use_sliding_window=False, sliding_window=32)
-  with pytest.raises(ValueError, match="sliding_window=32"):
-    helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32)
+  c = helpers.tiny_config("qwen2", use_sliding_window=False, sliding_window=32)
+  assert c.layer_types == () and c.sliding_window is None
+  # Without layer_types, layers >= max_window_layers slide (transformers' default).
+  c = helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32,
+                          max_window_layers=1)
+  assert c.layer_types == ("full_attention", "sliding_attention")
+  assert c.attention_kinds() == (("full_attention", "sliding_attention"), (0, 1))
+  assert [c.window_of(t) for t in c.layer_types] == [None, 32]
+  # Listed layer_types win.
+  c = helpers.tiny_config("qwen2", use_sliding_window=True, sliding_window=32,
+                          layer_types=["sliding_attention", "full_attention"])
+  assert c.layer_types == ("sliding_attention", "full_attention")
 
 
 @pytest.mark.parametrize("override, match", [
     (dict(model_type="gpt2"), "model_type='gpt2'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(model_type="gemma2", layer_types=["full_attention"]), "layer_types="),
+    (dict(model_type="gemma2", layer_types=["full_attention", "chunked_attention"]),
+     "layer_types="),
+    (dict(model_type="gemma2", use_bidirectional_attention=True), "bidirectional"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window=0"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(num_key_value_heads=3), "num_heads=4 must be a multiple of num_kv_heads=3"),
     (dict(head_dim=15), "head_dim=15 must be even"),
@@ -119,3 +130,49 @@ def test_from_json(tmp_path):
   (tmp_path / "bad.json").write_text("{")
   with pytest.raises(ValueError, match="not valid JSON"):
     ModelConfig.from_json(tmp_path / "bad.json")
+
+
+def test_gemma2_defaults_as_transformers_fills_them():
+  hf = helpers.hf_config_dict("gemma2", num_hidden_layers=4, sliding_window=8)
+  del hf["hidden_act"], hf["tie_word_embeddings"]  # Gemma's defaults: GeGLU, tied
+  c = ModelConfig.from_hf_dict(hf)
+  assert c.layer_types == ("sliding_attention", "full_attention") * 2
+  assert (c.attn_soft_cap, c.final_soft_cap) == (50.0, 30.0)
+  assert c.sm_scale == 256 ** -0.5  # query_pre_attn_scalar defaults to 256, not head_dim
+  assert c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings
+  assert c.gemma_norms and c.sandwich_norms and c.scale_embeddings and not c.qk_norm
+
+
+def test_gemma3_rope_parameters_per_layer_type_of_transformers_5():
+  hf = helpers.hf_config_dict("gemma3_text", num_hidden_layers=7, sliding_window=8,
+                              query_pre_attn_scalar=16)
+  del hf["rope_theta"]
+  hf["rope_parameters"] = {
+      "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+      "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 400.0}}
+  c = ModelConfig.from_hf_dict(hf)
+  # Default pattern: every 6th layer global.
+  assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+  assert c.qk_norm and c.attn_soft_cap is None and c.sm_scale == 0.25
+  # head_dim 16: inv_freq = theta ** -(0, 2, ..., 14) / 16; the global ones / factor 2.
+  exponent = np.arange(0, 16, 2) / 16
+  np.testing.assert_allclose(c.rope_inv_frequencies("sliding_attention"), 100.0 ** -exponent,
+                             rtol=1e-6)
+  np.testing.assert_allclose(c.rope_inv_frequencies("full_attention"),
+                             400.0 ** -exponent / 2, rtol=1e-6)
+  # The legacy keys of the published checkpoints say the same.
+  del hf["rope_parameters"]
+  hf.update(rope_theta=400.0, rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window_pattern=3)
+  legacy = ModelConfig.from_hf_dict(hf)
+  assert legacy.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2 + (
+      "sliding_attention",)
+  assert (legacy.rope_theta, legacy.local_rope_theta, legacy.rope_scaling) == (
+      c.rope_theta, c.local_rope_theta, c.rope_scaling)
+
+
+def test_qwen3_qk_norm_and_biases_only_with_attention_bias():
+  c = helpers.tiny_config("qwen3")
+  assert c.qk_norm and not c.qkv_bias and not c.o_bias and c.layer_types == ()
+  c = helpers.tiny_config("qwen3", attention_bias=True)
+  assert c.qkv_bias and c.o_bias

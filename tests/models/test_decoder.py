@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +20,22 @@ def _rel(got, want) -> float:
   return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def test_paged_forward_ragged_with_padding_equals_dense():
+# Every option of the layers at once (no family has them all): alternating sliding (W=3)
+# and full layers with two RoPE bases, both soft caps, learned sinks, q/k norms, Gemma
+# norms, sandwich norms, GeGLU, scaled embeddings, q/k/v/o biases, a query scale.
+ALL_VARIANTS = dataclasses.replace(
+    helpers.tiny_config("gemma2", num_hidden_layers=3, sliding_window=3, head_dim=16,
+                        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                        query_pre_attn_scalar=24, attention_bias=True),
+    qk_norm=True, attention_sinks=True, local_rope_theta=100.0)
+
+
+@pytest.mark.parametrize("config", [helpers.tiny_config("qwen2"), ALL_VARIANTS],
+                         ids=["qwen2", "all_variants"])
+def test_paged_forward_ragged_with_padding_equals_dense(config):
   """Two sequences (6 and 3 tokens) + 3 padding rows, one padding metadata row (S=3,
   num_seqs=2), shuffled blocks, NaN in every page nobody wrote."""
-  model = models.init_random(helpers.tiny_config("qwen2"), seed=1, impl="xla")
+  model = models.init_random(config, seed=1, impl="xla")
   block_size, num_blocks = 4, 8
   spec = model.kv_cache_spec(block_size=block_size, num_blocks=num_blocks)
   nan = jnp.full(KVCache.create(spec).k_pages.shape, jnp.nan, jnp.float32)
@@ -46,7 +60,7 @@ def test_paged_forward_ragged_with_padding_equals_dense():
   assert _rel(logits_TV[6:9], dense_BTV[1, :3]) < 1e-5
   assert np.isfinite(np.asarray(logits_TV)).all()
   # Written slots hold finite K/V; every other slot is still NaN.
-  k_flat = np.asarray(cache.k_pages).reshape(2, 2, num_blocks * block_size, 16)
+  k_flat = np.asarray(cache.k_pages).reshape(config.num_layers, 2, num_blocks * block_size, 16)
   written = np.zeros(num_blocks * block_size, bool)
   written[slots] = True
   assert np.isfinite(k_flat[:, :, written]).all()
@@ -61,9 +75,9 @@ def test_impl_is_a_model_option(impl):
     models.init_random(helpers.tiny_config(), impl="triton")
 
 
-def _decode_jaxpr_size(num_layers: int) -> tuple[int, int]:
+def _decode_jaxpr_size(num_layers: int, model_type: str = "llama") -> tuple[int, int]:
   """(equations, scans) in the jaxpr of a decode-shaped paged forward at ``num_layers``."""
-  config = helpers.tiny_config(num_hidden_layers=num_layers)
+  config = helpers.tiny_config(model_type, num_hidden_layers=num_layers, sliding_window=4)
   abstract = nnx.eval_shape(lambda: models.Decoder(config, impl="xla", rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(abstract)
   spec = abstract.kv_cache_spec(block_size=4, num_blocks=8)
@@ -79,8 +93,10 @@ def _decode_jaxpr_size(num_layers: int) -> tuple[int, int]:
   return len(jaxpr.eqns), scans
 
 
-def test_layers_are_scanned_not_unrolled():
-  eqns_2, scans_2 = _decode_jaxpr_size(2)
-  eqns_8, scans_8 = _decode_jaxpr_size(8)
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_layers_are_scanned_not_unrolled(model_type):
+  """Also with two attention kinds (Gemma 2's sliding and global layers: one switch)."""
+  eqns_2, scans_2 = _decode_jaxpr_size(2, model_type)
+  eqns_8, scans_8 = _decode_jaxpr_size(8, model_type)
   assert scans_2 == scans_8 == 1
   assert eqns_2 == eqns_8  # the program does not grow with depth

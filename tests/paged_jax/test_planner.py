@@ -88,3 +88,26 @@ def test_cli_plan_errors_exit_2(capsys):
     cli.main(["plan", "--budget", "10"])
   assert exc.value.code == 2
   assert "budget_bytes=10" in capsys.readouterr().err
+
+
+def test_cli_plan_shows_per_layer_kv_cost_of_sliding_and_full_layers(tmp_path, capsys):
+  # Gemma 3 1B's attention shape: 26 layers, 5 sliding (window 512) to 1 full (the default
+  # pattern when the config lists no layer_types), K=1, D=256, bfloat16.
+  config = dict(model_type="gemma3_text", num_hidden_layers=26, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=256, hidden_size=1152, sliding_window=512,
+                torch_dtype="bfloat16")
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert cli.main(["plan", "--config", str(tmp_path), "--block-size", "16",
+                   "--budget", "64MiB"]) == 0
+  out = capsys.readouterr().out
+  # One layer's block: 2 (K and V) * 16 tokens * 1 head * 256 dims * 2 bytes = 16384 bytes.
+  assert "| 22 (0, 1, 2, 3, 4, 6, ...) | sliding, window 512 | 16384 bytes | 360448 bytes |" in out
+  assert "| 4 (5, 11, 17, 23) | full | 16384 bytes | 65536 bytes |" in out
+  assert "per block  : 425984 bytes" in out  # 26 * 16384: sliding layers hold every block
+  assert "not freed yet" in out
+  # A plain Llama config: one row, no note.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="llama", num_hidden_layers=2, num_attention_heads=4, hidden_size=256)))
+  assert cli.main(["plan", "--config", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "| 2 (0, 1) | full |" in out and "not freed" not in out
