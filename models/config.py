@@ -434,6 +434,11 @@ class ModelConfig:
     return cls.from_hf_dict(hf, max_seq_len=max_seq_len)
 
 
+# transformers' defaults (5.25) for a config.json that leaves ``sliding_window`` out.
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "gemma2": 4096, "gemma3_text": 4096,
+                           "gpt_oss": 128}
+
+
 def hf_attention_layout(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], int | None]:
   """(one layer type per layer, the sliding window) of a ``config.json`` dict, with the
   defaults transformers fills in for its ``model_type`` (module docstring).
@@ -445,9 +450,8 @@ def hf_attention_layout(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], int | N
   num_layers = hf.get("num_hidden_layers")
   if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
     raise ValueError(f"num_hidden_layers={num_layers!r} in config.json must be a positive int")
-  window = hf.get("sliding_window")
-  if "sliding_window" not in hf and model_type == "gpt_oss":
-    window = 128  # transformers' GptOssConfig default
+  # A config.json without the key gets the window transformers' config class defaults to.
+  window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
   if window is not None:
     window = _positive_int("sliding_window", window)
   listed = hf.get("layer_types")

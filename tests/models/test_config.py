@@ -143,6 +143,23 @@ def test_gemma2_defaults_as_transformers_fills_them():
   assert c.gemma_norms and c.sandwich_norms and c.scale_embeddings and not c.qk_norm
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma3_text", "qwen2", "qwen3",
+                                        "gpt_oss"])
+def test_missing_sliding_window_gets_transformers_default(model_type):
+  # A hand-written config.json may leave sliding_window out: transformers' config class
+  # then fills in its default (4096 for Mistral and Gemma, 128 for gpt-oss, None for Qwen).
+  transformers = pytest.importorskip("transformers")
+  hf = helpers.hf_config_dict(model_type, num_hidden_layers=2)
+  if model_type == "gpt_oss":
+    hf.update(num_local_experts=4, num_experts_per_tok=2)
+  hf.pop("sliding_window", None)
+  config_class = transformers.AutoConfig.for_model(model_type).__class__
+  expected = config_class().sliding_window
+  if model_type in ("qwen2", "qwen3"):
+    expected = None  # use_sliding_window defaults to False: no layer slides
+  assert ModelConfig.from_hf_dict(hf).sliding_window == expected
+
+
 def test_gemma3_rope_parameters_per_layer_type_of_transformers_5():
   hf = helpers.hf_config_dict("gemma3_text", num_hidden_layers=7, sliding_window=8,
                               query_pre_attn_scalar=16)
