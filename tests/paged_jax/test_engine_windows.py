@@ -88,3 +88,41 @@ def test_all_sliding_model_generates_200_tokens_in_12_blocks(tmp_path):
     if hasattr(layer.self_attn, "sliding_window"):
       layer.self_attn.sliding_window = 10_000
   assert _hf_greedy(hf_model, prompt, max_tokens) != want
+
+
+def test_hybrid_model_holds_8_sequences_at_a_budget_only_with_windowed_freeing():
+  # Gemma-3-like: 6 layers, 5 sliding (window 16) to 1 full; K = 2, D = 16, float32: a
+  # token of one layer costs 2 * 2 * 16 * 4 = 256 B, a block of 8 tokens of one layer 2 KiB.
+  window, z, num_layers = 16, 8, 6
+  config = helpers.tiny_config("gemma3_text", num_hidden_layers=num_layers,
+                               sliding_window=window, max_position_embeddings=256)
+  assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+  model = models.init_random(config, seed=0, impl="xla")
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(3, helpers.VOCAB, 130 + i)] for i in range(8)]
+  params = SamplingParams(max_tokens=20, ignore_eos=True)
+  seq_len = 130 + 7 + 20  # the longest: 157 tokens, ceil(157 / 8) = 20 blocks
+  # Budget: 440 one-layer blocks. With windowed freeing a sequence holds at most
+  # 20 + 5 * sliding_blocks(16, 8, 32) = 20 + 5 * 7 = 55 blocks; 8 of them <= 440.
+  # Without it each holds 6 * 20 = 120 one-layer blocks: 8 need 960, over twice the budget.
+  block_bytes = 2 * 2 * 16 * 4 * z
+  budget = 440 * block_bytes
+  groups = KVGroups.from_layer_windows((window,) * 5 + (None,))
+  assert 8 * groups.blocks_held(seq_len, z, 32) <= 440 < 8 * num_layers * -(-seq_len // z)
+  common = dict(block_size=z, max_seqs=8, max_tokens_per_step=32, token_buckets=(32,),
+                steps_per_call=32)
+  llm = LLM(model, config, kv_budget_bytes=budget, **common)
+  assert llm.kv_groups.windows == groups.windows and llm.spec.num_blocks == 440
+  assert llm.stats["kv_pool_bytes"] == budget
+  outs = llm.generate(prompts, params)
+  assert llm.stats["preemptions"] == 0
+  allocator.validate(llm.allocator_state)
+  ref = LLM(model, config, num_blocks=8 * 20, free_outside_window=False, **common)
+  assert ref.kv_groups.plain and ref.spec.num_layers == num_layers
+  want = ref.generate(prompts, params)
+  assert ref.stats["preemptions"] == 0
+  for got, exp in zip(outs, want):
+    assert list(got.token_ids) == list(exp.token_ids)
+  # The same budget without freeing holds 73 blocks of 8 tokens of all 6 layers: fewer
+  # than 4 whole sequences of 20 blocks at once (the planner's figure, not run here).
+  assert budget // (num_layers * block_bytes) == 73 < 4 * 20
