@@ -253,7 +253,7 @@ class GroupsMachine(RuleBasedStateMachine):
 
 TestGroupsMachine = GroupsMachine.TestCase
 TestGroupsMachine.settings = hypothesis.settings(
-    max_examples=25, stateful_step_count=25, deadline=None, derandomize=True,
+    max_examples=20, stateful_step_count=25, deadline=None, derandomize=True,
     suppress_health_check=list(hypothesis.HealthCheck))
 
 
@@ -261,5 +261,5 @@ TestGroupsMachine.settings = hypothesis.settings(
 def test_groups_machine_long():
   hypothesis.stateful.run_state_machine_as_test(
       GroupsMachine,
-      settings=hypothesis.settings(max_examples=200, stateful_step_count=60, deadline=None,
+      settings=hypothesis.settings(max_examples=60, stateful_step_count=40, deadline=None,
                                    suppress_health_check=list(hypothesis.HealthCheck)))

@@ -90,6 +90,8 @@ def test_all_sliding_model_generates_200_tokens_in_12_blocks(tmp_path):
   assert _hf_greedy(hf_model, prompt, max_tokens) != want
 
 
+# Two engine compiles (~30 s on a quiet 2-core CPU): with the slow tests.
+@pytest.mark.slow
 def test_hybrid_model_holds_8_sequences_at_a_budget_only_with_windowed_freeing():
   # Gemma-3-like: 6 layers, 5 sliding (window 16) to 1 full; K = 2, D = 16, float32: a
   # token of one layer costs 2 * 2 * 16 * 4 = 256 B, a block of 8 tokens of one layer 2 KiB.
