@@ -16,13 +16,13 @@ Z = ``block_size``):
     clock         i32[]      incremented by every state-changing op (wraps after 2**31 ops)
     block_size    int        static metadata (Z)
 
-KV groups (G). Layers of one attention kind form a group: full attention, or a sliding
+KV groups (g). Layers of one attention kind form a group: full attention, or a sliding
 window W (``init(..., windows=(None, W, ...))``, one entry per group; default one full
 group). Groups are a dimension of the same arrays: each group has its own block table per
-sequence (``block_tables`` i32[G, S, P]; i32[S, P] when G == 1, the contract's shape) and
+sequence (``block_tables`` i32[g, S, P]; i32[S, P] when g == 1, the contract's shape) and
 all groups draw from the one pool of N blocks of Z tokens (a block holds the K/V of its
 group's layers only). ``seq_lens`` is shared: every group holds the same tokens. A new
-logical block needs one block in every group, so the demand of a request is G times its
+logical block needs one block in every group, so the demand of a request is g times its
 logical blocks, all-or-nothing across groups. A sliding group gives a block back once every
 query that can still come lies beyond its window (``slide``, run first by ``append``): the
 tokens below ``seq_len`` are computed, so a query still to come sits at ``seq_len`` or
@@ -176,15 +176,15 @@ def _check_vector(name: str, x, length: int, kind: str) -> jax.Array:
   return x.astype(jnp.int32)
 
 
-def _tables_GSP(state: AllocatorState) -> jax.Array:
-  """The block tables with their group axis: i32[G, S, P] (G = 1 for a 2-D state)."""
+def _tables_gSP(state: AllocatorState) -> jax.Array:
+  """The block tables with their group axis: i32[g, S, P] (g = 1 for a 2-D state)."""
   t = state.block_tables
   return t[None] if t.ndim == 2 else t
 
 
-def _pack(state: AllocatorState, tables_GSP: jax.Array) -> jax.Array:
-  """``tables_GSP`` in the state's own layout (i32[S, P] when it has one group)."""
-  return tables_GSP[0] if state.block_tables.ndim == 2 else tables_GSP
+def _pack(state: AllocatorState, tables_gSP: jax.Array) -> jax.Array:
+  """``tables_gSP`` in the state's own layout (i32[S, P] when it has one group)."""
+  return tables_gSP[0] if state.block_tables.ndim == 2 else tables_gSP
 
 
 def _slides(state: AllocatorState) -> bool:
@@ -197,8 +197,8 @@ def _prefix_caching(state: AllocatorState) -> bool:
   return state.windows == (None,)
 
 
-def _keep_from_GS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
-  """i32[G, S]: the first logical block a query at position ``len_S`` (or later) can read in
+def _keep_from_gS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
+  """i32[g, S]: the first logical block a query at position ``len_S`` (or later) can read in
   each group: 0 for full attention, ``max(0, len - W + 1) // Z`` for a window W."""
   rows = [jnp.zeros_like(len_S) if w is None
           else jnp.maximum(len_S - (w - 1), 0) // state.block_size for w in state.windows]
@@ -305,7 +305,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
 
   ``windows``: one entry per KV group, None (full attention) or the group's sliding window
   W (an int > 0); default ``(None,)``, one full group. With one group ``block_tables`` is
-  i32[S, P]; with several it is i32[G, S, P].
+  i32[S, P]; with several it is i32[g, S, P].
   """
   windows = (None,) if windows is None else tuple(windows)
   if not windows:
@@ -349,21 +349,21 @@ def slide(state: AllocatorState) -> AllocatorState:
 
   The tokens below ``seq_lens`` are computed, so every query still to come sits at position
   ``seq_len`` or later and, with window W, reads keys at ``seq_len - W + 1`` or later: the
-  blocks wholly before that (``_keep_from_GS``) are dropped (ref count - 1; free at 0) and
+  blocks wholly before that (``_keep_from_gS``) are dropped (ref count - 1; free at 0) and
   their entries become ``NO_BLOCK``. Full groups keep everything; a state with no sliding
   group is returned as it is. ``append`` slides first; call it alone to see the free count
   that the next ``append`` will find.
   """
   if not _slides(state):
     return state
-  t_GSP = _tables_GSP(state)
+  t_gSP = _tables_gSP(state)
   j_P = jnp.arange(state.max_blocks_per_seq, dtype=jnp.int32)
-  drop_GSP = ((j_P < _keep_from_GS(state, state.seq_lens)[..., None]) & (t_GSP != NO_BLOCK))
-  ref_counts = state.ref_counts - _count_N(t_GSP, drop_GSP, state.num_blocks)
+  drop_gSP = ((j_P < _keep_from_gS(state, state.seq_lens)[..., None]) & (t_gSP != NO_BLOCK))
+  ref_counts = state.ref_counts - _count_N(t_gSP, drop_gSP, state.num_blocks)
   freed_N = (state.ref_counts > 0) & (ref_counts == 0)
   return dataclasses.replace(
       state,
-      block_tables=_pack(state, jnp.where(drop_GSP, NO_BLOCK, t_GSP)),
+      block_tables=_pack(state, jnp.where(drop_gSP, NO_BLOCK, t_gSP)),
       ref_counts=ref_counts,
       num_free=state.num_free + jnp.sum(freed_N, dtype=jnp.int32),
       last_used=jnp.where(freed_N, state.clock, state.last_used),
@@ -397,13 +397,13 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   total = end_S[-1]
 
   j_P = jnp.arange(p, dtype=jnp.int32)
-  g_G = jnp.arange(g, dtype=jnp.int32)
+  g_g = jnp.arange(g, dtype=jnp.int32)
   new_SP = (j_P >= have_S[:, None]) & (j_P < (have_S + grant_S)[:, None])
   # Group g of sequence s takes positions [start_s + g * grant_s, start_s + (g + 1) * grant_s).
-  rank_GSP = jnp.clip(start_S[None, :, None] + g_G[:, None, None] * grant_S[None, :, None]
+  rank_gSP = jnp.clip(start_S[None, :, None] + g_g[:, None, None] * grant_S[None, :, None]
                       + j_P - have_S[None, :, None], 0, state.num_blocks - 1)
-  new_block_GSP, taken_N = _take(state, total, rank_GSP)
-  block_tables = jnp.where(new_SP, new_block_GSP, _tables_GSP(state))
+  new_block_gSP, taken_N = _take(state, total, rank_gSP)
+  block_tables = jnp.where(new_SP, new_block_gSP, _tables_gSP(state))
   new_state = dataclasses.replace(
       state,
       block_tables=_pack(state, block_tables),
@@ -424,7 +424,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   their broadcast shape. A position outside ``[0, seq_lens[seq])``, a sequence id outside
   ``[0, S)`` or a ``NO_BLOCK`` entry gives ``PAD_SLOT`` (negative): never a clamped real slot.
   Call it after ``append`` so the new tokens are inside ``seq_lens``. With several groups
-  the result has a leading G axis: each group's slots (its blocks differ).
+  the result has a leading g axis: each group's slots (its blocks differ).
   """
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
@@ -435,7 +435,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   z, s, p = state.block_size, state.max_seqs, state.max_blocks_per_seq
   seq_c = jnp.clip(seq_ids, 0, s - 1)
   valid = (seq_ids >= 0) & (seq_ids < s) & (positions >= 0) & (positions < state.seq_lens[seq_c])
-  block = _tables_GSP(state)[:, seq_c, jnp.clip(positions // z, 0, p - 1)]
+  block = _tables_gSP(state)[:, seq_c, jnp.clip(positions // z, 0, p - 1)]
   valid = valid & (block != NO_BLOCK)
   out = jnp.where(valid, block * z + positions % z, PAD_SLOT)
   return out[0] if state.block_tables.ndim == 2 else out
@@ -445,13 +445,13 @@ def release(state: AllocatorState, mask) -> AllocatorState:
   """Drop the sequences with ``mask`` bool[S] True: ref count - 1 for each of their blocks (a
   block reaching 0 is free again), their rows become ``NO_BLOCK`` and their lengths 0."""
   m_S = _check_vector("mask", mask, state.max_seqs, "bool")
-  t_GSP = _tables_GSP(state)
-  drop_GSP = m_S[:, None] & (t_GSP != NO_BLOCK)
-  ref_counts = state.ref_counts - _count_N(t_GSP, drop_GSP, state.num_blocks)
+  t_gSP = _tables_gSP(state)
+  drop_gSP = m_S[:, None] & (t_gSP != NO_BLOCK)
+  ref_counts = state.ref_counts - _count_N(t_gSP, drop_gSP, state.num_blocks)
   freed_N = (state.ref_counts > 0) & (ref_counts == 0)
   return dataclasses.replace(
       state,
-      block_tables=_pack(state, jnp.where(m_S[:, None], NO_BLOCK, t_GSP)),
+      block_tables=_pack(state, jnp.where(m_S[:, None], NO_BLOCK, t_gSP)),
       seq_lens=jnp.where(m_S, 0, state.seq_lens),
       ref_counts=ref_counts,
       num_free=state.num_free + jnp.sum(freed_N, dtype=jnp.int32),
@@ -472,9 +472,9 @@ def fork(state: AllocatorState, src,
   in the batch (every such fork fails), or its tail block does not fit (granted in batch order
   while the running demand fits ``num_free``). Several forks of one src are fine.
 
-  Returns ``(state, ok_F, copy_src_F, copy_dst_F)``. With G groups each fork shares and
-  copies in every group (its demand is G fresh tail blocks) and the copy pairs are
-  i32[G * F], group-major (all of group 0's forks, then group 1's, ...).
+  Returns ``(state, ok_F, copy_src_F, copy_dst_F)``. With g groups each fork shares and
+  copies in every group (its demand is g fresh tail blocks) and the copy pairs are
+  i32[g * F], group-major (all of group 0's forks, then group 1's, ...).
   """
   src_F, dst_F = jnp.asarray(src), jnp.asarray(dst)
   if src_F.ndim != 1:
@@ -483,12 +483,12 @@ def fork(state: AllocatorState, src,
   dst_F = _check_vector("dst", dst_F, src_F.shape[0], "int")
   z, s, p, n = state.block_size, state.max_seqs, state.max_blocks_per_seq, state.num_blocks
   g = state.num_groups
-  t_GSP = _tables_GSP(state)
+  t_gSP = _tables_gSP(state)
   src_in_F = (src_F >= 0) & (src_F < s)
   dst_in_F = (dst_F >= 0) & (dst_F < s)
   src_c, dst_c = jnp.clip(src_F, 0, s - 1), jnp.clip(dst_F, 0, s - 1)
   dst_empty_F = ((state.seq_lens[dst_c] == 0)
-                 & jnp.all(t_GSP[:, dst_c, 0] == NO_BLOCK, axis=0))
+                 & jnp.all(t_gSP[:, dst_c, 0] == NO_BLOCK, axis=0))
   dst_uses_S = jnp.zeros(s, jnp.int32).at[jnp.where(dst_in_F, dst_F, s)].add(1, mode="drop")
   valid_F = (src_in_F & dst_in_F & (src_F != dst_F) & dst_empty_F & (dst_uses_S[dst_c] == 1))
 
@@ -500,32 +500,32 @@ def fork(state: AllocatorState, src,
   grant_F = g * copy_F.astype(jnp.int32)
   rank_F = jnp.cumsum(grant_F) - grant_F  # fork f takes free-order positions from rank_f
   total = jnp.sum(grant_F)
-  rank_GF = rank_F[None, :] + jnp.arange(g, dtype=jnp.int32)[:, None]
-  new_block_GF, taken_N = _take(state, total, jnp.clip(rank_GF, 0, n - 1))
+  rank_gF = rank_F[None, :] + jnp.arange(g, dtype=jnp.int32)[:, None]
+  new_block_gF, taken_N = _take(state, total, jnp.clip(rank_gF, 0, n - 1))
 
-  row_GFP = t_GSP[:, src_c]
+  row_gFP = t_gSP[:, src_c]
   j_P = jnp.arange(p, dtype=jnp.int32)
   # A sliding group's rows start with NO_BLOCK where it gave blocks back: nothing to share.
-  share_GFP = ok_F[:, None] & (j_P < full_F[:, None]) & (row_GFP != NO_BLOCK)
+  share_gFP = ok_F[:, None] & (j_P < full_F[:, None]) & (row_gFP != NO_BLOCK)
   tail_FP = copy_F[:, None] & (j_P == full_F[:, None])
-  new_row_GFP = jnp.where(share_GFP, row_GFP,
-                          jnp.where(tail_FP, new_block_GF[:, :, None], NO_BLOCK))
+  new_row_gFP = jnp.where(share_gFP, row_gFP,
+                          jnp.where(tail_FP, new_block_gF[:, :, None], NO_BLOCK))
   dst_ok_F = jnp.where(ok_F, dst_F, s)  # failed forks are dropped by the scatters
   new_state = dataclasses.replace(
       state,
-      block_tables=_pack(state, t_GSP.at[:, dst_ok_F].set(new_row_GFP, mode="drop")),
+      block_tables=_pack(state, t_gSP.at[:, dst_ok_F].set(new_row_gFP, mode="drop")),
       seq_lens=state.seq_lens.at[dst_ok_F].set(len_F, mode="drop"),
-      ref_counts=(state.ref_counts + _count_N(row_GFP, share_GFP, n)
+      ref_counts=(state.ref_counts + _count_N(row_gFP, share_gFP, n)
                   + taken_N.astype(jnp.int32)),
       num_free=state.num_free - total,
       last_used=jnp.where(taken_N, state.clock, state.last_used),
       clock=state.clock + 1,
       **_evict(state, taken_N),
   )
-  tail_src_GF = jnp.take_along_axis(row_GFP, jnp.clip(full_F, 0, p - 1)[None, :, None],
+  tail_src_gF = jnp.take_along_axis(row_gFP, jnp.clip(full_F, 0, p - 1)[None, :, None],
                                     axis=2)[..., 0]
-  copy_src = jnp.where(copy_F, tail_src_GF, NO_BLOCK).reshape(-1)
-  copy_dst = jnp.where(copy_F, new_block_GF, NO_BLOCK).reshape(-1)
+  copy_src = jnp.where(copy_F, tail_src_gF, NO_BLOCK).reshape(-1)
+  copy_dst = jnp.where(copy_F, new_block_gF, NO_BLOCK).reshape(-1)
   return new_state, ok_F, copy_src, copy_dst
 
 
@@ -545,16 +545,16 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
     raise ValueError(f"needed (shape {needed.shape}, dtype {needed.dtype}) must be an "
                      f"integer scalar")
   s, n = state.max_seqs, state.num_blocks
-  t_GSP = _tables_GSP(state)
-  in_GSP = t_GSP != NO_BLOCK
-  holds_S = jnp.any(in_GSP, axis=(0, 2))
+  t_gSP = _tables_gSP(state)
+  in_gSP = t_gSP != NO_BLOCK
+  holds_S = jnp.any(in_gSP, axis=(0, 2))
   slot_S = jnp.arange(s, dtype=jnp.int32)
   # lexsort: the last key is the primary one. Holders first, then priority, then slot desc.
   order_S = jnp.lexsort((-slot_S, prio_S, (~holds_S).astype(jnp.int32)))
   rank_S = jnp.zeros(s, jnp.int32).at[order_S].set(slot_S)
-  rank_GSP = jnp.broadcast_to(rank_S[:, None], in_GSP.shape)
-  last_rank_N = jnp.full(n, -1, jnp.int32).at[jnp.where(in_GSP, t_GSP, n)].max(
-      rank_GSP, mode="drop")
+  rank_gSP = jnp.broadcast_to(rank_S[:, None], in_gSP.shape)
+  last_rank_N = jnp.full(n, -1, jnp.int32).at[jnp.where(in_gSP, t_gSP, n)].max(
+      rank_gSP, mode="drop")
   freed_at_S = jnp.zeros(s, jnp.int32).at[jnp.where(last_rank_N >= 0, last_rank_N, s)].add(
       1, mode="drop")
   freed_by_S = jnp.cumsum(freed_at_S)  # blocks freed by releasing ranks 0..r
@@ -569,7 +569,7 @@ def utilization(state: AllocatorState) -> jax.Array:
 
   Each physical token slot counts once (a shared block is one block, full). Only the partial
   last block of each sequence has unused slots, and it is never shared, so the waste is
-  ``sum over sequences of (-seq_len) mod Z`` <= (Z - 1) per sequence, in each of the G
+  ``sum over sequences of (-seq_len) mod Z`` <= (Z - 1) per sequence, in each of the g
   groups (a sliding group always holds the partial last block: it is inside every window).
   """
   z = state.block_size
@@ -870,7 +870,7 @@ def validate(state: AllocatorState) -> None:
   With groups every table check runs per group (entries named ``block_tables[g, i, j]``); a
   full group's row holds exactly its ``ceil(len / Z)`` leading blocks, a sliding group's
   one contiguous run ending there and starting no later than the window of a query at
-  ``seq_len`` needs (``_keep_from_GS``); a block belongs to one group only.
+  ``seq_len`` needs (``_keep_from_gS``); a block belongs to one group only.
   """
   tables = np.asarray(state.block_tables)
   len_S = np.asarray(state.seq_lens)
@@ -883,9 +883,9 @@ def validate(state: AllocatorState) -> None:
   grouped = len(windows) > 1
   if tables.ndim != (3 if grouped else 2) or (grouped and tables.shape[0] != len(windows)):
     raise ValueError(f"block_tables.shape={tables.shape} must be "
-                     + (f"[G={len(windows)}, S, P]" if grouped else "[S, P]"))
-  tables_GSP = tables if grouped else tables[None]
-  _, s, p = tables_GSP.shape
+                     + (f"[g={len(windows)}, S, P]" if grouped else "[S, P]"))
+  tables_gSP = tables if grouped else tables[None]
+  _, s, p = tables_gSP.shape
   n = rc_N.shape[0]
   for name, x, shape in (("seq_lens", len_S, (s,)), ("ref_counts", rc_N, (n,)),
                          ("last_used", last_used_N, (n,))):
@@ -901,10 +901,10 @@ def validate(state: AllocatorState) -> None:
     raise ValueError(f"seq_lens[{i}]={len_S[i]} must be in [0, P * Z={p * z}]")
   blocks_S = (len_S + z - 1) // z
   j_P = np.arange(p)
-  keep_GS = np.asarray(_keep_from_GS(state, jnp.asarray(len_S)))
-  count_GN = np.zeros((len(windows), n), np.int64)
+  keep_gS = np.asarray(_keep_from_gS(state, jnp.asarray(len_S)))
+  count_gN = np.zeros((len(windows), n), np.int64)
 
-  for g, (w, tables_SP) in enumerate(zip(windows, tables_GSP)):
+  for g, (w, tables_SP) in enumerate(zip(windows, tables_gSP)):
     at = (lambda i, j: f"block_tables[{g}, {i}, {j}]") if grouped else (
         lambda i, j: f"block_tables[{i}, {j}]")
     bad = np.argwhere((tables_SP != NO_BLOCK) & ((tables_SP < 0) | (tables_SP >= n)))
@@ -924,19 +924,19 @@ def validate(state: AllocatorState) -> None:
     else:
       first_S = np.where(real_SP.any(axis=1), real_SP.argmax(axis=1), blocks_S)
       expect_SP = (j_P[None, :] >= first_S[:, None]) & (j_P[None, :] < blocks_S[:, None])
-      bad = np.argwhere((real_SP != expect_SP) | (first_S > keep_GS[g])[:, None])
+      bad = np.argwhere((real_SP != expect_SP) | (first_S > keep_gS[g])[:, None])
       if bad.size:
         i, j = bad[0]
         raise ValueError(f"{at(i, j)}={tables_SP[i, j]}: row {i} of sliding group {g} "
                          f"(window {w}) with seq_lens[{i}]={len_S[i]} must hold one run of "
                          f"blocks ending at block {blocks_S[i] - 1} and starting at or before "
-                         f"block max(0, {len_S[i]} - {w} + 1) // {z}={keep_GS[g, i]}")
+                         f"block max(0, {len_S[i]} - {w} + 1) // {z}={keep_gS[g, i]}")
     for i in range(s):
       row = tables_SP[i][real_SP[i]]
       if np.unique(row).size != row.size:
         raise ValueError(f"block_tables{'[%d]' % g if grouped else ''}[{i}]="
                          f"{tables_SP[i, :blocks_S[i]].tolist()} names a block twice")
-    count_GN[g] = np.bincount(tables_SP[real_SP], minlength=n)
+    count_gN[g] = np.bincount(tables_SP[real_SP], minlength=n)
     # A partial last block is never shared: appends write into it without copy-on-write.
     partial_S = np.flatnonzero(len_S % z != 0)
     tail_S = tables_SP[partial_S, blocks_S[partial_S] - 1]
@@ -948,12 +948,12 @@ def validate(state: AllocatorState) -> None:
                        + f" has ref_counts[{b}]={rc_N[b]}, must be 1 (only full blocks are "
                        f"shared)")
 
-  bad = np.flatnonzero(np.sum(count_GN > 0, axis=0) > 1)
+  bad = np.flatnonzero(np.sum(count_gN > 0, axis=0) > 1)
   if bad.size:
     b = bad[0]
-    raise ValueError(f"block {b} is named by groups {np.flatnonzero(count_GN[:, b]).tolist()}"
+    raise ValueError(f"block {b} is named by groups {np.flatnonzero(count_gN[:, b]).tolist()}"
                      f": a block belongs to one group")
-  count_N = count_GN.sum(axis=0)
+  count_N = count_gN.sum(axis=0)
   bad = np.flatnonzero(count_N != rc_N)
   if bad.size:
     b = bad[0]
@@ -985,7 +985,7 @@ def validate(state: AllocatorState) -> None:
     b = np.flatnonzero(reg_N)[0]
     raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1: a state with KV groups "
                      f"windows={windows} registers nothing")
-  tables_SP, real_SP = tables_GSP[0], tables_GSP[0] != NO_BLOCK
+  tables_SP, real_SP = tables_gSP[0], tables_gSP[0] != NO_BLOCK
   bad = np.flatnonzero(reg_N & ((depth_N == 0) != (parent_N == NO_BLOCK)))
   if bad.size:
     b = bad[0]

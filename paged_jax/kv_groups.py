@@ -54,7 +54,7 @@ def layer_windows_of(config) -> tuple:
 class KVGroups:
   """The grouping of a model's layers (module docstring); static, hashable."""
 
-  windows: tuple  # per group (G): None or W
+  windows: tuple  # per group (g): None or W
   group_of_layer: tuple  # per layer (L)
   slot_of_layer: tuple  # per layer: its index among its group's M layers (the cache layer)
   layers_per_group: int  # M

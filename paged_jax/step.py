@@ -76,7 +76,7 @@ class AttentionMetadata:
     cu_q_lens: i32[S + 1] cumulative new-token counts; sequence i owns token rows
       ``cu_q_lens[i]:cu_q_lens[i + 1]``, its last ``q_len`` tokens.
     num_seqs: i32[] live sequence rows; rows past it are padding.
-    block_tables_GSP, slots_GT, group_L, cache_layer_L: KV groups (``paged_jax.kv_groups``;
+    block_tables_gSP, slots_gT, group_L, cache_layer_L: KV groups (``paged_jax.kv_groups``;
       None without them): each group's block tables and slots, and each decoder layer's
       group and cache layer. With them ``block_tables_SP`` and ``slots_T`` are group 0's;
       a layer reads its own through ``for_layer``.
@@ -87,8 +87,8 @@ class AttentionMetadata:
   block_tables_SP: jax.Array
   cu_q_lens: jax.Array
   num_seqs: jax.Array
-  block_tables_GSP: jax.Array | None = None
-  slots_GT: jax.Array | None = None
+  block_tables_gSP: jax.Array | None = None
+  slots_gT: jax.Array | None = None
   group_L: jax.Array | None = None
   cache_layer_L: jax.Array | None = None
 
@@ -99,7 +99,7 @@ class AttentionMetadata:
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
     g = self.group_L[layer]
-    return self.cache_layer_L[layer], self.slots_GT[g], self.block_tables_GSP[g]
+    return self.cache_layer_L[layer], self.slots_gT[g], self.block_tables_gSP[g]
 
 
 @jax.tree_util.register_dataclass
@@ -207,11 +207,11 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
   live_T = t < cu_q_lens[-1]
   positions_T = jnp.where(live_T, old_lens_S[seq_T] + t - cu_q_lens[seq_T], 0)
   slots = jnp.where(live_T, allocator.slots(alloc_state, seq_T, positions_T),
-                    allocator.PAD_SLOT)  # [T], or [G, T] with groups
+                    allocator.PAD_SLOT)  # [T], or [g, T] with groups
   groups = {}
   if grouped:
     group_L, cache_layer_L = kv_groups.layer_arrays()
-    groups = dict(block_tables_GSP=alloc_state.block_tables, slots_GT=slots,
+    groups = dict(block_tables_gSP=alloc_state.block_tables, slots_gT=slots,
                   group_L=group_L, cache_layer_L=cache_layer_L)
   metadata = AttentionMetadata(
       slots_T=slots[0] if grouped else slots, kv_lens_S=alloc_state.seq_lens,

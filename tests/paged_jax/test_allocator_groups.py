@@ -128,7 +128,7 @@ def test_validate_catches_group_corruption():
   rc = np.asarray(s.ref_counts).copy(); rc[t[0, 0, 0]] = 2; rc[t[1, 0, 0]] = 0
   bad(r"block \d+ is named by groups \[0, 1\]", block_tables=t2, ref_counts=rc,
       num_free=jnp.int32(11))
-  bad(r"block_tables.shape=\(2, 8\) must be \[G=2, S, P\]", block_tables=t[0])
+  bad(r"block_tables.shape=\(2, 8\) must be \[g=2, S, P\]", block_tables=t[0])
 
 
 # ----------------------------------------------------------------------------- stateful
@@ -152,7 +152,7 @@ class GroupsMachine(RuleBasedStateMachine):
     self.tokens = [[] for _ in range(S)]
     self.next_token = 1
 
-  def _slots_GX(self, seq, pos):
+  def _slots_gX(self, seq, pos):
     out = np.asarray(_slots(self.state, jnp.asarray(seq, jnp.int32),
                             jnp.asarray(pos, jnp.int32)))
     return out[None] if self.g == 1 else out
@@ -183,10 +183,10 @@ class GroupsMachine(RuleBasedStateMachine):
       self.next_token += len(pos)
       self.tokens[s] += new
       if pos:
-        slots_GX = self._slots_GX([s] * len(pos), pos)
-        assert (slots_GX >= 0).all(), "a new token has no slot"
+        slots_gX = self._slots_gX([s] * len(pos), pos)
+        assert (slots_gX >= 0).all(), "a new token has no slot"
         for g in range(self.g):
-          self.pool[slots_GX[g]] = np.asarray(new) * self.g + g
+          self.pool[slots_gX[g]] = np.asarray(new) * self.g + g
     hypothesis.event("append refused some", str(not ok.all()))
 
   @rule(mask=st.lists(st.booleans(), min_size=S, max_size=S))
@@ -229,10 +229,10 @@ class GroupsMachine(RuleBasedStateMachine):
       if not lens[s]:
         continue
       pos = np.arange(lens[s])
-      slots_GX = self._slots_GX(np.full(len(pos), s), pos)
+      slots_gX = self._slots_gX(np.full(len(pos), s), pos)
       for g, w in enumerate(self.windows):
         first = 0 if w is None else max(0, lens[s] - w + 1)
-        got = slots_GX[g][first:]
+        got = slots_gX[g][first:]
         assert (got >= 0).all(), f"seq {s} group {g} lost a block its window needs"
         want = np.asarray(self.tokens[s][first:]) * self.g + g
         np.testing.assert_array_equal(self.pool[got], want)
@@ -244,11 +244,11 @@ class GroupsMachine(RuleBasedStateMachine):
     lens = np.asarray(self.state.seq_lens)
     for s in range(S):  # what lies behind every window was given back, none kept
       if lens[s]:
-        slots_GX = self._slots_GX(np.full(lens[s], s), np.arange(lens[s]))
+        slots_gX = self._slots_gX(np.full(lens[s], s), np.arange(lens[s]))
         for g, w in enumerate(self.windows):
           keep = 0 if w is None else max(0, lens[s] - w + 1) // Z
-          assert (slots_GX[g][:keep * Z] == A.PAD_SLOT).all()
-          assert (slots_GX[g][keep * Z:] >= 0).all()
+          assert (slots_gX[g][:keep * Z] == A.PAD_SLOT).all()
+          assert (slots_gX[g][keep * Z:] >= 0).all()
 
 
 TestGroupsMachine = GroupsMachine.TestCase
