@@ -9,12 +9,15 @@ State (glossary letters: S sequences = ``max_seqs``, P = ``max_blocks_per_seq``,
 Z = ``block_size``):
 
     block_tables  i32[S, P]  physical block of each logical block; unused entries NO_BLOCK
-    seq_lens      i32[S]     tokens of each sequence (row s holds ceil(seq_lens[s] / Z) blocks)
+                             (i32[g, S, P] with several KV groups, below)
+    seq_lens      i32[S]     tokens of each sequence (row s holds ceil(seq_lens[s] / Z) blocks;
+                             a sliding group's row only its last ones)
     ref_counts    i32[N]     block-table entries naming each block; 0 means the block is free
     num_free      i32[]      blocks with ref_counts == 0
     last_used     i32[N]     clock stamp of the op that last allocated or freed each block
     clock         i32[]      incremented by every state-changing op (wraps after 2**31 ops)
     block_size    int        static metadata (Z)
+    windows       tuple      static: each KV group's sliding window, None for full attention
 
 KV groups (g). Layers of one attention kind form a group: full attention, or a sliding
 window W (``init(..., windows=(None, W, ...))``, one entry per group; default one full
