@@ -128,3 +128,34 @@ def test_hybrid_model_holds_8_sequences_at_a_budget_only_with_windowed_freeing()
   # The same budget without freeing holds 73 blocks of 8 tokens of all 6 layers: fewer
   # than 4 whole sequences of 20 blocks at once (the planner's figure, not run here).
   assert budget // (num_layers * block_bytes) == 73 < 4 * 20
+
+
+def test_debug_mode_accepts_blocks_given_back_behind_the_window():
+  # One sequence, kv_len 20, its last 4 tokens queried (positions 16..19), Z = 4, W = 6:
+  # the first query sees positions 11.. (block 2 on), so blocks 0 and 1 may be NO_BLOCK.
+  import jax.numpy as jnp
+  from paged_jax import KVCache
+  from paged_jax.attention import checked_paged_attention
+  rng = np.random.default_rng(0)
+  k = rng.standard_normal((1, 1, 8, 4, 8)).astype(np.float32)  # [L, K, N, Z, D]
+  v = rng.standard_normal((1, 1, 8, 4, 8)).astype(np.float32)
+  k[:, :, [6, 7]] = np.nan  # the given-back blocks hold garbage: never read
+  v[:, :, [6, 7]] = np.nan
+  cache = KVCache(jnp.asarray(k), jnp.asarray(v))
+  q = jnp.asarray(rng.standard_normal((4, 2, 8)).astype(np.float32))
+  args = dict(layer=0, kv_lens=jnp.asarray([20], jnp.int32),
+              cu_q_lens=jnp.asarray([0, 4], jnp.int32), num_seqs=1)
+  held = jnp.asarray([[6, 7, 0, 1, 2]], jnp.int32)
+  windowed = jnp.asarray([[-1, -1, 0, 1, 2]], jnp.int32)
+  want = checked_paged_attention(q, cache, block_tables=held, sliding_window=6,
+                                 impl="reference", **args)
+  got = checked_paged_attention(q, cache, block_tables=windowed, sliding_window=6,
+                                impl="reference", **args)
+  assert np.isfinite(np.asarray(want)).all()
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match=r"block_tables\[0, 0\]=-1 must be a block id"):
+    checked_paged_attention(q, cache, block_tables=windowed, impl="reference", **args)
+  # The window's first block is still read: giving it back is caught.
+  with pytest.raises(ValueError, match=r"block_tables\[0, 2\]=-1 must be a block id"):
+    checked_paged_attention(q, cache, block_tables=windowed.at[0, 2].set(-1),
+                            sliding_window=6, impl="reference", **args)
