@@ -5,7 +5,8 @@
   prompt in a pool of 12 blocks (48 tokens), token for token as transformers' ``generate``.
 - A Gemma-3-like hybrid (5 sliding layers to 1 full) at a byte budget that holds 8
   sequences of ~150 tokens only when the sliding layers hold just their window: no
-  preemption, and the tokens of a run with an unlimited budget.
+  preemption, and the tokens of a run with an unlimited budget; at a third of that budget
+  sequences are preempted (every group released) and recomputed, tokens unchanged.
 """
 
 from __future__ import annotations
@@ -123,6 +124,14 @@ def test_hybrid_model_holds_8_sequences_at_a_budget_only_with_windowed_freeing()
   assert ref.kv_groups.plain and ref.spec.num_layers == num_layers
   want = ref.generate(prompts, params)
   assert ref.stats["preemptions"] == 0
+  for got, exp in zip(outs, want):
+    assert list(got.token_ids) == list(exp.token_ids)
+  # A third of the budget: sequences are admitted on their first chunk, then grow past
+  # the pool and are preempted (every group's blocks released) and recomputed.
+  small = LLM(model, config, kv_budget_bytes=150 * block_bytes, **common)
+  outs = small.generate(prompts, params)
+  assert small.stats["preemptions"] > 0
+  allocator.validate(small.allocator_state)
   for got, exp in zip(outs, want):
     assert list(got.token_ids) == list(exp.token_ids)
   # The same budget without freeing holds 73 blocks of 8 tokens of all 6 layers: fewer
