@@ -100,3 +100,33 @@ def test_layers_are_scanned_not_unrolled(model_type):
   eqns_8, scans_8 = _decode_jaxpr_size(8, model_type)
   assert scans_2 == scans_8 == 1
   assert eqns_2 == eqns_8  # the program does not grow with depth
+
+
+def test_decoder_layer_takes_any_mlp_module():
+  """The MLP slot (a mixture of experts fills it): any module ``mlp(x_TE, *, model_axis)``."""
+  from paged_jax.models import layers
+
+  class Doubler(nnx.Module):
+    def __call__(self, x_TE, *, model_axis=None):
+      return 2 * x_TE
+
+  seen = {}
+
+  def attend(q_THD, k_TKD, v_TKD, sinks_H):  # attention contributes nothing here
+    seen["sinks"] = sinks_H
+    return jnp.zeros_like(q_THD), None
+
+  @jax.jit  # one compile, the layer's random init included
+  def run(x_TE):
+    layer = layers.DecoderLayer(embed_dim=8, mlp_dim=16, num_heads=2, num_kv_heads=1,
+                                head_dim=4, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False,
+                                dtype=jnp.float32, rngs=nnx.Rngs(0), sinks=True,
+                                mlp=Doubler())
+    seen["mlp"] = layer.mlp
+    cos_TD, sin_TD = layers.rope_cos_sin(jnp.arange(3), np.ones(2, np.float32), jnp.float32)
+    return layer(x_TE, cos_TD, sin_TD, attend)[0], x_TE + 2 * layer.mlp_norm(x_TE)
+
+  out_TE, want_TE = run(jax.random.normal(jax.random.key(0), (3, 8)))
+  assert isinstance(seen["mlp"], Doubler)
+  assert seen["sinks"].shape == (2,) and seen["sinks"].dtype == jnp.float32
+  np.testing.assert_allclose(out_TE, want_TE, rtol=1e-6)
