@@ -71,11 +71,12 @@ def test_all_sliding_model_generates_200_tokens_in_12_blocks(tmp_path):
   hf_model = _hf_model("mistral", sliding_window=window, max_position_embeddings=256)
   hf_model.save_pretrained(tmp_path)
   prompt = [int(t) for t in np.random.default_rng(3).integers(3, helpers.VOCAB, prompt_len)]
-  # The whole sequence needs ceil(220 / 4) = 55 blocks; 12 hold 48 tokens.
+  # The whole sequence needs ceil(220 / 4) = 55 blocks; 12 hold 48 tokens. Scrubbing zeroes
+  # each block as the window leaves it: a block given back too early would change tokens.
   llm = LLM.from_pretrained(tmp_path, dtype="float32", impl="xla", block_size=z,
                             num_blocks=12, max_seqs=1, max_tokens_per_step=prompt_len,
                             token_buckets=(prompt_len,), steps_per_call=50,
-                            free_outside_window=True)
+                            free_outside_window=True, scrub_on_release=True)
   assert llm.kv_groups.windows == (window,) and llm.max_model_len == 256
   out, = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
   assert len(out.token_ids) == max_tokens and llm.stats["preemptions"] == 0
@@ -114,7 +115,7 @@ def test_hybrid_model_holds_8_sequences_at_a_budget_only_with_windowed_freeing()
   assert 8 * groups.blocks_held(seq_len, z, 32) <= 440 < 8 * num_layers * -(-seq_len // z)
   common = dict(block_size=z, max_seqs=8, max_tokens_per_step=32, token_buckets=(32,),
                 steps_per_call=32)
-  llm = LLM(model, config, kv_budget_bytes=budget, **common)
+  llm = LLM(model, config, kv_budget_bytes=budget, scrub_on_release=True, **common)
   assert llm.kv_groups.windows == groups.windows and llm.spec.num_blocks == 440
   assert llm.stats["kv_pool_bytes"] == budget
   outs = llm.generate(prompts, params)
