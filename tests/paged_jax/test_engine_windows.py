@@ -169,3 +169,28 @@ def test_debug_mode_accepts_blocks_given_back_behind_the_window():
   with pytest.raises(ValueError, match=r"block_tables\[0, 2\]=-1 must be a block id"):
     checked_paged_attention(q, cache, block_tables=windowed.at[0, 2].set(-1),
                             sliding_window=6, impl="reference", **args)
+
+
+def test_every_impl_skips_blocks_given_back_behind_the_window():
+  # kv_len 80 (5 blocks of 16), queries at 76..79, window 20: the first query sees 57.., so
+  # blocks 0..2 are behind every window. Given back (NO_BLOCK, which a read would wrap to
+  # the NaN page 7) or kept (the NaN pages 6, 7 and page 0), the output is the reference's.
+  import jax.numpy as jnp
+  from paged_jax import KVCache, paged_attention
+  rng = np.random.default_rng(1)
+  k = rng.standard_normal((1, 1, 8, 16, 128)).astype(np.float32)  # [L, K, N, Z, D]
+  v = rng.standard_normal((1, 1, 8, 16, 128)).astype(np.float32)
+  k[:, :, [6, 7]] = v[:, :, [6, 7]] = np.nan
+  cache = KVCache(jnp.asarray(k), jnp.asarray(v))
+  q = jnp.asarray(rng.standard_normal((4, 2, 128)).astype(np.float32))
+  args = (jnp.asarray([80], jnp.int32),)
+  rest = (jnp.asarray([0, 4], jnp.int32), 1)
+  held = jnp.asarray([[6, 7, 0, 1, 2]], jnp.int32)
+  given_back = jnp.asarray([[-1, -1, -1, 1, 2]], jnp.int32)
+  want = paged_attention(q, cache, 0, *args, held, *rest, sliding_window=20, impl="reference")
+  assert np.isfinite(np.asarray(want)).all()
+  for impl in ("reference", "xla", "pallas_gpu", "pallas_tpu", "pallas_mosaic_gpu"):
+    got = paged_attention(q, cache, 0, *args, given_back, *rest, sliding_window=20, impl=impl,
+                          interpret=impl.startswith("pallas"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6,
+                               err_msg=impl)
