@@ -113,7 +113,7 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 __all__ = ["NO_BLOCK", "PAD_SLOT", "AllocatorState", "init", "append", "slots", "release", "fork",
            "preempt", "utilization", "validate", "chain_hashes", "lookup", "attach", "register",
-           "cached_N", "num_cached"]
+           "cached_N", "num_cached", "slide"]
 
 
 @jax.tree_util.register_dataclass
