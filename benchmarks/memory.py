@@ -38,6 +38,18 @@ requests are still queued (the memory-bound phase), steps to drain.
     python benchmarks/memory.py            # full; writes memory_RESULTS_section.md (+ PNG)
     python benchmarks/memory.py --quick    # seconds; never writes
     python benchmarks/memory.py --pool-dtypes [--quick]   # equal budget, three pool dtypes
+    python benchmarks/memory.py --windowed [--quick]      # sliding windows: KV groups
+
+A third mode, ``--windowed``, measures windowed freeing (``paged_jax.kv_groups``) on a
+hybrid model: a Gemma-3-12B-like attention shape (48 layers, 5 sliding with window 1,024
+to 1 full, K = 8, D = 256, bfloat16; KV groups of M = 8 layers: 5 sliding groups and 1
+full one) at a byte budget of 24 GiB, Z = 16, on a long-context queue (contexts
+log-normal, median 8,192, sigma 0.2, clipped to [4,096, 12,288], seed 0). The real
+allocator (``paged_jax.allocator``) prefills the requests one after another in chunks of
+512 tokens (``append``, which first gives back what no later query of a sliding group can
+read) until one does not fit; reported: the sequences held at once, whole contexts, with
+the groups' windows and with one full group of all 48 layers (every layer keeps every
+block), at the same budget; beside it, the planner's arithmetic (``plan_windowed``).
 """
 
 from __future__ import annotations
@@ -271,14 +283,103 @@ def compare_pool_dtypes(w: MemoryWorkload) -> tuple[list[dict], str]:
   return rows, "\n".join(lines) + f"\n\n{desc}."
 
 
+# The hybrid model of the windowed comparison: Gemma-3-12B's attention shape (5:1 pattern).
+HYBRID = dict(num_layers=48, num_kv_heads=8, head_dim=256, window=1024, every=6)
+
+
+def _hybrid_layer_windows(num_layers: int, window: int, every: int) -> tuple:
+  """Gemma 3's default pattern: every ``every``-th layer full, the others slide."""
+  return tuple(None if (i + 1) % every == 0 else window for i in range(num_layers))
+
+
+def fill_until_full(windows, num_blocks: int, block_size: int, contexts, chunk: int) -> dict:
+  """Prefill ``contexts`` one request after another (chunks of ``chunk`` tokens, slot r for
+  request r) with the real allocator until one does not fit; returns the requests held at
+  once, the blocks in use, and the appends made."""
+  s = len(contexts)
+  p = -(-int(max(contexts)) // block_size) + 1
+  state = allocator.init(num_blocks, block_size, s, p, windows=windows)
+  append = jax.jit(allocator.append)
+  calls = 0
+  for r, ctx in enumerate(contexts):
+    done = 0
+    while done < ctx:
+      n = min(chunk, int(ctx) - done)
+      state, ok = append(state, jnp.zeros(s, jnp.int32).at[r].set(n))
+      calls += 1
+      if not bool(ok[r]):
+        state = allocator.release(state, jnp.arange(s) == r)
+        allocator.validate(state)
+        return dict(held=r, blocks_in_use=num_blocks - int(state.num_free), appends=calls)
+      done += n
+  allocator.validate(state)
+  return dict(held=s, blocks_in_use=num_blocks - int(state.num_free), appends=calls)
+
+
+def compare_windowed(quick: bool) -> tuple[list[dict], str]:
+  """Sequences a 24 GiB budget holds with and without windowed freeing (module docstring)."""
+  from paged_jax import planner
+  from paged_jax.kv_groups import KVGroups
+  h = HYBRID
+  layer_windows = _hybrid_layer_windows(h["num_layers"], h["window"], h["every"])
+  budget = (3 if quick else 24) * 2**30
+  z, chunk, num_requests = 16, 512, 16 if quick else 64
+  rng = np.random.default_rng(0)
+  contexts = np.clip(np.round(8192 * np.exp(0.2 * rng.standard_normal(num_requests))),
+                     4096, 12288).astype(int)
+  shape = (h["num_kv_heads"], h["head_dim"], z, jnp.bfloat16)
+  rows = []
+  for name, free in (("every layer holds every block", False),
+                     ("sliding groups hold their window", True)):
+    groups = KVGroups.from_layer_windows(layer_windows, free_outside_window=free)
+    spec = KVCacheSpec.from_budget(budget, groups.layers_per_group, *shape)
+    start = time.perf_counter()
+    sim = fill_until_full(groups.windows, spec.num_blocks, z, contexts, chunk)
+    rows.append(dict(policy=name, groups=groups.num_groups, layers_per_group=
+                     groups.layers_per_group, block_bytes=spec.block_bytes,
+                     num_blocks=spec.num_blocks, seconds=time.perf_counter() - start, **sim))
+  model = planner.ModelShape(
+      num_layers=h["num_layers"], num_kv_heads=h["num_kv_heads"], head_dim=h["head_dim"],
+      layer_types=tuple("full_attention" if w is None else "sliding_attention"
+                        for w in layer_windows), sliding_window=h["window"])
+  dist = planner.LengthDistribution(median_len=8192, sigma=0.2, max_len=12288)
+  plan = planner.plan_windowed(model, budget, z, dist)
+  base = max(rows[0]["held"], 1)
+  lines = ["| KV layout | groups x layers | block bytes | blocks in budget | sequences held "
+           "(allocator) | vs without | planner's count | appends | s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r, p in zip(rows, (plan.without, plan.with_)):
+    lines.append(f"| {r['policy']} | {r['groups']} x {r['layers_per_group']} | "
+                 f"{r['block_bytes']:,} | {r['num_blocks']:,} | {r['held']} | "
+                 f"{r['held'] / base:.2f}x | {p.num_seqs} | {r['appends']} | "
+                 f"{r['seconds']:.1f} |")
+  desc = (f"Gemma-3-12B-like attention (L={h['num_layers']}, every {h['every']}th layer full, "
+          f"the others window {h['window']}; K={h['num_kv_heads']}, D={h['head_dim']}, "
+          f"bfloat16), budget {budget / 2**30:.0f} GiB, Z={z}; {num_requests} requests, "
+          f"contexts median {int(np.median(contexts))} (min {contexts.min()}, max "
+          f"{contexts.max()}), prefilled in chunks of {chunk} in arrival order until one does "
+          f"not fit; planner: the same model and budget, lengths log-normal median 8192 sigma "
+          f"0.2 clipped to 12288, seed 0, each sequence counted at its final length with one "
+          f"decode step's block")
+  return rows, "\n".join(lines) + f"\n\n{desc}."
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small workload, seconds; no files")
   parser.add_argument("--pool-dtypes", action="store_true",
                       help="compare bfloat16 / int8 / float8 pools at one byte budget instead")
+  parser.add_argument("--windowed", action="store_true",
+                      help="a hybrid sliding-window model with and without windowed freeing")
   args = parser.parse_args(argv)
   w = QUICK if args.quick else LONG_TAIL
+  if args.windowed:
+    start = time.perf_counter()
+    rows, table = compare_windowed(args.quick)
+    print(table)
+    print(f"\n{time.perf_counter() - start:.1f} s")
+    return rows
   if args.pool_dtypes:
     start = time.perf_counter()
     rows, table = compare_pool_dtypes(w)

@@ -205,7 +205,12 @@ class Decoder(nnx.Module):
     # Under a model axis the cache holds this device's KV heads, as the k weights do.
     kv_heads = (c.num_kv_heads if self.model_axis is None
                 else self.layers.attn.k_EKD[...].shape[-2])
-    expected = (c.num_layers, kv_heads, c.head_dim)
+    # With KV groups the cache holds each group's M layers (metadata.for_layer).
+    cache_layers = c.num_layers if metadata.group_L is None else cache.num_layers
+    if metadata.group_L is not None and metadata.group_L.shape != (c.num_layers,):
+      raise ValueError(f"metadata.group_L.shape={tuple(metadata.group_L.shape)} must be "
+                       f"[L]=[{c.num_layers}]")
+    expected = (cache_layers, kv_heads, c.head_dim)
     got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
     if got != expected:
       raise ValueError(f"cache (L, K, D)={got} must match the model's {expected}")
@@ -220,11 +225,14 @@ class Decoder(nnx.Module):
     branch_A = jnp.asarray([distinct.index(w) for w in windows], jnp.int32)
 
     def attend(q_THD, k_TKD, v_TKD, sinks_H, layer, kind, cache):
-      cache = cache.write(layer, k_TKD, v_TKD, m.slots_T)
+      # The layer's own cache layer, slots and block tables (its KV group's; without
+      # groups: layer, m.slots_T, m.block_tables_SP).
+      cache_layer, slots_T, block_tables_SP = m.for_layer(layer)
+      cache = cache.write(cache_layer, k_TKD, v_TKD, slots_T)
 
       def attention_with(window):
         return lambda q_THD, cache, sinks_H: attention.paged_attention(
-            q_THD, cache, layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs,
+            q_THD, cache, cache_layer, m.kv_lens_S, block_tables_SP, m.cu_q_lens, m.num_seqs,
             sm_scale=c.sm_scale, sliding_window=window, soft_cap=c.attn_soft_cap,
             sinks=sinks_H, impl=impl, interpret=self.interpret)
 

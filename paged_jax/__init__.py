@@ -25,6 +25,7 @@ if TYPE_CHECKING:
                                    validate_attention_inputs)
   from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
   from paged_jax.kv_cache import KVCache
+  from paged_jax.kv_groups import KVGroups
   from paged_jax.models import Decoder, ModelConfig, init_random, load_pretrained
   from paged_jax.protocol import ModelConfigLike, PagedModel
   from paged_jax.sampling import SamplingParams
@@ -38,6 +39,7 @@ _HOME = {
     "paged_jax.engine": ("LLM", "EngineState", "Output", "StreamEvent",
                          "default_token_buckets"),
     "paged_jax.kv_cache": ("KVCache",),
+    "paged_jax.kv_groups": ("KVGroups",),
     "paged_jax.models": ("Decoder", "ModelConfig", "init_random", "load_pretrained"),
     "paged_jax.protocol": ("ModelConfigLike", "PagedModel"),
     "paged_jax.sampling": ("SamplingParams",),
@@ -72,6 +74,7 @@ __all__ = [
     "EngineState",
     "KVCache",
     "KVCacheSpec",
+    "KVGroups",
     "LLM",
     "ModelConfig",
     "ModelConfigLike",

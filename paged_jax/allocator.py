@@ -9,12 +9,35 @@ State (glossary letters: S sequences = ``max_seqs``, P = ``max_blocks_per_seq``,
 Z = ``block_size``):
 
     block_tables  i32[S, P]  physical block of each logical block; unused entries NO_BLOCK
-    seq_lens      i32[S]     tokens of each sequence (row s holds ceil(seq_lens[s] / Z) blocks)
+                             (i32[g, S, P] with several KV groups, below)
+    seq_lens      i32[S]     tokens of each sequence (row s holds ceil(seq_lens[s] / Z) blocks;
+                             a sliding group's row only its last ones)
     ref_counts    i32[N]     block-table entries naming each block; 0 means the block is free
     num_free      i32[]      blocks with ref_counts == 0
     last_used     i32[N]     clock stamp of the op that last allocated or freed each block
     clock         i32[]      incremented by every state-changing op (wraps after 2**31 ops)
     block_size    int        static metadata (Z)
+    windows       tuple      static: each KV group's sliding window, None for full attention
+
+KV groups (g). Layers of one attention kind form a group: full attention, or a sliding
+window W (``init(..., windows=(None, W, ...))``, one entry per group; default one full
+group). Groups are a dimension of the same arrays: each group has its own block table per
+sequence (``block_tables`` i32[g, S, P]; i32[S, P] when g == 1, the contract's shape) and
+all groups draw from the one pool of N blocks of Z tokens (a block holds the K/V of its
+group's layers only). ``seq_lens`` is shared: every group holds the same tokens. A new
+logical block needs one block in every group, so the demand of a request is g times its
+logical blocks, all-or-nothing across groups. A sliding group gives a block back once every
+query that can still come lies beyond its window (``slide``, run first by ``append``): the
+tokens below ``seq_len`` are computed, so a query still to come sits at ``seq_len`` or
+later and reads from ``seq_len - W + 1``; the blocks wholly before that become
+``NO_BLOCK`` in its row. Its row is therefore one contiguous run of blocks ending at the
+last logical block, and the partial last block is always inside it. Forks share the run
+and copy the partial tail in every group; preemption and release drop every group's
+blocks. Prefix caching (below) serves only the single full group: with several groups or
+a sliding one ``lookup`` finds nothing, ``attach`` takes nothing and ``register``
+registers nothing. (The rule is the simplest correct one: a cached prefix would have to
+keep, for every sliding group, the blocks its windows reach, and a hit would need every
+group's chain; neither is built.)
 
 Free structure. There is no free list or stack: a block is free iff its ``ref_counts`` is 0,
 and free blocks are handed out in the order of the key ``(last_used, block id)``: least
@@ -90,7 +113,7 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 __all__ = ["NO_BLOCK", "PAD_SLOT", "AllocatorState", "init", "append", "slots", "release", "fork",
            "preempt", "utilization", "validate", "chain_hashes", "lookup", "attach", "register",
-           "cached_N", "num_cached"]
+           "cached_N", "num_cached", "slide"]
 
 
 @jax.tree_util.register_dataclass
@@ -113,6 +136,8 @@ class AllocatorState:
   generation_N: jax.Array  # i32[N]
   block_tokens_NZ: jax.Array  # i32[N, Z]
   block_size: int = dataclasses.field(metadata=dict(static=True))
+  # KV groups (module docstring): the sliding window of each group, None for full attention.
+  windows: tuple = dataclasses.field(default=(None,), metadata=dict(static=True))
 
   @property
   def num_blocks(self) -> int:
@@ -120,11 +145,15 @@ class AllocatorState:
 
   @property
   def max_seqs(self) -> int:
-    return self.block_tables.shape[0]
+    return self.block_tables.shape[-2]
 
   @property
   def max_blocks_per_seq(self) -> int:
-    return self.block_tables.shape[1]
+    return self.block_tables.shape[-1]
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.windows)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -148,6 +177,35 @@ def _check_vector(name: str, x, length: int, kind: str) -> jax.Array:
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name}.dtype={x.dtype} must be an integer dtype")
   return x.astype(jnp.int32)
+
+
+def _tables_gSP(state: AllocatorState) -> jax.Array:
+  """The block tables with their group axis: i32[g, S, P] (g = 1 for a 2-D state)."""
+  t = state.block_tables
+  return t[None] if t.ndim == 2 else t
+
+
+def _pack(state: AllocatorState, tables_gSP: jax.Array) -> jax.Array:
+  """``tables_gSP`` in the state's own layout (i32[S, P] when it has one group)."""
+  return tables_gSP[0] if state.block_tables.ndim == 2 else tables_gSP
+
+
+def _slides(state: AllocatorState) -> bool:
+  """Static: does any group have a sliding window?"""
+  return any(w is not None for w in state.windows)
+
+
+def _prefix_caching(state: AllocatorState) -> bool:
+  """Static: prefix caching serves only a state whose one group attends to everything."""
+  return state.windows == (None,)
+
+
+def _keep_from_gS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
+  """i32[g, S]: the first logical block a query at position ``len_S`` (or later) can read in
+  each group: 0 for full attention, ``max(0, len - W + 1) // Z`` for a window W."""
+  rows = [jnp.zeros_like(len_S) if w is None
+          else jnp.maximum(len_S - (w - 1), 0) // state.block_size for w in state.windows]
+  return jnp.stack(rows)
 
 
 def _blocks_for(len_S: jax.Array, block_size: int) -> jax.Array:
@@ -244,9 +302,21 @@ def _grant_in_order(need_X: jax.Array, valid_X: jax.Array, num_free) -> jax.Arra
 # ----------------------------------------------------------------------------- ops
 
 
-def init(num_blocks: int, block_size: int, max_seqs: int,
-         max_blocks_per_seq: int) -> AllocatorState:
-  """An empty allocator: every block free, every sequence slot empty."""
+def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, *,
+         windows=None) -> AllocatorState:
+  """An empty allocator: every block free, every sequence slot empty.
+
+  ``windows``: one entry per KV group, None (full attention) or the group's sliding window
+  W (an int > 0); default ``(None,)``, one full group. With one group ``block_tables`` is
+  i32[S, P]; with several it is i32[g, S, P].
+  """
+  windows = (None,) if windows is None else tuple(windows)
+  if not windows:
+    raise ValueError(f"windows={windows!r} must name at least one group")
+  for g, w in enumerate(windows):
+    if w is not None:
+      _check_positive_int(f"windows[{g}]", w)
+  windows = tuple(None if w is None else int(w) for w in windows)
   num_blocks = _check_positive_int("num_blocks", num_blocks)
   block_size = _check_positive_int("block_size", block_size)
   max_seqs = _check_positive_int("max_seqs", max_seqs)
@@ -257,8 +327,9 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
   if max_blocks_per_seq * block_size > _INT32_MAX:
     raise ValueError(f"max_blocks_per_seq * block_size={max_blocks_per_seq * block_size} must "
                      f"be <= {_INT32_MAX} (sequence lengths are int32)")
+  groups = () if len(windows) == 1 else (len(windows),)
   return AllocatorState(
-      block_tables=jnp.full((max_seqs, max_blocks_per_seq), NO_BLOCK, jnp.int32),
+      block_tables=jnp.full(groups + (max_seqs, max_blocks_per_seq), NO_BLOCK, jnp.int32),
       seq_lens=jnp.zeros(max_seqs, jnp.int32),
       ref_counts=jnp.zeros(num_blocks, jnp.int32),
       num_free=jnp.int32(num_blocks),
@@ -272,6 +343,34 @@ def init(num_blocks: int, block_size: int, max_seqs: int,
       generation_N=jnp.zeros(num_blocks, jnp.int32),
       block_tokens_NZ=jnp.zeros((num_blocks, block_size), jnp.int32),
       block_size=block_size,
+      windows=windows,
+  )
+
+
+def slide(state: AllocatorState) -> AllocatorState:
+  """Give back, in every sliding group, the blocks no query still to come can read.
+
+  The tokens below ``seq_lens`` are computed, so every query still to come sits at position
+  ``seq_len`` or later and, with window W, reads keys at ``seq_len - W + 1`` or later: the
+  blocks wholly before that (``_keep_from_gS``) are dropped (ref count - 1; free at 0) and
+  their entries become ``NO_BLOCK``. Full groups keep everything; a state with no sliding
+  group is returned as it is. ``append`` slides first; call it alone to see the free count
+  that the next ``append`` will find.
+  """
+  if not _slides(state):
+    return state
+  t_gSP = _tables_gSP(state)
+  j_P = jnp.arange(state.max_blocks_per_seq, dtype=jnp.int32)
+  drop_gSP = ((j_P < _keep_from_gS(state, state.seq_lens)[..., None]) & (t_gSP != NO_BLOCK))
+  ref_counts = state.ref_counts - _count_N(t_gSP, drop_gSP, state.num_blocks)
+  freed_N = (state.ref_counts > 0) & (ref_counts == 0)
+  return dataclasses.replace(
+      state,
+      block_tables=_pack(state, jnp.where(drop_gSP, NO_BLOCK, t_gSP)),
+      ref_counts=ref_counts,
+      num_free=state.num_free + jnp.sum(freed_N, dtype=jnp.int32),
+      last_used=jnp.where(freed_N, state.clock, state.last_used),
+      clock=state.clock + 1,
   )
 
 
@@ -279,32 +378,38 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   """Grow every sequence at once by ``num_new_tokens`` i32[S] tokens.
 
   Returns ``(state, ok_S)``, ok bool[S]. All-or-nothing per sequence: a sequence that does not
-  get every block it needs gets none, keeps its ``seq_len`` and has ok False. A request is
-  refused when negative or beyond ``max_blocks_per_seq`` blocks; blocks are granted in slot
-  order while the running demand fits ``num_free`` (module docstring). 0 is always ok.
+  get every block it needs (one per new logical block in every group) gets none, keeps its
+  ``seq_len`` and has ok False. A request is refused when negative or beyond
+  ``max_blocks_per_seq`` blocks; blocks are granted in slot order while the running demand
+  fits ``num_free`` (module docstring). 0 is always ok. Sliding groups first give back the
+  blocks behind their windows (``slide``), so the demand is met from those too.
   """
   n_S = _check_vector("num_new_tokens", num_new_tokens, state.max_seqs, "int")
-  z, p = state.block_size, state.max_blocks_per_seq
+  state = slide(state)
+  z, p, g = state.block_size, state.max_blocks_per_seq, state.num_groups
   len_S = state.seq_lens
   # n <= P * Z - len rather than len + n <= P * Z: no int32 overflow for huge requests.
   valid_S = (n_S >= 0) & (n_S <= p * z - len_S)
   new_len_S = jnp.where(valid_S, len_S + n_S, len_S)
   have_S = _blocks_for(len_S, z)
-  need_S = _blocks_for(new_len_S, z) - have_S
-  ok_S = _grant_in_order(need_S, valid_S, state.num_free)
+  need_S = _blocks_for(new_len_S, z) - have_S  # per group
+  ok_S = _grant_in_order(g * need_S, valid_S, state.num_free)
   grant_S = jnp.where(ok_S, need_S, 0)
-  end_S = jnp.cumsum(grant_S)
-  start_S = end_S - grant_S  # sequence s takes free-order positions [start_s, end_s)
+  end_S = jnp.cumsum(g * grant_S)
+  start_S = end_S - g * grant_S  # sequence s takes free-order positions [start_s, end_s)
   total = end_S[-1]
 
   j_P = jnp.arange(p, dtype=jnp.int32)
+  g_g = jnp.arange(g, dtype=jnp.int32)
   new_SP = (j_P >= have_S[:, None]) & (j_P < (have_S + grant_S)[:, None])
-  rank_SP = jnp.clip(start_S[:, None] + j_P - have_S[:, None], 0, state.num_blocks - 1)
-  new_block_SP, taken_N = _take(state, total, rank_SP)
-  block_tables = jnp.where(new_SP, new_block_SP, state.block_tables)
+  # Group g of sequence s takes positions [start_s + g * grant_s, start_s + (g + 1) * grant_s).
+  rank_gSP = jnp.clip(start_S[None, :, None] + g_g[:, None, None] * grant_S[None, :, None]
+                      + j_P - have_S[None, :, None], 0, state.num_blocks - 1)
+  new_block_gSP, taken_N = _take(state, total, rank_gSP)
+  block_tables = jnp.where(new_SP, new_block_gSP, _tables_gSP(state))
   new_state = dataclasses.replace(
       state,
-      block_tables=block_tables,
+      block_tables=_pack(state, block_tables),
       seq_lens=jnp.where(ok_S, new_len_S, len_S),
       ref_counts=jnp.where(taken_N, 1, state.ref_counts),
       num_free=state.num_free - total,
@@ -321,7 +426,8 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   ``seq_ids`` and ``positions`` are integer arrays of any broadcastable shapes; the result has
   their broadcast shape. A position outside ``[0, seq_lens[seq])``, a sequence id outside
   ``[0, S)`` or a ``NO_BLOCK`` entry gives ``PAD_SLOT`` (negative): never a clamped real slot.
-  Call it after ``append`` so the new tokens are inside ``seq_lens``.
+  Call it after ``append`` so the new tokens are inside ``seq_lens``. With several groups
+  the result has a leading g axis: each group's slots (its blocks differ).
   """
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
@@ -332,21 +438,23 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   z, s, p = state.block_size, state.max_seqs, state.max_blocks_per_seq
   seq_c = jnp.clip(seq_ids, 0, s - 1)
   valid = (seq_ids >= 0) & (seq_ids < s) & (positions >= 0) & (positions < state.seq_lens[seq_c])
-  block = state.block_tables[seq_c, jnp.clip(positions // z, 0, p - 1)]
-  valid &= block != NO_BLOCK
-  return jnp.where(valid, block * z + positions % z, PAD_SLOT)
+  block = _tables_gSP(state)[:, seq_c, jnp.clip(positions // z, 0, p - 1)]
+  valid = valid & (block != NO_BLOCK)
+  out = jnp.where(valid, block * z + positions % z, PAD_SLOT)
+  return out[0] if state.block_tables.ndim == 2 else out
 
 
 def release(state: AllocatorState, mask) -> AllocatorState:
   """Drop the sequences with ``mask`` bool[S] True: ref count - 1 for each of their blocks (a
   block reaching 0 is free again), their rows become ``NO_BLOCK`` and their lengths 0."""
   m_S = _check_vector("mask", mask, state.max_seqs, "bool")
-  drop_SP = m_S[:, None] & (state.block_tables != NO_BLOCK)
-  ref_counts = state.ref_counts - _count_N(state.block_tables, drop_SP, state.num_blocks)
+  t_gSP = _tables_gSP(state)
+  drop_gSP = m_S[:, None] & (t_gSP != NO_BLOCK)
+  ref_counts = state.ref_counts - _count_N(t_gSP, drop_gSP, state.num_blocks)
   freed_N = (state.ref_counts > 0) & (ref_counts == 0)
   return dataclasses.replace(
       state,
-      block_tables=jnp.where(m_S[:, None], NO_BLOCK, state.block_tables),
+      block_tables=_pack(state, jnp.where(m_S[:, None], NO_BLOCK, t_gSP)),
       seq_lens=jnp.where(m_S, 0, state.seq_lens),
       ref_counts=ref_counts,
       num_free=state.num_free + jnp.sum(freed_N, dtype=jnp.int32),
@@ -367,7 +475,9 @@ def fork(state: AllocatorState, src,
   in the batch (every such fork fails), or its tail block does not fit (granted in batch order
   while the running demand fits ``num_free``). Several forks of one src are fine.
 
-  Returns ``(state, ok_F, copy_src_F, copy_dst_F)``.
+  Returns ``(state, ok_F, copy_src_F, copy_dst_F)``. With g groups each fork shares and
+  copies in every group (its demand is g fresh tail blocks) and the copy pairs are
+  i32[g * F], group-major (all of group 0's forks, then group 1's, ...).
   """
   src_F, dst_F = jnp.asarray(src), jnp.asarray(dst)
   if src_F.ndim != 1:
@@ -375,43 +485,51 @@ def fork(state: AllocatorState, src,
   src_F = _check_vector("src", src_F, src_F.shape[0], "int")
   dst_F = _check_vector("dst", dst_F, src_F.shape[0], "int")
   z, s, p, n = state.block_size, state.max_seqs, state.max_blocks_per_seq, state.num_blocks
+  g = state.num_groups
+  t_gSP = _tables_gSP(state)
   src_in_F = (src_F >= 0) & (src_F < s)
   dst_in_F = (dst_F >= 0) & (dst_F < s)
   src_c, dst_c = jnp.clip(src_F, 0, s - 1), jnp.clip(dst_F, 0, s - 1)
-  dst_empty_F = (state.seq_lens[dst_c] == 0) & (state.block_tables[dst_c, 0] == NO_BLOCK)
+  dst_empty_F = ((state.seq_lens[dst_c] == 0)
+                 & jnp.all(t_gSP[:, dst_c, 0] == NO_BLOCK, axis=0))
   dst_uses_S = jnp.zeros(s, jnp.int32).at[jnp.where(dst_in_F, dst_F, s)].add(1, mode="drop")
   valid_F = (src_in_F & dst_in_F & (src_F != dst_F) & dst_empty_F & (dst_uses_S[dst_c] == 1))
 
   len_F = state.seq_lens[src_c]
   full_F = len_F // z
-  need_F = (len_F % z != 0).astype(jnp.int32)
-  ok_F = _grant_in_order(need_F, valid_F, state.num_free)
+  need_F = (len_F % z != 0).astype(jnp.int32)  # per group
+  ok_F = _grant_in_order(g * need_F, valid_F, state.num_free)
   copy_F = ok_F & (need_F == 1)
-  grant_F = copy_F.astype(jnp.int32)
-  rank_F = jnp.cumsum(grant_F) - grant_F  # fork f takes free-order position rank_f
+  grant_F = g * copy_F.astype(jnp.int32)
+  rank_F = jnp.cumsum(grant_F) - grant_F  # fork f takes free-order positions from rank_f
   total = jnp.sum(grant_F)
-  new_block_F, taken_N = _take(state, total, jnp.clip(rank_F, 0, n - 1))
+  rank_gF = rank_F[None, :] + jnp.arange(g, dtype=jnp.int32)[:, None]
+  new_block_gF, taken_N = _take(state, total, jnp.clip(rank_gF, 0, n - 1))
 
-  row_FP = state.block_tables[src_c]
+  row_gFP = t_gSP[:, src_c]
   j_P = jnp.arange(p, dtype=jnp.int32)
-  share_FP = ok_F[:, None] & (j_P < full_F[:, None])
+  # A sliding group's rows start with NO_BLOCK where it gave blocks back: nothing to share.
+  share_gFP = ok_F[:, None] & (j_P < full_F[:, None]) & (row_gFP != NO_BLOCK)
   tail_FP = copy_F[:, None] & (j_P == full_F[:, None])
-  new_row_FP = jnp.where(share_FP, row_FP, jnp.where(tail_FP, new_block_F[:, None], NO_BLOCK))
+  new_row_gFP = jnp.where(share_gFP, row_gFP,
+                          jnp.where(tail_FP, new_block_gF[:, :, None], NO_BLOCK))
   dst_ok_F = jnp.where(ok_F, dst_F, s)  # failed forks are dropped by the scatters
   new_state = dataclasses.replace(
       state,
-      block_tables=state.block_tables.at[dst_ok_F].set(new_row_FP, mode="drop"),
+      block_tables=_pack(state, t_gSP.at[:, dst_ok_F].set(new_row_gFP, mode="drop")),
       seq_lens=state.seq_lens.at[dst_ok_F].set(len_F, mode="drop"),
-      ref_counts=(state.ref_counts + _count_N(row_FP, share_FP, n) + taken_N.astype(jnp.int32)),
+      ref_counts=(state.ref_counts + _count_N(row_gFP, share_gFP, n)
+                  + taken_N.astype(jnp.int32)),
       num_free=state.num_free - total,
       last_used=jnp.where(taken_N, state.clock, state.last_used),
       clock=state.clock + 1,
       **_evict(state, taken_N),
   )
-  tail_src_F = jnp.take_along_axis(row_FP, jnp.clip(full_F, 0, p - 1)[:, None], axis=1)[:, 0]
-  copy_src_F = jnp.where(copy_F, tail_src_F, NO_BLOCK)
-  copy_dst_F = jnp.where(copy_F, new_block_F, NO_BLOCK)
-  return new_state, ok_F, copy_src_F, copy_dst_F
+  tail_src_gF = jnp.take_along_axis(row_gFP, jnp.clip(full_F, 0, p - 1)[None, :, None],
+                                    axis=2)[..., 0]
+  copy_src = jnp.where(copy_F, tail_src_gF, NO_BLOCK).reshape(-1)
+  copy_dst = jnp.where(copy_F, new_block_gF, NO_BLOCK).reshape(-1)
+  return new_state, ok_F, copy_src, copy_dst
 
 
 def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, jax.Array]:
@@ -430,15 +548,16 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
     raise ValueError(f"needed (shape {needed.shape}, dtype {needed.dtype}) must be an "
                      f"integer scalar")
   s, n = state.max_seqs, state.num_blocks
-  holds_S = state.block_tables[:, 0] != NO_BLOCK
+  t_gSP = _tables_gSP(state)
+  in_gSP = t_gSP != NO_BLOCK
+  holds_S = jnp.any(in_gSP, axis=(0, 2))
   slot_S = jnp.arange(s, dtype=jnp.int32)
   # lexsort: the last key is the primary one. Holders first, then priority, then slot desc.
   order_S = jnp.lexsort((-slot_S, prio_S, (~holds_S).astype(jnp.int32)))
   rank_S = jnp.zeros(s, jnp.int32).at[order_S].set(slot_S)
-  in_SP = state.block_tables != NO_BLOCK
-  rank_SP = jnp.broadcast_to(rank_S[:, None], in_SP.shape)
-  last_rank_N = jnp.full(n, -1, jnp.int32).at[jnp.where(in_SP, state.block_tables, n)].max(
-      rank_SP, mode="drop")
+  rank_gSP = jnp.broadcast_to(rank_S[:, None], in_gSP.shape)
+  last_rank_N = jnp.full(n, -1, jnp.int32).at[jnp.where(in_gSP, t_gSP, n)].max(
+      rank_gSP, mode="drop")
   freed_at_S = jnp.zeros(s, jnp.int32).at[jnp.where(last_rank_N >= 0, last_rank_N, s)].add(
       1, mode="drop")
   freed_by_S = jnp.cumsum(freed_at_S)  # blocks freed by releasing ranks 0..r
@@ -453,11 +572,12 @@ def utilization(state: AllocatorState) -> jax.Array:
 
   Each physical token slot counts once (a shared block is one block, full). Only the partial
   last block of each sequence has unused slots, and it is never shared, so the waste is
-  ``sum over sequences of (-seq_len) mod Z`` <= (Z - 1) per sequence.
+  ``sum over sequences of (-seq_len) mod Z`` <= (Z - 1) per sequence, in each of the g
+  groups (a sliding group always holds the partial last block: it is inside every window).
   """
   z = state.block_size
   used = state.num_blocks - state.num_free
-  waste = jnp.sum((-state.seq_lens) % z)
+  waste = state.num_groups * jnp.sum((-state.seq_lens) % z)
   capacity = (used * z).astype(jnp.float32)
   return jnp.where(used > 0, 1.0 - waste / jnp.maximum(capacity, 1.0), 1.0).astype(jnp.float32)
 
@@ -591,6 +711,9 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   """
   tokens_SPZ = _token_blocks(state, tokens)
   limit_S = _check_vector("num_tokens", num_tokens, state.max_seqs, "int") // state.block_size
+  if not _prefix_caching(state):  # groups: nothing is ever registered (module docstring)
+    return (jnp.full((state.max_seqs, state.max_blocks_per_seq), NO_BLOCK, jnp.int32),
+            jnp.zeros(state.max_seqs, jnp.int32))
   _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, _salt(state, salt), limit_S,
                                         hash_fn)
   return jnp.where(hit_SP, cand_SP, NO_BLOCK), num_hit_S
@@ -614,6 +737,8 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
     raise ValueError(f"blocks.dtype={b_SP.dtype} must be an integer dtype")
   b_SP = b_SP.astype(jnp.int32)
   k_S = _check_vector("num_blocks", num_blocks, s, "int")
+  if not _prefix_caching(state):  # groups: no registered chain to attach
+    return dataclasses.replace(state, clock=state.clock + 1), k_S == 0
   use_SP = jnp.arange(p, dtype=jnp.int32) < k_S[:, None]
   bc_SP = jnp.clip(b_SP, 0, n - 1)
   chain_SP = ((b_SP >= 0) & (b_SP < n) & _chained_SP(state, b_SP)
@@ -653,6 +778,8 @@ def register(state: AllocatorState, tokens, salt=None, *,
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
+  if not _prefix_caching(state):  # groups: registers nothing (module docstring)
+    return dataclasses.replace(state, clock=state.clock + 1)
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
   full_S = state.seq_lens // z
   j_P = jnp.arange(p, dtype=jnp.int32)
@@ -741,51 +868,95 @@ def num_cached(state: AllocatorState) -> jax.Array:
 
 
 def validate(state: AllocatorState) -> None:
-  """Host-side: raise ``ValueError`` naming the first broken invariant of ``state``."""
-  tables_SP = np.asarray(state.block_tables)
+  """Host-side: raise ``ValueError`` naming the first broken invariant of ``state``.
+
+  With groups every table check runs per group (entries named ``block_tables[g, i, j]``); a
+  full group's row holds exactly its ``ceil(len / Z)`` leading blocks, a sliding group's
+  one contiguous run ending there and starting no later than the window of a query at
+  ``seq_len`` needs (``_keep_from_gS``); a block belongs to one group only.
+  """
+  tables = np.asarray(state.block_tables)
   len_S = np.asarray(state.seq_lens)
   rc_N = np.asarray(state.ref_counts)
   num_free = int(state.num_free)
   last_used_N = np.asarray(state.last_used)
   clock = int(state.clock)
   z = state.block_size
-  if tables_SP.ndim != 2:
-    raise ValueError(f"block_tables.shape={tables_SP.shape} must be [S, P]")
-  s, p = tables_SP.shape
+  windows = tuple(state.windows)
+  grouped = len(windows) > 1
+  if tables.ndim != (3 if grouped else 2) or (grouped and tables.shape[0] != len(windows)):
+    raise ValueError(f"block_tables.shape={tables.shape} must be "
+                     + (f"[g={len(windows)}, S, P]" if grouped else "[S, P]"))
+  tables_gSP = tables if grouped else tables[None]
+  _, s, p = tables_gSP.shape
   n = rc_N.shape[0]
   for name, x, shape in (("seq_lens", len_S, (s,)), ("ref_counts", rc_N, (n,)),
                          ("last_used", last_used_N, (n,))):
     if x.shape != shape:
       raise ValueError(f"{name}.shape={x.shape} must be {shape}")
-  for name, x in (("block_tables", tables_SP), ("seq_lens", len_S), ("ref_counts", rc_N),
+  for name, x in (("block_tables", tables), ("seq_lens", len_S), ("ref_counts", rc_N),
                   ("last_used", last_used_N)):
     if x.dtype != np.int32:
       raise ValueError(f"{name}.dtype={x.dtype} must be int32")
-
-  bad = np.argwhere((tables_SP != NO_BLOCK) & ((tables_SP < 0) | (tables_SP >= n)))
-  if bad.size:
-    i, j = bad[0]
-    raise ValueError(f"block_tables[{i}, {j}]={tables_SP[i, j]} must be NO_BLOCK={NO_BLOCK} "
-                     f"or in [0, num_blocks={n})")
   bad = np.flatnonzero((len_S < 0) | (len_S > p * z))
   if bad.size:
     i = bad[0]
     raise ValueError(f"seq_lens[{i}]={len_S[i]} must be in [0, P * Z={p * z}]")
   blocks_S = (len_S + z - 1) // z
-  real_SP = tables_SP != NO_BLOCK
-  expect_SP = np.arange(p)[None, :] < blocks_S[:, None]
-  bad = np.argwhere(real_SP != expect_SP)
-  if bad.size:
-    i, j = bad[0]
-    raise ValueError(f"block_tables[{i}, {j}]={tables_SP[i, j]}: row {i} with seq_lens[{i}]="
-                     f"{len_S[i]} must hold exactly ceil({len_S[i]} / {z})={blocks_S[i]} "
-                     f"leading blocks, then NO_BLOCK")
-  for i in range(s):
-    row = tables_SP[i, :blocks_S[i]]
-    if np.unique(row).size != row.size:
-      raise ValueError(f"block_tables[{i}]={row.tolist()} names a block twice")
+  j_P = np.arange(p)
+  keep_gS = np.asarray(_keep_from_gS(state, jnp.asarray(len_S)))
+  count_gN = np.zeros((len(windows), n), np.int64)
 
-  count_N = np.bincount(tables_SP[real_SP], minlength=n)
+  for g, (w, tables_SP) in enumerate(zip(windows, tables_gSP)):
+    at = (lambda i, j: f"block_tables[{g}, {i}, {j}]") if grouped else (
+        lambda i, j: f"block_tables[{i}, {j}]")
+    bad = np.argwhere((tables_SP != NO_BLOCK) & ((tables_SP < 0) | (tables_SP >= n)))
+    if bad.size:
+      i, j = bad[0]
+      raise ValueError(f"{at(i, j)}={tables_SP[i, j]} must be NO_BLOCK={NO_BLOCK} "
+                       f"or in [0, num_blocks={n})")
+    real_SP = tables_SP != NO_BLOCK
+    if w is None:
+      expect_SP = j_P[None, :] < blocks_S[:, None]
+      bad = np.argwhere(real_SP != expect_SP)
+      if bad.size:
+        i, j = bad[0]
+        raise ValueError(f"{at(i, j)}={tables_SP[i, j]}: row {i} with seq_lens[{i}]="
+                         f"{len_S[i]} must hold exactly ceil({len_S[i]} / {z})={blocks_S[i]} "
+                         f"leading blocks, then NO_BLOCK")
+    else:
+      first_S = np.where(real_SP.any(axis=1), real_SP.argmax(axis=1), blocks_S)
+      expect_SP = (j_P[None, :] >= first_S[:, None]) & (j_P[None, :] < blocks_S[:, None])
+      bad = np.argwhere((real_SP != expect_SP) | (first_S > keep_gS[g])[:, None])
+      if bad.size:
+        i, j = bad[0]
+        raise ValueError(f"{at(i, j)}={tables_SP[i, j]}: row {i} of sliding group {g} "
+                         f"(window {w}) with seq_lens[{i}]={len_S[i]} must hold one run of "
+                         f"blocks ending at block {blocks_S[i] - 1} and starting at or before "
+                         f"block max(0, {len_S[i]} - {w} + 1) // {z}={keep_gS[g, i]}")
+    for i in range(s):
+      row = tables_SP[i][real_SP[i]]
+      if np.unique(row).size != row.size:
+        raise ValueError(f"block_tables{'[%d]' % g if grouped else ''}[{i}]="
+                         f"{tables_SP[i, :blocks_S[i]].tolist()} names a block twice")
+    count_gN[g] = np.bincount(tables_SP[real_SP], minlength=n)
+    # A partial last block is never shared: appends write into it without copy-on-write.
+    partial_S = np.flatnonzero(len_S % z != 0)
+    tail_S = tables_SP[partial_S, blocks_S[partial_S] - 1]
+    bad = np.flatnonzero(rc_N[tail_S] != 1)
+    if bad.size:
+      i, b = partial_S[bad[0]], tail_S[bad[0]]
+      raise ValueError(f"partial last block {b} of sequence {i}"
+                       + (f" in group {g}" if grouped else "")
+                       + f" has ref_counts[{b}]={rc_N[b]}, must be 1 (only full blocks are "
+                       f"shared)")
+
+  bad = np.flatnonzero(np.sum(count_gN > 0, axis=0) > 1)
+  if bad.size:
+    b = bad[0]
+    raise ValueError(f"block {b} is named by groups {np.flatnonzero(count_gN[:, b]).tolist()}"
+                     f": a block belongs to one group")
+  count_N = count_gN.sum(axis=0)
   bad = np.flatnonzero(count_N != rc_N)
   if bad.size:
     b = bad[0]
@@ -795,14 +966,6 @@ def validate(state: AllocatorState) -> None:
   if num_free + in_use != n:
     raise ValueError(f"num_free={num_free} + blocks in use={in_use} must equal num_blocks={n}")
 
-  # A partial last block is never shared: appends write into it without copy-on-write.
-  partial_S = np.flatnonzero(len_S % z != 0)
-  tail_S = tables_SP[partial_S, blocks_S[partial_S] - 1]
-  bad = np.flatnonzero(rc_N[tail_S] != 1)
-  if bad.size:
-    i, b = partial_S[bad[0]], tail_S[bad[0]]
-    raise ValueError(f"partial last block {b} of sequence {i} has ref_counts[{b}]={rc_N[b]}, "
-                     f"must be 1 (only full blocks are shared)")
   # Free order: stamps come from the clock.
   bad = np.flatnonzero((last_used_N < 0) | (last_used_N > clock))
   if bad.size:
@@ -821,6 +984,11 @@ def validate(state: AllocatorState) -> None:
     b = bad[0]
     raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1 (not registered) or in [0, P={p})")
   reg_N = depth_N >= 0
+  if windows != (None,) and reg_N.any():
+    b = np.flatnonzero(reg_N)[0]
+    raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1: a state with KV groups "
+                     f"windows={windows} registers nothing")
+  tables_SP, real_SP = tables_gSP[0], tables_gSP[0] != NO_BLOCK
   bad = np.flatnonzero(reg_N & ((depth_N == 0) != (parent_N == NO_BLOCK)))
   if bad.size:
     b = bad[0]

@@ -156,7 +156,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     raise ValueError(f"{debug=} must be a bool")
   if debug:
     validation.checkify_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
-                                        num_seqs)
+                                        num_seqs, sliding_window=sliding_window)
   if sm_scale is None:
     sm_scale = float(q.shape[-1]) ** -0.5
   args = (q, k_pages, v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)

@@ -55,6 +55,9 @@ def _plan(args) -> int:
   dist = planner.LengthDistribution(median_len=args.median_len, sigma=args.sigma,
                                     max_len=args.max_len, seed=args.seed)
   print(planner.format_plan(planner.plan_capacity(spec, dist), model, budget))
+  if any(w is not None for w in planner.layer_windows(model)):
+    print()
+    print(planner.format_windowed(planner.plan_windowed(model, budget, args.block_size, dist)))
   return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.kv_groups import KVGroups
 from paged_jax.spec import KVCacheSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -50,8 +51,8 @@ class ModelShape:
 
   ``layer_types``: () (every layer full attention) or "full_attention" /
   "sliding_attention" per layer, as transformers reads the config; ``sliding_window``: W
-  of the sliding layers. Only reported: every layer, sliding or not, holds a block for
-  each Z tokens of its sequence (blocks wholly behind a window are not freed yet).
+  of the sliding layers. Without windowed freeing every layer holds a block for each Z
+  tokens of its sequence; with it (``plan_windowed``) sliding layers hold their window.
   """
 
   num_layers: int
@@ -220,8 +221,82 @@ def _layer_lines(spec: KVCacheSpec, model: ModelShape) -> list[str]:
     lines.append(f"| {len(members)} ({shown}) | {what} | {per_layer} bytes | "
                  f"{per_layer * len(members)} bytes |")
   if "sliding_attention" in kinds and window is not None:
-    lines += [f"Sliding layers attend to their last {window} tokens but still hold every "
-              "block of their sequence:",
-              "blocks behind the window are not freed yet (issue 22), so they cost what "
-              "full layers cost in the counts below."]
+    lines += [f"Sliding layers attend to their last {window} tokens. In the counts below "
+              "every layer holds every block of its sequence;",
+              "with windowed freeing (LLM(free_outside_window=True)) sliding layers hold only "
+              "their window: see the KV groups table."]
   return lines
+
+
+def layer_windows(model: ModelShape) -> tuple:
+  """Each layer's window (None: full attention) of ``model``."""
+  types = model.layer_types if len(model.layer_types) == model.num_layers else ()
+  if not types or model.sliding_window is None:
+    return (None,) * model.num_layers
+  return tuple(model.sliding_window if t == "sliding_attention" else None for t in types)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowedPlan:
+  """Sequences of a length stream that fit a budget with and without windowed freeing.
+
+  ``groups``: the model's KV groups (``paged_jax.kv_groups``); ``group_spec``: the pool of
+  one-group blocks the budget buys (``num_layers`` = the group's M layers);
+  ``without``/``with_``: placements counting, per sequence of n tokens, ``ceil(n / Z)``
+  blocks of all layers, or ``KVGroups.blocks_held(n, Z, step_tokens)`` one-group blocks.
+  """
+
+  groups: KVGroups
+  group_spec: KVCacheSpec
+  full_spec: KVCacheSpec
+  step_tokens: int
+  without: Placement
+  with_: Placement
+
+
+def plan_windowed(model: ModelShape, budget_bytes: int, block_size: int, lengths:
+                  LengthDistribution, *, dtype=None, step_tokens: int = 1) -> WindowedPlan:
+  """``WindowedPlan`` of ``model`` at ``budget_bytes``: how many sequences of the stream
+  (arrival order, the longest prefix) are held at their final length at once. A sliding
+  group's count assumes steps of ``step_tokens`` tokens (1: decoding; a chunked prefill of
+  q tokens holds up to ``ceil((W - 1 + q) / Z) + 1`` blocks meanwhile)."""
+  dtype = model.dtype if dtype is None else dtype
+  groups = KVGroups.from_layer_windows(layer_windows(model))
+  shape = (model.num_kv_heads, model.head_dim, block_size, dtype)
+  full_spec = KVCacheSpec.from_budget(budget_bytes, model.num_layers, *shape)
+  group_spec = KVCacheSpec.from_budget(budget_bytes, groups.layers_per_group, *shape)
+  stream = lengths.sample(full_spec.max_tokens + 1)
+  z = block_size
+  without = _fit_prefix(stream, -(-stream // z), full_spec.num_blocks)
+  held = np.asarray([groups.blocks_held(int(n), z, step_tokens) for n in stream])
+  with_ = _fit_prefix(stream, held, group_spec.num_blocks)
+  # Reservations in tokens of all layers (a one-group block holds Z * M / L of them).
+  scale = z * groups.layers_per_group / model.num_layers
+  return WindowedPlan(
+      groups, group_spec, full_spec, step_tokens,
+      Placement("every layer holds every block", without[0], without[1], without[2] * z),
+      Placement("sliding groups hold their window", with_[0], with_[1],
+                int(round(with_[2] * scale))))
+
+
+def format_windowed(plan: WindowedPlan) -> str:
+  """The KV groups table and the with / without windowed freeing counts."""
+  g, spec = plan.groups, plan.group_spec
+  per_token = spec.token_bytes
+  kinds = {}
+  for w in g.windows:
+    kinds[w] = kinds.get(w, 0) + 1
+  lines = [f"KV groups  : {g.num_groups} groups of {g.layers_per_group} layers, one pool of "
+           f"{spec.num_blocks} blocks of {spec.block_bytes} bytes (Z={spec.block_size})",
+           "| group kind | groups | bytes per token, per group | blocks held by a sequence "
+           "of n tokens |", "|---|---:|---:|---|"]
+  for w, count in kinds.items():
+    what = "full" if w is None else f"sliding, window {w}"
+    held = ("ceil(n / Z)" if w is None else f"min(ceil(n / Z), ceil(({w} - 1 + "
+            f"{plan.step_tokens}) / Z) + 1)")
+    lines.append(f"| {what} | {count} | {per_token} bytes | {held} |")
+  base = max(plan.without.num_seqs, 1)
+  lines += ["", "| windowed freeing | sequences that fit | vs without |", "|---|---:|---:|"]
+  for name, p in (("without", plan.without), ("with", plan.with_)):
+    lines.append(f"| {name} ({p.name}) | {p.num_seqs} | {p.num_seqs / base:.2f}x |")
+  return "\n".join(lines)

@@ -76,6 +76,10 @@ class AttentionMetadata:
     cu_q_lens: i32[S + 1] cumulative new-token counts; sequence i owns token rows
       ``cu_q_lens[i]:cu_q_lens[i + 1]``, its last ``q_len`` tokens.
     num_seqs: i32[] live sequence rows; rows past it are padding.
+    block_tables_gSP, slots_gT, group_L, cache_layer_L: KV groups (``paged_jax.kv_groups``;
+      None without them): each group's block tables and slots, and each decoder layer's
+      group and cache layer. With them ``block_tables_SP`` and ``slots_T`` are group 0's;
+      a layer reads its own through ``for_layer``.
   """
 
   slots_T: jax.Array
@@ -83,6 +87,19 @@ class AttentionMetadata:
   block_tables_SP: jax.Array
   cu_q_lens: jax.Array
   num_seqs: jax.Array
+  block_tables_gSP: jax.Array | None = None
+  slots_gT: jax.Array | None = None
+  group_L: jax.Array | None = None
+  cache_layer_L: jax.Array | None = None
+
+  def for_layer(self, layer) -> tuple[Any, jax.Array, jax.Array]:
+    """``(cache_layer, slots_T, block_tables_SP)`` of decoder layer ``layer`` (an int or a
+    traced scalar): what its ``cache.write`` and ``paged_attention`` take. Without groups
+    that is ``(layer, self.slots_T, self.block_tables_SP)``."""
+    if self.group_L is None:
+      return layer, self.slots_T, self.block_tables_SP
+    g = self.group_L[layer]
+    return self.cache_layer_L[layer], self.slots_gT[g], self.block_tables_gSP[g]
 
 
 @jax.tree_util.register_dataclass
@@ -150,13 +167,16 @@ def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
 
 
 def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
-                 num_new_S: jax.Array) -> tuple[allocator.AllocatorState, StepInputs]:
+                 num_new_S: jax.Array, *, kv_groups=None
+                 ) -> tuple[allocator.AllocatorState, StepInputs]:
   """Allocate this step's tokens and pack the model's inputs (module docstring).
 
   Args:
     alloc_state: allocator state; sequence s is allocator slot s.
     tokens_T: i32[T] new tokens, packed by sequence in slot order, then padding.
     num_new_S: i32[S] new tokens of each sequence (0 for idle ones).
+    kv_groups: the model's ``KVGroups`` when the allocator has several groups (their
+      windows must be the allocator's); the metadata then carries every group's tables.
 
   Returns:
     ``(alloc_state, inputs)``: the grown allocator state and the ``StepInputs``. A sequence
@@ -165,6 +185,10 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
   """
   tokens_T, num_new_S = jnp.asarray(tokens_T), jnp.asarray(num_new_S)
   _check_step_args(alloc_state, tokens_T, num_new_S)
+  grouped = alloc_state.num_groups > 1
+  if grouped and (kv_groups is None or tuple(kv_groups.windows) != alloc_state.windows):
+    raise ValueError(f"kv_groups={kv_groups!r} must be the KVGroups whose windows are the "
+                     f"allocator's {alloc_state.windows}")
   num_new_S = num_new_S.astype(jnp.int32)
   num_tokens = tokens_T.shape[0]
   old_lens_S = alloc_state.seq_lens
@@ -182,12 +206,17 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
   seq_T = _row_owner(cu_q_lens, num_tokens)
   live_T = t < cu_q_lens[-1]
   positions_T = jnp.where(live_T, old_lens_S[seq_T] + t - cu_q_lens[seq_T], 0)
-  slots_T = jnp.where(live_T, allocator.slots(alloc_state, seq_T, positions_T),
-                      allocator.PAD_SLOT)
+  slots = jnp.where(live_T, allocator.slots(alloc_state, seq_T, positions_T),
+                    allocator.PAD_SLOT)  # [T], or [g, T] with groups
+  groups = {}
+  if grouped:
+    group_L, cache_layer_L = kv_groups.layer_arrays()
+    groups = dict(block_tables_gSP=alloc_state.block_tables, slots_gT=slots,
+                  group_L=group_L, cache_layer_L=cache_layer_L)
   metadata = AttentionMetadata(
-      slots_T=slots_T, kv_lens_S=alloc_state.seq_lens,
-      block_tables_SP=alloc_state.block_tables, cu_q_lens=cu_q_lens,
-      num_seqs=jnp.int32(alloc_state.max_seqs))
+      slots_T=slots[0] if grouped else slots, kv_lens_S=alloc_state.seq_lens,
+      block_tables_SP=alloc_state.block_tables[0] if grouped else alloc_state.block_tables,
+      cu_q_lens=cu_q_lens, num_seqs=jnp.int32(alloc_state.max_seqs), **groups)
   last_S = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)
   return alloc_state, StepInputs(tokens_T=tokens_T, positions_T=positions_T,
                                  metadata=metadata, q_lens_S=q_lens_S, ok_S=ok_S,
@@ -195,12 +224,12 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
 
 
 def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
-                 num_new_S: jax.Array, **forward_kwargs):
+                 num_new_S: jax.Array, *, kv_groups=None, **forward_kwargs):
   """One ragged step (prefill, chunked prefill, decode, or a mix); traceable, not jitted.
 
   Args:
     model: any model with ``paged_forward`` (``paged_jax.protocol``).
-    alloc_state, tokens_T, num_new_S: as ``prepare_step``.
+    alloc_state, tokens_T, num_new_S, kv_groups: as ``prepare_step``.
     cache: the ``KVCache``.
     **forward_kwargs: passed on to ``model.paged_forward`` (e.g. the built-in decoders'
       ``impl=``).
@@ -210,7 +239,7 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     (zero rows for sequences with no token this step or whose allocation failed), the new
     allocator state and cache, and ``ok_S``.
   """
-  alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S)
+  alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
   logits_SV, cache = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
                                          inputs.metadata, logits_indices=inputs.last_S,
                                          **forward_kwargs)

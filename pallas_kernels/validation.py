@@ -185,8 +185,12 @@ def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables
 
 
 def checkify_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
-                             cu_q_lens, num_seqs) -> None:
+                             cu_q_lens, num_seqs, *, sliding_window: int | None = None) -> None:
   """The checks of ``dynamic_validate_inputs`` as ``jax.experimental.checkify`` checks.
+
+  With ``sliding_window`` W a sequence reads only the blocks that reach its first query's
+  window (position ``kv_len - q_len - W + 1`` on): the blocks wholly before it may be
+  ``NO_BLOCK`` (a sliding KV group gives them back, ``allocator.slide``).
 
   Traceable: under ``jit`` they only take effect inside ``checkify.checkify`` (the debug mode
   of ``paged_attention``); the error names the argument and the offending entry. Inputs are
@@ -218,8 +222,11 @@ def checkify_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_table
   i = jnp.argmax(bad_S)
   checkify.check(~jnp.any(bad_S), f"kv_lens[{{}}]={{}} must be in [q_len={{}}, P * Z={capacity}]",
                  i, kv_lens_S[i], q_len_S[i])
-  read_SP = live_S[:, None] & (
-      jnp.arange(blocks_per_seq, dtype=jnp.int32)[None, :] * dims["Z"] < kv_lens_S[:, None])
+  start_P = jnp.arange(blocks_per_seq, dtype=jnp.int32) * dims["Z"]
+  read_SP = live_S[:, None] & (start_P[None, :] < kv_lens_S[:, None])
+  if sliding_window is not None:
+    first_S = kv_lens_S - q_len_S - sliding_window + 1  # the first position any query sees
+    read_SP &= start_P[None, :] + dims["Z"] > first_S[:, None]
   bad_SP = read_SP & ((block_tables_SP < 0) | (block_tables_SP >= dims["N"]))
   flat = jnp.argmax(bad_SP.reshape(-1))
   i, j = flat // blocks_per_seq, flat % blocks_per_seq

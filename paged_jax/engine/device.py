@@ -57,11 +57,20 @@ def _blocks_for(len_S, z):
 
 
 def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: bool = False,
-                  prefix_caching: bool = False, hash_fn=allocator.chain_hashes) -> EngineState:
+                  prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
+                  kv_groups=None) -> EngineState:
   """One scheduling step (module docstring): prefix hits, budget, blocks (preempting),
   ragged forward, prefix registration, fork, sample, stop. ``model``: any model of the
-  protocol (``paged_jax.protocol``)."""
+  protocol (``paged_jax.protocol``). ``kv_groups``: the model's ``KVGroups`` when the
+  allocator has several groups."""
+  # KV groups: sliding groups first give back what no query still to come can read, so
+  # that admission and preemption below count only the blocks the groups really hold.
+  if any(w is not None for w in st.alloc.windows):
+    alloc = allocator.slide(st.alloc)
+    cache = scrub_freed(st.cache, st.alloc, alloc) if scrub_on_release else st.cache
+    st = dataclasses.replace(st, alloc=alloc, cache=cache)
   alloc = st.alloc
+  num_groups = alloc.num_groups
   num_slots, max_len = st.tokens_SM.shape
   z = alloc.block_size
   slot_S = jnp.arange(num_slots, dtype=jnp.int32)
@@ -76,7 +85,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
         jnp.any(empty_S),
         lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
                                  st.salt_S, hash_fn=hash_fn),
-        lambda: (jnp.full(alloc.block_tables.shape, allocator.NO_BLOCK, jnp.int32),
+        lambda: (jnp.full((num_slots, alloc.max_blocks_per_seq), allocator.NO_BLOCK,
+                          jnp.int32),
                  jnp.zeros(num_slots, jnp.int32)))
   else:
     hit_S = jnp.zeros(num_slots, jnp.int32)
@@ -92,13 +102,14 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
 
   # 2. Blocks: sequences holding KV preempt the latest arrivals; new ones wait for room.
-  demand_S = _blocks_for(base_S + q_S, z) - _blocks_for(base_S, z)
+  # One block per new logical block in every group.
+  demand_S = num_groups * (_blocks_for(base_S + q_S, z) - _blocks_for(base_S, z))
   must_S = (cached_S > 0) & (q_S > 0)
 
   def short(c):
     alloc, pre_S = c
     live_demand = jnp.sum(jnp.where(must_S & ~pre_S, demand_S, 0))
-    holders = jnp.any(alloc.block_tables[:, 0] != allocator.NO_BLOCK)
+    holders = jnp.any(alloc.block_tables != allocator.NO_BLOCK)
     return (live_demand > alloc.num_free) & holders
 
   def preempt_one(c):
@@ -132,7 +143,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
   tokens_T = step_api.tokens_from_history(st.tokens_SM, cached_S, q_S, num_tokens)
-  logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S)
+  logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S,
+                                                        kv_groups=kv_groups)
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
     alloc = jax.lax.cond(
@@ -197,7 +209,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
 
 def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
                 num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
-                hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False):
+                hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False,
+                kv_groups=None):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
@@ -218,7 +231,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   def body(c):
     st, i, _ = c
     st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
-                       prefix_caching=prefix_caching, hash_fn=hash_fn)
+                       prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))

@@ -30,6 +30,7 @@ from paged_jax import protocol
 from paged_jax import sharding as mesh_sharding
 from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
+from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
 from paged_jax.spec import KVCacheSpec
@@ -101,6 +102,16 @@ class LLM:
       so a second start of the same engine loads its device calls instead of compiling
       them; a directory path puts it there; False leaves JAX's setting alone. A cache
       directory already set through ``jax.config`` is kept.
+    free_outside_window: True: layers are grouped by attention kind
+      (``paged_jax.kv_groups``; the built-in decoders' ``layer_types`` and window) and a
+      sliding layer's group gives back the blocks behind its window, so a sliding-window
+      sequence holds about its window instead of its whole length, and ``kv_budget_bytes``
+      buys more sequences; the pool's blocks then each hold one group's layers, and
+      prefix caching is off (the allocator's rule). False: every layer keeps every block
+      of a sequence (one full group), as a model without sliding layers always does.
+      Default (None): True when ``kv_budget_bytes`` sizes the pool (the memory is fixed,
+      freeing buys sequences), else False (``num_blocks`` and the default pool keep
+      counting blocks of every layer).
   """
 
   def __init__(self, model, config, *, dtype=None, block_size: int = 16,
@@ -110,7 +121,8 @@ class LLM:
                enable_prefix_caching: bool = True, mesh=None, tokenizer=None, seed: int = 0,
                max_traces: int | None = None, scrub_on_release: bool = False,
                prefix_hash_fn=None, token_buckets: Sequence[int] | None = None,
-               kv_cache_dtype=None, compilation_cache: bool | str | os.PathLike = True):
+               kv_cache_dtype=None, compilation_cache: bool | str | os.PathLike = True,
+               free_outside_window: bool | None = None):
     protocol.check_model(model)
     if kv_cache_dtype is not None:
       kv_cache_dtype = canonical_dtype(kv_cache_dtype, "kv_cache_dtype")
@@ -130,18 +142,31 @@ class LLM:
     if num_blocks is not None and kv_budget_bytes is not None:
       raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
     for name, value in (("enable_prefix_caching", enable_prefix_caching),
-                        ("scrub_on_release", scrub_on_release)):
+                        ("scrub_on_release", scrub_on_release),
+                        ("free_outside_window",
+                         kv_budget_bytes is not None if free_outside_window is None
+                         else free_outside_window)):
       if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}={value!r} must be a bool")
     if prefix_hash_fn is not None and not callable(prefix_hash_fn):
       raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
                        "allocator.chain_hashes")
     self.model, self.config, self.tokenizer = model, config, tokenizer
-    self.enable_prefix_caching = bool(enable_prefix_caching)
+    # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
+    if free_outside_window is None:
+      free_outside_window = kv_budget_bytes is not None
+    self.kv_groups = KVGroups.from_layer_windows(
+        layer_windows_of(config), free_outside_window=bool(free_outside_window))
+    # The allocator's rule: prefix caching serves one full group only.
+    self.enable_prefix_caching = bool(enable_prefix_caching) and self.kv_groups.windows == (
+        None,)
     self.scrub_on_release = bool(scrub_on_release)
     self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
                                 shards)
-    pool_tokens = self.spec.num_blocks // shards * self.spec.block_size
+    # The longest sequence the pool holds alone (N * Z without sliding groups).
+    pool_tokens = self.kv_groups.max_len_in_pool(
+        self.spec.num_blocks // shards, self.spec.block_size, max_tokens_per_step,
+        max(int(config.max_seq_len), 2))
     per_shard = "" if shards == 1 else f" / {shards} data shards"
     if max_model_len is None:
       max_model_len = min(config.max_seq_len, pool_tokens)
@@ -178,7 +203,8 @@ class LLM:
         static=dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
                     scrub_on_release=self.scrub_on_release,
                     prefix_caching=self.enable_prefix_caching,
-                    hash_fn=prefix_hash_fn or allocator.chain_hashes),
+                    hash_fn=prefix_hash_fn or allocator.chain_hashes,
+                    kv_groups=None if self.kv_groups.plain else self.kv_groups),
         token_buckets=self.token_buckets, plan=self._plan, param_specs=param_specs,
         max_traces=max_traces)
     self._bucket = self.token_buckets[-1]  # the step budget of the next device call
@@ -196,16 +222,19 @@ class LLM:
     """The KV pool's spec; with a mesh each data shard owns N / d blocks of it."""
     c = self.config
     kv_dtype = protocol.model_dtype(self.model) if dtype is None else jnp.dtype(dtype)
+    # A block holds the layers of one KV group (all L layers without groups).
+    layers = self.kv_groups.layers_per_group
     if kv_budget_bytes is not None:
-      spec = KVCacheSpec.from_budget(kv_budget_bytes, c.num_layers, c.num_kv_heads,
+      spec = KVCacheSpec.from_budget(kv_budget_bytes, layers, c.num_kv_heads,
                                      c.head_dim, block_size, kv_dtype)
       if shards > 1 and spec.num_blocks >= shards:
         spec = dataclasses.replace(spec, num_blocks=spec.num_blocks - spec.num_blocks % shards)
     else:
       if num_blocks is None:
         num_blocks = max_seqs * math.ceil(min(c.max_seq_len, 2048) / block_size)
-      spec = protocol.kv_cache_spec(c, block_size=block_size, num_blocks=num_blocks,
-                                    dtype=kv_dtype)
+      spec = dataclasses.replace(
+          protocol.kv_cache_spec(c, block_size=block_size, num_blocks=num_blocks,
+                                 dtype=kv_dtype), num_layers=layers)
     for name, value in (("max_seqs", max_seqs), ("num_blocks", spec.num_blocks)):
       if value % shards:
         raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
@@ -237,12 +266,14 @@ class LLM:
 
   def _init_state(self) -> state_lib.EngineState:
     if self._plan is None:
-      return state_lib.init_state(self.spec, self.max_seqs, self.max_model_len)
+      return state_lib.init_state(self.spec, self.max_seqs, self.max_model_len,
+                                  windows=self.kv_groups.windows)
     # Each data shard's state (S/d slots, N/d blocks) built in place on the mesh.
     shard_spec = dataclasses.replace(
         self.spec, num_blocks=self.spec.num_blocks // self._plan.data_size)
     return self._plan.init_state(lambda: state_lib.init_state(
-        shard_spec, self._slots_per_shard, self.max_model_len))
+        shard_spec, self._slots_per_shard, self.max_model_len,
+        windows=self.kv_groups.windows))
 
   def precompile(self, progress: Callable[[int, int, str], Any] | None = None
                  ) -> dict[str, float]:
@@ -372,7 +403,8 @@ class LLM:
         requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
         num_blocks=self.spec.num_blocks, num_free_blocks=free,
         kv_cache_dtype=jnp.dtype(self.spec.dtype).name, block_size=self.spec.block_size,
-        kv_pool_bytes=self.spec.total_bytes, host_syncs=h["host_syncs"],
+        kv_pool_bytes=self.spec.total_bytes, kv_group_windows=self.kv_groups.windows,
+        host_syncs=h["host_syncs"],
         host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
         peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
         device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],

@@ -100,11 +100,15 @@ def _zero_counters() -> dict:
               cached_prompt_tokens=jnp.int32(0))
 
 
-def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int) -> EngineState:
-  """An empty engine: every slot free, every block free, counters 0."""
+def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int, *,
+               windows=None) -> EngineState:
+  """An empty engine: every slot free, every block free, counters 0. ``windows``: the KV
+  groups' windows (``KVGroups.windows``; default one full group); ``spec.num_layers`` is
+  then the layers of one group (the cache's layers)."""
   p = math.ceil(max_model_len / spec.block_size)
   rows = _empty_rows(jnp, max_seqs, max_model_len)
-  return EngineState(alloc=allocator.init(spec.num_blocks, spec.block_size, max_seqs, p),
+  return EngineState(alloc=allocator.init(spec.num_blocks, spec.block_size, max_seqs, p,
+                                          windows=windows),
                      cache=KVCache.create(spec), **rows, **_zero_counters())
 
 

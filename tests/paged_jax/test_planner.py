@@ -104,10 +104,34 @@ def test_cli_plan_shows_per_layer_kv_cost_of_sliding_and_full_layers(tmp_path, c
   assert "| 22 (0, 1, 2, 3, 4, 6, ...) | sliding, window 512 | 16384 bytes | 360448 bytes |" in out
   assert "| 4 (5, 11, 17, 23) | full | 16384 bytes | 65536 bytes |" in out
   assert "per block  : 425984 bytes" in out  # 26 * 16384: sliding layers hold every block
-  assert "not freed yet" in out
+  # KV groups: gcd(22, 4) = 2 layers per group, 11 sliding and 2 full groups; a group's
+  # token costs 2 * 2 * 1 * 256 * 2 = 2048 bytes, its block 32768 bytes (64 MiB: 2048).
+  assert "KV groups  : 13 groups of 2 layers, one pool of 2048 blocks of 32768 bytes" in out
+  assert "| sliding, window 512 | 11 | 2048 bytes |" in out and "| full | 2 | 2048 bytes |" in out
+  # Without freeing a 64 MiB pool holds 157 blocks of 16 tokens of all 26 layers.
+  assert "| without (every layer holds every block) |" in out
+  assert "| with (sliding groups hold their window) |" in out
   # A plain Llama config: one row, no note.
   (tmp_path / "config.json").write_text(json.dumps(dict(
       model_type="llama", num_hidden_layers=2, num_attention_heads=4, hidden_size=256)))
   assert cli.main(["plan", "--config", str(tmp_path)]) == 0
   out = capsys.readouterr().out
-  assert "| 2 (0, 1) | full |" in out and "not freed" not in out
+  assert "| 2 (0, 1) | full |" in out and "KV groups" not in out
+
+
+def test_plan_windowed_gemma3_like_5_to_1_at_8k():
+  # 6 layers, 5 sliding (window 1024) to 1 full, K = 1, D = 128, bfloat16, Z = 16: one
+  # layer's block = 2 * 16 * 128 * 2 = 8192 bytes. Budget: 10 whole 8192-token sequences
+  # without freeing = 10 * 512 blocks * 6 layers * 8192 bytes.
+  model = planner.ModelShape(num_layers=6, num_kv_heads=1, head_dim=128,
+                             layer_types=("sliding_attention",) * 5 + ("full_attention",),
+                             sliding_window=1024)
+  budget = 10 * 512 * 6 * 8192
+  dist = planner.LengthDistribution(median_len=8192, sigma=0.0, max_len=8192)
+  plan = planner.plan_windowed(model, budget, 16, dist)
+  assert plan.groups.windows == (1024,) * 5 + (None,) and plan.group_spec.num_blocks == 30720
+  # With freeing a sequence holds 512 full blocks + 5 * (ceil(1024 / 16) + 1) = 837 blocks:
+  # 30720 // 837 = 36 sequences, 3.6x the 10 without.
+  assert plan.without.num_seqs == 10 and plan.with_.num_seqs == 36
+  assert "| with (sliding groups hold their window) | 36 | 3.60x |" in planner.format_windowed(
+      plan)
