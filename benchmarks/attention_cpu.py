@@ -1,6 +1,6 @@
 """Ragged paged attention on this machine: reference vs XLA path vs dense contiguous.
 
-For each workload, one run times every implementation side by side (median of repeats
+For each workload, one run times every implementation side by side (best of repeats,
 after a warm-up compile) and reads XLA's compiled temporary memory, so the table is of
 ratios measured together. The dense baseline is plain attention over a contiguous
 [S, ctx, K, D] cache holding the same live tokens, with the queries padded per sequence
@@ -121,15 +121,17 @@ def compile_fn(fn, args):
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
-  """Median seconds of each zero-argument fn, timed round-robin (one call of each per
-  round) so that load from other jobs falls on every column alike."""
-  samples = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
+  """Best (least disturbed) seconds of each zero-argument fn over ``repeats`` rounds of one
+  call each, the order rotating every round, so that load from other jobs and the cache
+  left by the previous call fall on every column alike."""
+  names = list(fns)
+  best = {name: float("inf") for name in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
       start = time.perf_counter()
-      fn()
-      samples[name].append(time.perf_counter() - start)
-  return {name: statistics.median(s) for name, s in samples.items()}
+      fns[name]()
+      best[name] = min(best[name], time.perf_counter() - start)
+  return best
 
 
 def units_only(w_or_args, sm_scale):
@@ -175,7 +177,8 @@ def main_table(workloads, repeats: int) -> list[dict]:
           f"{row['xla_temp_mib']:.1f} | {row['dense_temp_mib']:.1f} | {max_err:.1e} |",
           flush=True)
   print(f"\njax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s), float32, H=8 K=2 D=64 Z=16")
+        f"{jax.device_count()} device(s), float32, H=8 K=2 D=64 Z=16; best of {repeats}; "
+        "units-only is the same program as xla below 256 query rows")
   return rows
 
 
@@ -236,7 +239,7 @@ def prefill_table(shapes, repeats: int, block_size: int = 16) -> list[dict]:
           f"{row['units_only_ms']:.1f} | {row['torch_ms']:.1f} | {row['xla_over_torch']:.2f} | "
           f"{row['units_only_over_torch']:.2f} | {tiles} | {max_err:.1e} |", flush=True)
   print(f"\nfloat32, Z={block_size}, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, jax on the same cores; median of {repeats}")
+        f"{torch.get_num_threads()} threads, jax on the same cores; best of {repeats}")
   return rows
 
 
