@@ -12,6 +12,14 @@ against their items' query rows and folds the partial softmax sums into the item
 ones (a scatter-max, then scatter-adds): flash attention's online softmax, over units.
 Memory is bounded by U chunks at any context length.
 
+Long query runs take prefill tiles instead (``prefill.py``): in a call of at least 256 rows,
+every sequence with at least ``min_rows`` query rows (a prompt or a long chunk of one) is
+cut into tiles of up to 256 rows, each run against chunks of ~256 KV positions with one
+batched matmul per product and its softmax state carried in the loop, over the causal
+triangle only. The units then skip those sequences (``tile_sequence_items``' ``skip_S``),
+so decode rows and short chunks keep the unit loop, and a call without a long sequence
+skips the tiles with one ``cond``. Smaller calls compile the units alone, as before.
+
 Pages a unit does not own (past its item's causal horizon or its sequence's length, or a
 block id outside ``[0, N)``) are replaced by an out-of-range row that the gather fills with
 zeros: they are never read.
