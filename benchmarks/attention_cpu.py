@@ -198,8 +198,10 @@ PREFILL = (  # (tokens, H, K, D)
 PREFILL_QUICK = ((300, 9, 3, 64),)
 
 
-def prefill_table(shapes, repeats: int, block_size: int = 16) -> list[dict]:
-  """Causal prefill of one sequence: xla (default tiling), xla units-only, torch SDPA."""
+def prefill_table(shapes, repeats: int, block_size: int = 16,
+                  units_only_column: bool = True) -> list[dict]:
+  """Causal prefill of one sequence: xla (default tiling), xla units-only (unless
+  ``units_only_column`` is False: one compilation less, for the quick mode), torch SDPA."""
   try:
     import torch
   except ImportError:
@@ -219,7 +221,8 @@ def prefill_table(shapes, repeats: int, block_size: int = 16) -> list[dict]:
     sm_scale = head_dim ** -0.5
     xla_fn, _, xla_out = compile_fn(lambda *a: xla_paged_attention(*a, sm_scale=sm_scale),
                                     paged)
-    old_fn, _, _ = compile_fn(units_only(paged, sm_scale), paged)
+    old_fn = (compile_fn(units_only(paged, sm_scale), paged)[0] if units_only_column
+              else lambda: None)
     # The same tokens for torch: [1, H, T, D] queries, [1, K, T, D] keys and values.
     q_t = torch.from_numpy(np.asarray(dense[0])[0].transpose(1, 0, 2).copy())[None]
     k_t = torch.from_numpy(np.asarray(dense[1])[0, :num_tokens].transpose(1, 0, 2).copy())[None]
@@ -231,6 +234,8 @@ def prefill_table(shapes, repeats: int, block_size: int = 16) -> list[dict]:
 
     torch_out = torch_fn()[0].numpy().transpose(1, 0, 2)
     t = interleaved(dict(xla=xla_fn, old=old_fn, torch=torch_fn), repeats)
+    if not units_only_column:
+      t["old"] = float("nan")
     tiling = xla_ragged.default_tiling(num_tokens, 1, block_size, paged[5].shape[1],
                                        num_kv_heads=num_kv_heads,
                                        group=num_q_heads // num_kv_heads).prefill
@@ -297,7 +302,8 @@ def main(argv=None) -> list[dict]:
   rows = main_table(QUICK if args.quick else FULL, repeats)
   if not args.no_prefill_table:
     rows += prefill_table(PREFILL_QUICK if args.quick else PREFILL,
-                          args.repeats or (2 if args.quick else 3))
+                          args.repeats or (2 if args.quick else 3),
+                          units_only_column=not args.quick)
   if not args.quick and not args.no_chunk_table:
     rows += chunk_table(CHUNKS, args.repeats or 8)
   return rows
