@@ -32,11 +32,12 @@ def query_positions(t, seq, kv_lens_S, cu_q_lens):
 
 
 def tile_sequence_items(cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
-                        num_items: int):
+                        num_items: int, skip_S=None):
   """Enumerate the work items of a ragged batch: (query tile, sequence) pairs, token order.
 
   A tile of ``q_tile`` consecutive query rows that spans a sequence boundary yields one item
-  per sequence it touches; empty and padding sequences yield none. Every implementation
+  per sequence it touches; empty and padding sequences yield none, nor do those marked in
+  ``skip_S`` (bool[S], optional: rows another path serves). Every implementation
   that tiles queries (the XLA path, the TPU and GPU kernels) shares this enumeration.
 
   Returns ``(seq_W, tile_W, live_W, q_start_S, q_end_S)``: each item's sequence and tile,
@@ -47,6 +48,8 @@ def tile_sequence_items(cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
   q_start_S = jnp.clip(cu_q_lens[:-1], 0, num_tokens)
   q_end_S = jnp.clip(cu_q_lens[1:], 0, num_tokens)
   live_S = (jnp.arange(num_seq_rows) < num_seqs) & (q_end_S > q_start_S)
+  if skip_S is not None:
+    live_S &= ~skip_S
   first_tile_S = q_start_S // q_tile
   tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
   tiles_end_S = jnp.cumsum(tiles_S)

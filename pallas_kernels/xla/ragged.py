@@ -12,6 +12,14 @@ against their items' query rows and folds the partial softmax sums into the item
 ones (a scatter-max, then scatter-adds): flash attention's online softmax, over units.
 Memory is bounded by U chunks at any context length.
 
+Long query runs take prefill tiles instead (``prefill.py``): in a call of at least 256 rows,
+every sequence with at least ``min_rows`` query rows (a prompt or a long chunk of one) is
+cut into tiles of up to 256 rows, each run against chunks of ~256 KV positions with one
+batched matmul per product and its softmax state carried in the loop, over the causal
+triangle only. The units then skip those sequences (``tile_sequence_items``' ``skip_S``),
+so decode rows and short chunks keep the unit loop, and a call without a long sequence
+skips the tiles with one ``cond``. Smaller calls compile the units alone, as before.
+
 Pages a unit does not own (past its item's causal horizon or its sequence's length, or a
 block id outside ``[0, N)``) are replaced by an out-of-range row that the gather fills with
 zeros: they are never read.
@@ -42,6 +50,8 @@ from jax import lax
 from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import metadata
 from paged_jax.pallas_kernels import validation
+from paged_jax.pallas_kernels.xla import prefill
+from paged_jax.pallas_kernels.xla.prefill import PrefillTiling
 
 _NEG_INF = float("-inf")
 _SCORES_PER_STEP = 1 << 16
@@ -65,11 +75,14 @@ class XlaTiling:
     pages_per_chunk: R, pages in one work unit (J = R * Z KV positions).
     units_per_step: U, work units each loop step processes; None picks one from the
       shapes (``default_units_per_step``).
+    prefill: the prefill tiles (``prefill.PrefillTiling``) that sequences with many query
+      rows in the call take instead of the units; None: every row takes the units.
   """
 
   q_tile: int
   pages_per_chunk: int
   units_per_step: int | None = None
+  prefill: PrefillTiling | None = None
 
   def __post_init__(self):
     for name in ("q_tile", "pages_per_chunk", "units_per_step"):
@@ -78,16 +91,22 @@ class XlaTiling:
         continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if self.prefill is not None and not isinstance(self.prefill, PrefillTiling):
+      raise ValueError(f"prefill={self.prefill!r} must be a PrefillTiling or None")
 
 
 def default_tiling(num_tokens: int, num_seq_rows: int, block_size: int,
-                   blocks_per_seq: int) -> XlaTiling:
-  """Q near the mean rows per sequence (a power of two, at most 64); J near 64 positions
-  (short chunks waste little past each item's horizon; the flat loop makes many cheap)."""
+                   blocks_per_seq: int, *, num_kv_heads: int = 1, group: int = 1
+                   ) -> XlaTiling:
+  """Units: Q near the mean rows per sequence (a power of two, at most 64); J near 64
+  positions (short chunks waste little past each item's horizon; the flat loop makes many
+  cheap). Prefill tiles from ``prefill.default_prefill_tiling`` (K and G size them)."""
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   q_tile = min(64, 1 << (rows_per_seq.bit_length() - 1))
   pages_per_chunk = max(1, min(blocks_per_seq, 64 // block_size))
-  return XlaTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk)
+  return XlaTiling(q_tile=q_tile, pages_per_chunk=pages_per_chunk,
+                   prefill=prefill.default_prefill_tiling(num_tokens, block_size,
+                                                          blocks_per_seq, num_kv_heads, group))
 
 
 def default_units_per_step(num_items: int, rows: int, chunk_len: int,
@@ -97,6 +116,13 @@ def default_units_per_step(num_items: int, rows: int, chunk_len: int,
   never below 1."""
   budget = _SCORES_PER_STEP // (rows * chunk_len)
   return max(1, min(max(num_items, _MIN_UNITS_PER_STEP), max_units, budget))
+
+
+def active_prefill_tiling(tiling: XlaTiling, num_tokens: int) -> PrefillTiling | None:
+  """The prefill tiles this call can use: none when T rows cannot hold a long sequence."""
+  if tiling.prefill is None or num_tokens < tiling.prefill.min_rows:
+    return None
+  return tiling.prefill
 
 
 def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:
@@ -153,8 +179,12 @@ def plan_work(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, block_size: in
   q_tile = tiling.q_tile
   num_seq_rows = kv_lens_S.shape[0]
   num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
+  prefill_tiling = active_prefill_tiling(tiling, num_tokens)
+  long_S = (None if prefill_tiling is None else prefill.long_sequences(
+      cu_q_lens, num_seqs, num_tokens=num_tokens, tiling=prefill_tiling))
   item_seq_W, item_tile_W, item_live_W, q_start_S, q_end_S = metadata.tile_sequence_items(
-      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items)
+      cu_q_lens, num_seqs, num_tokens=num_tokens, q_tile=q_tile, num_items=num_items,
+      skip_S=long_S)
   row_WQ = item_tile_W[:, None] * q_tile + jnp.arange(q_tile)[None, :]
   seq_WQ = jnp.broadcast_to(item_seq_W[:, None], row_WQ.shape)
   row_live_WQ = (item_live_W[:, None] & (row_WQ >= q_start_S[seq_WQ])
@@ -200,7 +230,8 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   if num_tokens == 0:
     return jnp.zeros_like(q_THD)
   if tiling is None:
-    tiling = default_tiling(num_tokens, num_seq_rows, block_size, blocks_per_seq)
+    tiling = default_tiling(num_tokens, num_seq_rows, block_size, blocks_per_seq,
+                            num_kv_heads=num_kv_heads, group=group)
   q_tile, pages_per_chunk = tiling.q_tile, tiling.pages_per_chunk
   chunk_len = pages_per_chunk * block_size
   num_items = num_work_items(num_tokens, num_seq_rows, q_tile)
@@ -322,4 +353,11 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   dest_WQ = jnp.where(row_live_WQ, row_WQ, num_tokens)
   out_THD = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
   out_THD = out_THD.at[dest_WQ].set(out_WQHD, mode="drop")
+  prefill_tiling = active_prefill_tiling(tiling, num_tokens)
+  if prefill_tiling is not None:  # the long sequences' rows (skipped by the units above)
+    out_THD = prefill.prefill_attention(
+        q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP, cu_q_lens,
+        num_seqs, out_THD, sm_scale=sm_scale, tiling=prefill_tiling,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype,
+        k_scales=k_scales, v_scales=v_scales)
   return out_THD.astype(q_THD.dtype)

@@ -11,12 +11,19 @@ from benchmarks import attention_cpu
 
 def test_attention_cpu_quick(capsys):
   rows = attention_cpu.main(["--quick", "--repeats", "1"])
-  assert len(rows) == len(attention_cpu.QUICK)
-  for row in rows:
-    for key in ("reference_ms", "xla_ms", "dense_ms", "xla_temp_mib"):
+  main_rows = [row for row in rows if "workload" in row]
+  assert len(main_rows) == len(attention_cpu.QUICK)
+  for row in main_rows:
+    for key in ("reference_ms", "xla_ms", "units_only_ms", "dense_ms", "xla_temp_mib"):
       assert math.isfinite(row[key]) and row[key] >= 0, (key, row)
     assert row["xla_max_abs_err"] < 1e-4, row  # the timed paths compute the same thing
-  assert "| workload |" in capsys.readouterr().out
+  prefill_rows = [row for row in rows if "tokens" in row]
+  out = capsys.readouterr().out
+  assert "| workload |" in out
+  if "torch is not installed" not in out:  # torch is the prefill table's optional peer
+    assert len(prefill_rows) == len(attention_cpu.PREFILL_QUICK)
+    for row in prefill_rows:
+      assert math.isfinite(row["xla_over_torch"]) and row["xla_max_abs_err"] < 1e-4, row
 
 
 def test_gpu_accuracy_quick():
