@@ -194,3 +194,31 @@ def test_every_impl_skips_blocks_given_back_behind_the_window():
                           interpret=impl.startswith("pallas"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6,
                                err_msg=impl)
+
+
+def test_xla_prefill_tiles_skip_blocks_given_back_behind_the_window():
+  # A 300-row chunk (the XLA path's prefill tiles: >= 256 rows) at positions 300..599 of a
+  # 600-token sequence, window 64, blocks of 16: its first query sees 237.., so blocks
+  # 0..13 (positions < 224) are behind every window. Given back (NO_BLOCK, which a read
+  # would wrap to the last page, NaN) or kept (NaN pages), the output is the reference's.
+  import jax.numpy as jnp
+  from paged_jax import KVCache, paged_attention
+  rng = np.random.default_rng(2)
+  num_blocks, held_blocks = 40, 38
+  k = rng.standard_normal((1, 1, num_blocks, 16, 64)).astype(np.float32)
+  v = rng.standard_normal((1, 1, num_blocks, 16, 64)).astype(np.float32)
+  k[:, :, held_blocks:] = v[:, :, held_blocks:] = np.nan
+  # Kept, the 14 blocks behind the window are the two NaN pages: a read of them shows.
+  held = np.concatenate([[held_blocks, held_blocks + 1] * 7, rng.permutation(held_blocks)[:24]])
+  given_back = held.copy()
+  given_back[:14] = -1
+  cache = KVCache(jnp.asarray(k), jnp.asarray(v))
+  q = jnp.asarray(rng.standard_normal((300, 4, 64)).astype(np.float32))
+  common = (jnp.asarray([600], jnp.int32),)
+  rest = (jnp.asarray([0, 300], jnp.int32), 1)
+  want = paged_attention(q, cache, 0, *common, jnp.asarray(held[None], jnp.int32), *rest,
+                         sliding_window=64, impl="reference")
+  assert np.isfinite(np.asarray(want)).all()
+  got = paged_attention(q, cache, 0, *common, jnp.asarray(given_back[None], jnp.int32), *rest,
+                        sliding_window=64, impl="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
