@@ -8,21 +8,21 @@ subprocess of its own.
 
 import os
 
-os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", "off")
-
-
 import pytest
+
+os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", "off")
 
 
 class _NeverRaised(Exception):
   """No test raises this: as ``only_rerun`` it keeps every ordinary failure a failure."""
 
 
-# JAX's TPU interpreter on CPU (jax 0.10.2) has crashed its process (SIGSEGV) twice in ~4 CI
-# runs, each time on a different test_tpu.py case that passes when run again (the file's
-# whole slow grid, run again here with and without xdist, passed). Under pytest-xdist such a
-# test gets ONE rerun when its worker dies; an assertion or exception still fails at once
-# (only_rerun names an exception nobody raises), and a crash that repeats still fails.
+# XLA:CPU (jax 0.10.2) now and then segfaults while compiling the TPU interpreter's program
+# for a test_tpu.py case (in backend_compile_and_load, at the optimisation level 0 the file
+# asks for): twice in ~4 CI runs and once in a local run of the slow grid, each time a
+# different case, which passed when run again. Under pytest-xdist such a test gets ONE
+# rerun when its worker dies; an assertion or exception still fails at once (only_rerun
+# names an exception nobody raises), and a crash that repeats still fails.
 _CRASH_RERUN_FILES = ("tests/pallas_kernels/test_tpu.py",)
 
 
