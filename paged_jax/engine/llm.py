@@ -6,8 +6,7 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 
 - ``paged_jax.engine.state``: the device-side state (one pytree) and its small edits;
 - ``paged_jax.engine.device``: one scheduling step and the device call looping over it;
-- ``paged_jax.engine.calls``: the jitted device calls and their compilation
-  (``LLM.precompile``);
+- ``paged_jax.engine.calls``: the jitted device calls, compiled by ``LLM.precompile``;
 - ``paged_jax.engine.scheduler``: host scheduling (requests, slots, token buckets, reports);
 - this module: construction and validation, ``generate`` / ``generate_stream``, ``stats``.
 """
@@ -102,16 +101,11 @@ class LLM:
       so a second start of the same engine loads its device calls instead of compiling
       them; a directory path puts it there; False leaves JAX's setting alone. A cache
       directory already set through ``jax.config`` is kept.
-    free_outside_window: True: layers are grouped by attention kind
-      (``paged_jax.kv_groups``; the built-in decoders' ``layer_types`` and window) and a
-      sliding layer's group gives back the blocks behind its window, so a sliding-window
-      sequence holds about its window instead of its whole length, and ``kv_budget_bytes``
-      buys more sequences; the pool's blocks then each hold one group's layers, and
-      prefix caching is off (the allocator's rule). False: every layer keeps every block
-      of a sequence (one full group), as a model without sliding layers always does.
-      Default (None): True when ``kv_budget_bytes`` sizes the pool (the memory is fixed,
-      freeing buys sequences), else False (``num_blocks`` and the default pool keep
-      counting blocks of every layer).
+    free_outside_window: True: layers are grouped by attention kind (``paged_jax.kv_groups``)
+      and a sliding group gives back the blocks behind its window, so ``kv_budget_bytes``
+      buys more sequences; each block then holds one group's layers, and prefix caching is
+      off (the allocator's rule). False: every layer keeps every block of a sequence.
+      Default (None): True when ``kv_budget_bytes`` sizes the pool, else False.
   """
 
   def __init__(self, model, config, *, dtype=None, block_size: int = 16,
@@ -141,11 +135,11 @@ class LLM:
       _check_int(name, value)
     if num_blocks is not None and kv_budget_bytes is not None:
       raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
+    if free_outside_window is None:
+      free_outside_window = kv_budget_bytes is not None
     for name, value in (("enable_prefix_caching", enable_prefix_caching),
                         ("scrub_on_release", scrub_on_release),
-                        ("free_outside_window",
-                         kv_budget_bytes is not None if free_outside_window is None
-                         else free_outside_window)):
+                        ("free_outside_window", free_outside_window)):
       if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}={value!r} must be a bool")
     if prefix_hash_fn is not None and not callable(prefix_hash_fn):
@@ -153,18 +147,14 @@ class LLM:
                        "allocator.chain_hashes")
     self.model, self.config, self.tokenizer = model, config, tokenizer
     # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
-    if free_outside_window is None:
-      free_outside_window = kv_budget_bytes is not None
     self.kv_groups = KVGroups.from_layer_windows(
         layer_windows_of(config), free_outside_window=bool(free_outside_window))
     # The allocator's rule: prefix caching serves one full group only.
-    self.enable_prefix_caching = bool(enable_prefix_caching) and self.kv_groups.windows == (
-        None,)
+    self.enable_prefix_caching = bool(enable_prefix_caching) and self.kv_groups.windows == (None,)
     self.scrub_on_release = bool(scrub_on_release)
     self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
                                 shards)
-    # The longest sequence the pool holds alone (N * Z without sliding groups).
-    pool_tokens = self.kv_groups.max_len_in_pool(
+    pool_tokens = self.kv_groups.max_len_in_pool(  # N * Z without sliding groups
         self.spec.num_blocks // shards, self.spec.block_size, max_tokens_per_step,
         max(int(config.max_seq_len), 2))
     per_shard = "" if shards == 1 else f" / {shards} data shards"
@@ -265,15 +255,13 @@ class LLM:
   # --- state and compilation ---
 
   def _init_state(self) -> state_lib.EngineState:
+    init = lambda spec, slots: state_lib.init_state(spec, slots, self.max_model_len,
+                                                    windows=self.kv_groups.windows)
     if self._plan is None:
-      return state_lib.init_state(self.spec, self.max_seqs, self.max_model_len,
-                                  windows=self.kv_groups.windows)
-    # Each data shard's state (S/d slots, N/d blocks) built in place on the mesh.
-    shard_spec = dataclasses.replace(
-        self.spec, num_blocks=self.spec.num_blocks // self._plan.data_size)
-    return self._plan.init_state(lambda: state_lib.init_state(
-        shard_spec, self._slots_per_shard, self.max_model_len,
-        windows=self.kv_groups.windows))
+      return init(self.spec, self.max_seqs)
+    blocks = self.spec.num_blocks // self._plan.data_size  # a data shard's: S/d slots, N/d blocks
+    return self._plan.init_state(
+        lambda: init(dataclasses.replace(self.spec, num_blocks=blocks), self._slots_per_shard))
 
   def precompile(self, progress: Callable[[int, int, str], Any] | None = None
                  ) -> dict[str, float]:
