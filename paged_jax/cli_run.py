@@ -233,13 +233,13 @@ def _run(args) -> int:
   source = args.model or "embedded tiny Llama (random weights)"
   _say(progress, f"  {source}: {llm.stats['num_blocks']} KV blocks of {args.block_size} "
        f"tokens, up to {llm.max_seqs} sequences ({time.perf_counter() - t_start:.1f} s)")
+  if args.prompt is not None and llm.tokenizer is None:  # said before compiling, not after
+    raise ValueError("--prompt needs --model DIR with a tokenizer.json (the embedded model "
+                     "has no tokenizer)")
   compile_s = _precompile(llm, progress)
   sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed)
   if args.prompt is not None:
-    if llm.tokenizer is None:
-      raise ValueError("--prompt needs --model DIR with a tokenizer.json (the embedded model "
-                       "has no tokenizer)")
     max_tokens = 32 if args.max_tokens is None else args.max_tokens
     out, = llm.generate([args.prompt], SamplingParams(max_tokens=max_tokens, **sampling))
     print(f"prompt:     {args.prompt}")
