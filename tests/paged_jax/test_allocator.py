@@ -673,12 +673,13 @@ def test_take_equals_the_sorted_free_order_on_both_paths():
   rng = np.random.default_rng(5)
   take = jax.jit(A._take)
   order = jax.jit(A._free_order_N)
+  append, release = jax.jit(A.append), jax.jit(A.release)
   paths = set()
   for trial in range(12):
     s = A.init(num_blocks=24, block_size=2, max_seqs=4, max_blocks_per_seq=6)
     for _ in range(int(rng.integers(1, 6))):  # releases at different clocks: many stamps
-      s, _ = A.append(s, jnp.asarray(rng.integers(0, 5, 4), jnp.int32))
-      s = A.release(s, jnp.asarray(rng.random(4) < 0.5))
+      s, _ = append(s, jnp.asarray(rng.integers(0, 5, 4), jnp.int32))
+      s = release(s, jnp.asarray(rng.random(4) < 0.5))
     s = dataclasses.replace(s, depth_N=jnp.where(jnp.asarray(rng.random(24) < 0.2) &
                                                  (s.ref_counts == 0), 0, s.depth_N))
     want = np.asarray(order(s))
