@@ -168,6 +168,20 @@ def poison_before_window(case: Case, sliding_window: int) -> Case:
   return dataclasses.replace(case, k_pages_LKNZD=k, v_pages_LKNZD=v)
 
 
+def hand_case_pages() -> tuple[np.ndarray, np.ndarray]:
+  """(k_pages, v_pages) ``[1, 1, 4, 2, 1]`` of the hand-computed case (test_attention's
+  ``test_hand_computed_case`` has the arithmetic): one sequence, K = D = 1, block size 2;
+  keys at positions 0, 1, 2 are 0, ln 2, ln 3 and values 3, 6, 9, logical block 0 in
+  physical block 3 and logical block 1 in physical block 1; every other slot NaN."""
+  k_pages = np.full((1, 1, 4, 2, 1), np.nan, np.float32)
+  v_pages = np.full((1, 1, 4, 2, 1), np.nan, np.float32)
+  k_pages[0, 0, 3, :, 0] = [0.0, np.log(2)]
+  k_pages[0, 0, 1, 0, 0] = np.log(3)
+  v_pages[0, 0, 3, :, 0] = [3.0, 6.0]
+  v_pages[0, 0, 1, 0, 0] = 9.0
+  return k_pages, v_pages
+
+
 def make_sinks(seed: int, num_q_heads: int, *, scale: float = 2.0) -> np.ndarray:
   """f32[H] sink logits, some well above a typical score so they take real mass."""
   return (np.random.default_rng(seed).normal(size=num_q_heads) * scale).astype(np.float32)

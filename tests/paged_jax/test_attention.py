@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import zlib
 
 import chex
@@ -56,13 +55,7 @@ def test_hand_computed_case(impl):
   # Query 1 sits at position 2: weights 1 : 2 : 3 over 6, so (3 + 12 + 27) / 6 = 7.
   # Logical block 0 is physical block 3, logical block 1 is physical block 1; everything
   # else (blocks 0 and 2, and offset 1 of block 1) is NaN and must never be read.
-  nan = np.nan
-  k_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
-  v_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
-  k_pages[0, 0, 3, :, 0] = [0.0, math.log(2)]
-  k_pages[0, 0, 1, 0, 0] = math.log(3)
-  v_pages[0, 0, 3, :, 0] = [3.0, 6.0]
-  v_pages[0, 0, 1, 0, 0] = 9.0
+  k_pages, v_pages = cases.hand_case_pages()
   cache = KVCache(k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages))
   q = jnp.ones((3, 1, 1), jnp.float32)  # row 2 is padding
   out = paged_attention(q, cache, 0, jnp.array([3], jnp.int32), jnp.array([[3, 1]], jnp.int32),

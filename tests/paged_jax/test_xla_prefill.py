@@ -11,7 +11,6 @@ a 300-token prompt through ``LLM`` at T = 256 against the dense model (tokens an
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -126,13 +125,7 @@ def test_hand_computed_case_in_one_tile():
   # The hand case of test_attention through a prefill tile of 2 rows and chunks of 1 page
   # (Z = 2): keys at 0, 1, 2 are 0, ln 2, ln 3 and values 3, 6, 9; queries 1 at positions 1
   # and 2: 5 = (3 + 6 * 2) / 3 and 7 = (3 + 12 + 27) / 6. Row 2 is padding.
-  nan = np.nan
-  k_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
-  v_pages = np.full((1, 1, 4, 2, 1), nan, np.float32)
-  k_pages[0, 0, 3, :, 0] = [0.0, math.log(2)]
-  k_pages[0, 0, 1, 0, 0] = math.log(3)
-  v_pages[0, 0, 3, :, 0] = [3.0, 6.0]
-  v_pages[0, 0, 1, 0, 0] = 9.0
+  k_pages, v_pages = cases.hand_case_pages()
   tiling = XlaTiling(q_tile=1, pages_per_chunk=1,
                      prefill=PrefillTiling(q_tile=2, pages_per_chunk=1, min_rows=2))
   out = xla_attention(jnp.ones((3, 1, 1), jnp.float32), jnp.asarray(k_pages),
