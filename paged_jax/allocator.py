@@ -3,7 +3,9 @@
 All state lives in one pytree, ``AllocatorState``; every op is a pure function returning a new
 state, jit-able with static shapes and vectorised over sequences and blocks (cumsum, sort,
 scatter and gather formulations; no Python loop and no ``fori_loop``/``while_loop``/``scan``).
-Each op does O(N + S * P) work plus one sort of N block keys (the free order below).
+Each op does at most O(N + S * P) work plus, rarely, one sort of N block keys (the free
+order below); the common cases cost O(S * P): an ``append`` that takes no block, a
+``register`` extending chains already registered.
 
 State (glossary letters: S sequences = ``max_seqs``, P = ``max_blocks_per_seq``, N blocks,
 Z = ``block_size``):
@@ -58,8 +60,9 @@ recomputing it (``lookup`` + ``attach``). Extra state, per block:
     generation_N     i32[N]     bumped each time the block is handed out fresh
     block_tokens_NZ  i32[N, Z]  the token ids the registered block holds
 
-The hash table is the registered (``block_hash_N``, block) pairs: a lookup sorts them by
-hash once and binary-searches every query block at once. A hash only *proposes* a block; a
+The hash table is the registered (``block_hash_N``, block) pairs, scattered into buckets by
+a mix of the hash (``_candidates``: no sort, O(N + S * P) per lookup), and every query block
+is looked up at once. A hash only *proposes* a block; a
 hit is confirmed by the block's stored tokens, depth and salt, and by its parent link: the
 parent must be the block confirmed one level up, with an unchanged generation (a parent that
 was evicted and reused since carries a new generation). A hash collision therefore costs a
@@ -405,17 +408,24 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   # Group g of sequence s takes positions [start_s + g * grant_s, start_s + (g + 1) * grant_s).
   rank_gSP = jnp.clip(start_S[None, :, None] + g_g[:, None, None] * grant_S[None, :, None]
                       + j_P - have_S[None, :, None], 0, state.num_blocks - 1)
-  new_block_gSP, taken_N = _take(state, total, rank_gSP)
-  block_tables = jnp.where(new_SP, new_block_gSP, _tables_gSP(state))
+
+  def take(state):
+    new_block_gSP, taken_N = _take(state, total, rank_gSP)
+    return dataclasses.replace(
+        state,
+        block_tables=_pack(state, jnp.where(new_SP, new_block_gSP, _tables_gSP(state))),
+        ref_counts=jnp.where(taken_N, 1, state.ref_counts),
+        last_used=jnp.where(taken_N, state.clock, state.last_used),
+        **_evict(state, taken_N))
+
+  # Most decode steps cross no block boundary: the pass over the pool runs only when some
+  # block is taken, so a step's cost follows its tokens, not the pool.
+  state = jax.lax.cond(total > 0, take, lambda state: state, state)
   new_state = dataclasses.replace(
       state,
-      block_tables=_pack(state, block_tables),
       seq_lens=jnp.where(ok_S, new_len_S, len_S),
-      ref_counts=jnp.where(taken_N, 1, state.ref_counts),
       num_free=state.num_free - total,
-      last_used=jnp.where(taken_N, state.clock, state.last_used),
       clock=state.clock + 1,
-      **_evict(state, taken_N),
   )
   return new_state, ok_S
 
@@ -665,11 +675,59 @@ def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
   return (state.depth_N[bc_SP] == j_P) & linked_SP
 
 
+_BUCKET_MIXES = (0, 0x7FEB352D)  # two bucket functions of one key: fewer lost hits
+
+
+def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
+                salt_S: jax.Array) -> jax.Array:
+  """i32[S, P]: the registered block proposed for each key, from a table built without a sort.
+
+  The registered blocks are scattered into B >= 2N buckets (a power of two) by a mix of
+  their hash; each bucket keeps its highest and its lowest block id, under two bucket
+  functions: up to four blocks per key, in O(N + S * P * Z) (no sort of the pool). Proposed
+  is the first of them that holds this block's tokens (hash, salt and depth agreeing) and
+  hangs off such a block one level up (a root at level 0), so that a stale entry (its parent
+  evicted since) does not hide a live one with the same key. NO_BLOCK when none does. A key
+  loses its block only when three registered blocks share its bucket under both functions: a
+  lost hit, never a wrong one (``_walk`` confirms every hit)."""
+  n, p = state.num_blocks, key_SP.shape[1]
+  b = 1 << max(1, (2 * n - 1).bit_length())
+  reg_N = state.depth_N >= 0
+  ids_N = jnp.arange(n, dtype=jnp.int32)
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  cands, holds = [], []
+  for mix in _BUCKET_MIXES:
+    bucket = lambda h: (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(b - 1)).astype(jnp.int32)
+    dest_N = jnp.where(reg_N, bucket(state.block_hash_N), b)  # b: dropped
+    q_SP = bucket(key_SP)
+    for table_B in (jnp.full(b, -1, jnp.int32).at[dest_N].max(ids_N, mode="drop"),
+                    jnp.full(b, n, jnp.int32).at[dest_N].min(ids_N, mode="drop")):
+      c_SP = table_B[q_SP]
+      cc_SP = jnp.clip(c_SP, 0, n - 1)
+      cands.append(jnp.where((c_SP >= 0) & (c_SP < n), c_SP, NO_BLOCK))
+      holds.append((c_SP >= 0) & (c_SP < n) & (state.block_hash_N[cc_SP] == key_SP)
+                   & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
+                   & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))
+  shift = lambda x_SP, fill: jnp.concatenate(
+      [jnp.full((x_SP.shape[0], 1), fill, x_SP.dtype), x_SP[:, :-1]], axis=1)
+  pick_SP = jnp.full(key_SP.shape, NO_BLOCK, jnp.int32)
+  for c_SP, h_SP in zip(cands, holds):
+    cc_SP = jnp.clip(c_SP, 0, n - 1)
+    linked_SP = (j_P == 0) & (state.parent_N[cc_SP] == NO_BLOCK)
+    for up_SP, up_holds_SP in zip(cands, holds):  # the candidates one level up
+      up_SP, up_holds_SP = shift(up_SP, NO_BLOCK), shift(up_holds_SP, False)
+      linked_SP |= (up_holds_SP & (state.parent_N[cc_SP] == up_SP)
+                    & (state.parent_gen_N[cc_SP]
+                       == state.generation_N[jnp.clip(up_SP, 0, n - 1)]))
+    pick_SP = jnp.where((pick_SP == NO_BLOCK) & h_SP & linked_SP, c_SP, pick_SP)
+  return pick_SP
+
+
 def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   """Match every sequence's blocks ``j < limit_S`` against the registered ones.
 
-  Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes,
-  the confirmed leading run of levels (bool) and its length.
+  Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes
+  (``_candidates``), the confirmed leading run of levels (bool) and its length.
   """
   s, p = tokens_SPZ.shape[:2]
   n = state.num_blocks
@@ -677,20 +735,15 @@ def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   if key_SP.shape != (s, p):
     raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]={(s, p)}")
   key_SP = key_SP.astype(jnp.uint32)
-  reg_N = state.depth_N >= 0
-  ids_N = jnp.arange(n, dtype=jnp.int32)
-  # The table: registered blocks sorted by hash (then id), unregistered ones after them.
-  order_N = jnp.lexsort((ids_N, state.block_hash_N, ~reg_N)).astype(jnp.int32)
-  sorted_N = jnp.where(reg_N[order_N], state.block_hash_N[order_N], jnp.uint32(_U32_MAX))
-  pos_SP = jnp.searchsorted(sorted_N, key_SP, side="left", method="sort")
-  cand_SP = order_N[jnp.clip(pos_SP, 0, n - 1)]
+  cand_SP = _candidates(state, tokens_SPZ, key_SP, salt_S)
+  cc_SP = jnp.clip(cand_SP, 0, n - 1)
   j_P = jnp.arange(p, dtype=jnp.int32)
-  ok_SP = ((pos_SP < n) & reg_N[cand_SP] & (state.block_hash_N[cand_SP] == key_SP)
-           & (state.salt_N[cand_SP] == salt_S[:, None])
-           & jnp.all(state.block_tokens_NZ[cand_SP] == tokens_SPZ, axis=-1)
-           & _chained_SP(state, cand_SP) & (j_P < limit_S[:, None]))
+  ok_SP = ((cand_SP != NO_BLOCK) & (state.depth_N[cc_SP] >= 0)
+           & (state.block_hash_N[cc_SP] == key_SP) & (state.salt_N[cc_SP] == salt_S[:, None])
+           & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)
+           & _chained_SP(state, cc_SP) & (j_P < limit_S[:, None]))
   hit_SP = jnp.cumprod(ok_SP.astype(jnp.int32), axis=1).astype(jnp.bool_)
-  return key_SP, cand_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
+  return key_SP, cc_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
 
 
 def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
@@ -771,8 +824,8 @@ def register(state: AllocatorState, tokens, salt=None, *,
   registered as one chain hanging off that block. A sequence with no registered block yet
   first matches its prefix against the cache (``lookup``'s walk) and hangs its new blocks
   off the matched prefix instead, skipping blocks the cache already holds; only then is the
-  table sorted, so the common case (a sequence extending its own registered chain) costs no
-  sort. When several sequences would register the same block (same tokens after the same
+  bucket table built, so the common case (a sequence extending its own registered chain)
+  costs no O(N) pass. When several sequences would register the same block (same tokens after the same
   parent, same salt) in one call, only the first in slot order does (so a prefix has one
   entry; the others find it next time). Changes nothing else.
   """

@@ -81,7 +81,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   cached_S = alloc.seq_lens
   if prefix_caching:
     empty_S = running_S & (cached_S == 0)
-    hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table sort then
+    hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table build then
         jnp.any(empty_S),
         lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
                                  st.salt_S, hash_fn=hash_fn),
