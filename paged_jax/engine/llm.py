@@ -8,6 +8,7 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 - ``paged_jax.engine.device``: one scheduling step and the device call looping over it;
 - ``paged_jax.engine.calls``: the jitted device calls, compiled by ``LLM.precompile``;
 - ``paged_jax.engine.scheduler``: host scheduling (requests, slots, token buckets, reports);
+- ``paged_jax.engine.options``: the checks of this class's options;
 - this module: construction and validation, ``generate`` / ``generate_stream``, ``stats``.
 """
 
@@ -27,20 +28,15 @@ from paged_jax import allocator
 from paged_jax import compile_cache
 from paged_jax import protocol
 from paged_jax import sharding as mesh_sharding
+from paged_jax.engine import options
 from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
 from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
 from paged_jax.spec import KVCacheSpec
-from paged_jax.spec import _canonical_dtype as canonical_dtype
 
 __all__ = ["LLM"]
-
-
-def _check_int(name: str, value, low: int = 1) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-    raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 
 class LLM:
@@ -118,12 +114,7 @@ class LLM:
                kv_cache_dtype=None, compilation_cache: bool | str | os.PathLike = True,
                free_outside_window: bool | None = None):
     protocol.check_model(model)
-    if kv_cache_dtype is not None:
-      kv_cache_dtype = canonical_dtype(kv_cache_dtype, "kv_cache_dtype")
-      if dtype is not None and canonical_dtype(dtype) != kv_cache_dtype:
-        raise ValueError(f"dtype={jnp.dtype(dtype).name} and kv_cache_dtype="
-                         f"{kv_cache_dtype.name}: both name the KV pool's dtype; give one")
-      dtype = kv_cache_dtype
+    dtype = options.pool_dtype(dtype, kv_cache_dtype)
     protocol.check_config(config)
     self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
         mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
@@ -132,16 +123,14 @@ class LLM:
     for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
                         ("max_tokens_per_step", max_tokens_per_step),
                         ("steps_per_call", steps_per_call)):
-      _check_int(name, value)
+      options.check_int(name, value)
     if num_blocks is not None and kv_budget_bytes is not None:
       raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
     if free_outside_window is None:
       free_outside_window = kv_budget_bytes is not None
-    for name, value in (("enable_prefix_caching", enable_prefix_caching),
-                        ("scrub_on_release", scrub_on_release),
-                        ("free_outside_window", free_outside_window)):
-      if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} must be a bool")
+    options.check_bools(enable_prefix_caching=enable_prefix_caching,
+                        scrub_on_release=scrub_on_release,
+                        free_outside_window=free_outside_window)
     if prefix_hash_fn is not None and not callable(prefix_hash_fn):
       raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
                        "allocator.chain_hashes")
@@ -157,29 +146,14 @@ class LLM:
     pool_tokens = self.kv_groups.max_len_in_pool(  # N * Z without sliding groups
         self.spec.num_blocks // shards, self.spec.block_size, max_tokens_per_step,
         max(int(config.max_seq_len), 2))
-    per_shard = "" if shards == 1 else f" / {shards} data shards"
-    if max_model_len is None:
-      max_model_len = min(config.max_seq_len, pool_tokens)
-    if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
-        or not 2 <= max_model_len <= min(config.max_seq_len, pool_tokens)):
-      raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
-                       f"{config.max_seq_len}, num_blocks * block_size{per_shard}="
-                       f"{pool_tokens})]")
-    self.max_model_len = int(max_model_len)
+    self.max_model_len = options.check_max_model_len(max_model_len, int(config.max_seq_len),
+                                                     pool_tokens, shards)
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)
     if token_buckets is None:
       token_buckets = default_token_buckets(self.max_tokens_per_step, self.max_seqs)
-    if (isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Sequence)
-        or not token_buckets
-        or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1
-               for b in token_buckets)
-        or list(token_buckets) != sorted(set(token_buckets))
-        or token_buckets[-1] != self.max_tokens_per_step):
-      raise ValueError(f"token_buckets={token_buckets!r} must be increasing ints >= 1 ending "
-                       f"at max_tokens_per_step={self.max_tokens_per_step}")
-    self.token_buckets = tuple(int(b) for b in token_buckets)
+    self.token_buckets = options.check_token_buckets(token_buckets, self.max_tokens_per_step)
     self._slots_per_shard = self.max_seqs // shards
 
     if self._plan is None:

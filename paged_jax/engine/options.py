@@ -1,0 +1,62 @@
+"""Checks of ``LLM``'s options: each bad value is a ``ValueError`` naming the argument and
+what was expected, raised before anything is built or compiled."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.spec import _canonical_dtype as canonical_dtype
+
+__all__ = ["check_int", "check_bools", "pool_dtype", "check_token_buckets",
+           "check_max_model_len"]
+
+
+def check_int(name: str, value, low: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{name}={value!r} must be an int >= {low}")
+  return int(value)
+
+
+def check_bools(**flags) -> None:
+  for name, value in flags.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f"{name}={value!r} must be a bool")
+
+
+def pool_dtype(dtype, kv_cache_dtype):
+  """The KV pool's dtype from ``LLM``'s two spellings of it (None: the model's)."""
+  if kv_cache_dtype is None:
+    return dtype
+  kv_cache_dtype = canonical_dtype(kv_cache_dtype, "kv_cache_dtype")
+  if dtype is not None and canonical_dtype(dtype) != kv_cache_dtype:
+    raise ValueError(f"dtype={jnp.dtype(dtype).name} and kv_cache_dtype="
+                     f"{kv_cache_dtype.name}: both name the KV pool's dtype; give one")
+  return kv_cache_dtype
+
+
+def check_token_buckets(token_buckets, max_tokens_per_step: int) -> tuple[int, ...]:
+  if (isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Sequence)
+      or not token_buckets
+      or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1
+             for b in token_buckets)
+      or list(token_buckets) != sorted(set(token_buckets))
+      or token_buckets[-1] != max_tokens_per_step):
+    raise ValueError(f"token_buckets={token_buckets!r} must be increasing ints >= 1 ending "
+                     f"at max_tokens_per_step={max_tokens_per_step}")
+  return tuple(int(b) for b in token_buckets)
+
+
+def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
+                        shards: int) -> int:
+  """``max_model_len`` (None: the longest the model and the pool allow) as an int."""
+  if max_model_len is None:
+    return int(min(max_seq_len, pool_tokens))
+  if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
+      or not 2 <= max_model_len <= min(max_seq_len, pool_tokens)):
+    per_shard = "" if shards == 1 else f" / {shards} data shards"
+    raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
+                     f"{max_seq_len}, num_blocks * block_size{per_shard}={pool_tokens})]")
+  return int(max_model_len)
