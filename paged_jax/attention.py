@@ -21,6 +21,46 @@ _PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
 # What "auto" tries on each backend, best first; "xla" is always there.
 _AUTO_BY_BACKEND = {"tpu": ("pallas_tpu",), "gpu": ("pallas_mosaic_gpu", "pallas_gpu"),
                     "cuda": ("pallas_mosaic_gpu", "pallas_gpu")}
+# Kernels that run on only some devices of their backend: the Mosaic GPU kernel is written
+# with wgmma and TMA, Hopper's (sm_90) instructions, which neither Ampere (sm_80) nor
+# Blackwell (sm_100: tcgen05) runs. "auto" takes it only on a CUDA device of major 9.
+_MOSAIC_GPU_MAJOR = 9
+
+
+def _default_device():
+  """The first device of the default backend (the one "auto" picks a kernel for)."""
+  return jax.devices()[0]
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+  """``(major, minor)`` of a CUDA device, or None where the device does not say (CPU,
+  TPU, ROCm's "gfx..." names, a stand-in device without the attribute)."""
+  capability = getattr(device, "compute_capability", None)
+  if isinstance(capability, (tuple, list)) and len(capability) >= 2:
+    parts = capability[:2]
+  elif isinstance(capability, str):
+    parts = capability.split(".")[:2]
+  else:
+    return None
+  try:
+    major, minor = int(parts[0]), (int(parts[1]) if len(parts) > 1 else 0)
+  except (TypeError, ValueError):
+    return None
+  return major, minor
+
+
+def _runs_on_device(impl: str) -> bool:
+  """Whether ``impl`` runs on the default device ("auto" asks; explicit names are taken
+  as asked). Only the Mosaic GPU kernel is restricted: a CUDA device of compute
+  capability 9.x (Hopper)."""
+  if impl != "pallas_mosaic_gpu":
+    return True
+  try:
+    device = _default_device()
+  except RuntimeError:  # no device of the default backend
+    return False
+  capability = _compute_capability(device)
+  return capability is not None and capability[0] == _MOSAIC_GPU_MAJOR
 
 
 def _pallas_module(impl: str):
@@ -44,9 +84,11 @@ def _pallas_impl(impl: str) -> Callable | None:
 
 
 def _first_on_backend(takes: Callable = lambda module: True) -> str:
-  """The first kernel "auto" tries on the default backend that the installed JAX has and
-  that ``takes(module)``, else "xla"."""
+  """The first kernel "auto" tries on the default backend that runs on its device, that
+  the installed JAX has and that ``takes(module)``, else "xla"."""
   for chosen in _AUTO_BY_BACKEND.get(jax.default_backend(), ()):
+    if not _runs_on_device(chosen):
+      continue
     module = _pallas_module(chosen)
     if module is not None and takes(module):
       return chosen
@@ -55,9 +97,11 @@ def _first_on_backend(takes: Callable = lambda module: True) -> str:
 
 def resolve_impl(impl: str) -> str:
   """The concrete implementation ``impl`` names. "auto" picks by the default backend: on
-  TPU "pallas_tpu"; on a GPU "pallas_mosaic_gpu", else "pallas_gpu" (Triton) where the
-  installed JAX has that backend; elsewhere, or when none is there, "xla". (Inside
-  ``paged_attention`` "auto" also passes over a GPU kernel that refuses the shapes.)"""
+  TPU "pallas_tpu"; on a GPU "pallas_mosaic_gpu" when the device is Hopper (CUDA compute
+  capability 9.x: the kernel uses wgmma and TMA), else "pallas_gpu" (Triton), each only
+  where the installed JAX has its backend; elsewhere, or when none is there, "xla".
+  (Inside ``paged_attention`` "auto" also passes over a GPU kernel that refuses the
+  shapes, e.g. the Mosaic GPU kernel at float32 and head dim 256.)"""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   return _first_on_backend() if impl == "auto" else impl
@@ -126,9 +170,10 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     sinks: f32[H] (may be traced) or None: one extra logit per query head in the softmax
       denominator, with no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
     impl: "auto", "reference", "xla", "pallas_tpu", "pallas_gpu" (Triton backend) or
-      "pallas_mosaic_gpu" (Mosaic GPU, Hopper and later). "auto": on TPU the Pallas TPU
-      kernel; on a GPU the Mosaic GPU kernel where JAX has it and it takes these shapes,
-      else the Triton one where JAX still has that backend; otherwise XLA.
+      "pallas_mosaic_gpu" (Mosaic GPU, Hopper). "auto": on TPU the Pallas TPU kernel; on a
+      GPU the Mosaic GPU kernel on a Hopper device (compute capability 9.x) where JAX has
+      it and it takes these shapes (not float32 at head dim 256), else the Triton one
+      where JAX still has that backend; otherwise XLA.
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
       consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 import zlib
 
 import chex
@@ -149,23 +150,38 @@ def without_triton(monkeypatch):
   return monkeypatch
 
 
+def _on_gpu(monkeypatch, compute_capability="9.0"):
+  """This process as on a CUDA device of ``compute_capability`` (None: a device that does
+  not say, as a CPU-faked or ROCm one)."""
+  from paged_jax import attention
+  device = types.SimpleNamespace(platform="gpu", device_kind="fake")
+  if compute_capability is not None:
+    device.compute_capability = compute_capability
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "_default_device", lambda: device)
+
+
+def _auto_for(args) -> str:
+  from paged_jax import attention
+  k_bits, _, kv_dtype = attention._kernel_args(args["cache"])
+  return attention._auto_impl(args["q"], k_bits, args["block_tables"], kv_dtype, None)
+
+
 def test_auto_on_a_gpu_prefers_mosaic_and_never_picks_a_missing_backend(without_triton):
   from paged_jax import attention
   from paged_jax.pallas_kernels import mosaic_gpu
   monkeypatch = without_triton
-  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  _on_gpu(monkeypatch, "9.0")
   assert attention._pallas_impl("pallas_gpu") is None  # import failed: not there
   assert resolve_impl("auto") == "pallas_mosaic_gpu"
   args = _good_args()
   k_bits, _, kv_dtype = attention._kernel_args(args["cache"])
-  chosen = attention._auto_impl(args["q"], k_bits, args["block_tables"], kv_dtype, None)
-  assert chosen == "pallas_mosaic_gpu", mosaic_gpu.unsupported_reason(
+  assert _auto_for(args) == "pallas_mosaic_gpu", mosaic_gpu.unsupported_reason(
       args["q"], k_bits, args["block_tables"], kv_dtype=kv_dtype)
   # Shapes Mosaic GPU refuses (H not a multiple of K) and no Triton: XLA, never a
   # kernel that is not there.
   monkeypatch.setattr(mosaic_gpu, "unsupported_reason", lambda *a, **k: "refused")
-  assert attention._auto_impl(args["q"], k_bits, args["block_tables"], kv_dtype,
-                              None) == "xla"
+  assert _auto_for(args) == "xla"
   # JAX without the Mosaic GPU pieces either: "auto" is XLA, explicit names say why.
   monkeypatch.setattr(mosaic_gpu, "available", lambda: False)
   assert resolve_impl("auto") == "xla"
@@ -178,11 +194,69 @@ def test_auto_on_a_gpu_prefers_mosaic_and_never_picks_a_missing_backend(without_
 def test_auto_on_a_gpu_takes_triton_where_mosaic_is_missing(monkeypatch):
   from paged_jax import attention
   from paged_jax.pallas_kernels import mosaic_gpu
-  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  _on_gpu(monkeypatch, "9.0")
   monkeypatch.setattr(mosaic_gpu, "available", lambda: False)
   assert resolve_impl("auto") == "pallas_gpu"
   monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
   assert resolve_impl("auto") == "pallas_tpu"
+
+
+@pytest.mark.parametrize("compute_capability", ["8.0", "8.9", "10.0", "12.0", None, "gfx90a"])
+def test_auto_takes_mosaic_only_on_hopper(monkeypatch, compute_capability):
+  # The Mosaic GPU kernel is wgmma + TMA (sm_90 only): Ampere, Ada, Blackwell and a device
+  # that does not say get the Triton kernel, though JAX has Mosaic GPU and it takes the shapes.
+  from paged_jax.pallas_kernels import mosaic_gpu
+  _on_gpu(monkeypatch, compute_capability)
+  args = _good_args()
+  assert mosaic_gpu.available()
+  assert resolve_impl("auto") == "pallas_gpu"
+  assert _auto_for(args) == "pallas_gpu"
+  _on_gpu(monkeypatch, "9.0")  # the same process on an H100 / H200: Mosaic
+  assert resolve_impl("auto") == "pallas_mosaic_gpu"
+  assert _auto_for(args) == "pallas_mosaic_gpu"
+
+
+def test_auto_on_ampere_without_triton_is_xla(without_triton):
+  _on_gpu(without_triton, "8.0")
+  assert resolve_impl("auto") == "xla"
+  assert _auto_for(_good_args()) == "xla"
+
+
+def test_auto_on_hopper_passes_over_mosaic_at_float32_head_dim_256(monkeypatch):
+  # Mosaic GPU refuses float32 at D = 256 (shared memory): Triton, or XLA without it.
+  from paged_jax.pallas_kernels import mosaic_gpu
+  _on_gpu(monkeypatch, "9.0")
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, head_dim=256, dtype=jnp.float32)
+  q, k_pages, v_pages, _, _, tables, _, _ = case.jax_args()
+  args = dict(q=q, cache=KVCache(k_pages=k_pages, v_pages=v_pages), block_tables=tables)
+  assert "shared memory" in mosaic_gpu.unsupported_reason(q, k_pages, tables)
+  assert _auto_for(args) == "pallas_gpu"
+  # bfloat16 at the same head dim fits: Mosaic.
+  bf16 = dict(q=q.astype(jnp.bfloat16),
+              cache=KVCache(k_pages=k_pages.astype(jnp.bfloat16),
+                            v_pages=v_pages.astype(jnp.bfloat16)), block_tables=tables)
+  assert _auto_for(bf16) == "pallas_mosaic_gpu"
+
+
+def test_auto_on_hopper_without_triton_at_float32_head_dim_256_is_xla(without_triton):
+  _on_gpu(without_triton, "9.0")
+  q_lens, kv_lens = cases.mixed_lengths(8)
+  case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, head_dim=256, dtype=jnp.float32)
+  q, k_pages, v_pages, _, _, tables, _, _ = case.jax_args()
+  args = dict(q=q, cache=KVCache(k_pages=k_pages, v_pages=v_pages), block_tables=tables)
+  assert _auto_for(args) == "xla"
+
+
+def test_compute_capability_is_read_defensively():
+  from paged_jax import attention
+  cc = attention._compute_capability
+  assert cc(types.SimpleNamespace(compute_capability="9.0")) == (9, 0)
+  assert cc(types.SimpleNamespace(compute_capability=(8, 6))) == (8, 6)
+  assert cc(types.SimpleNamespace(compute_capability="10")) == (10, 0)
+  assert cc(types.SimpleNamespace(compute_capability="gfx90a")) is None
+  assert cc(types.SimpleNamespace()) is None
+  assert cc(jax.devices("cpu")[0]) is None
 
 
 # --- bad input: each a ValueError naming the argument --------------------------------------
