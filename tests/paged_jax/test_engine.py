@@ -317,15 +317,29 @@ def _run_args(*argv):
   return parser.parse_args(["run", *argv])
 
 
-def test_cli_run_prints_report(capsys):
+def test_cli_run_prints_report(capsys, monkeypatch):
+  # A pool of 16 blocks (256 tokens) shrinks the default workload (prompts up to 192
+  # tokens): the report says so. The sampling options apply to the synthetic requests.
+  from paged_jax import LLM
+  seen = []
+  serve = LLM.generate_stream
+
+  def recording(self, prompts, params=None, **kwargs):
+    seen.extend(params)
+    return serve(self, prompts, params, **kwargs)
+
+  monkeypatch.setattr(LLM, "generate_stream", recording)
   args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
-                   "--steps-per-call", "8")
+                   "--steps-per-call", "8", "--num-blocks", "16", "--temperature", "0.7",
+                   "--top-p", "0.9")
   assert args.func(args) == 0
   captured = capsys.readouterr()
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
-              "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests"):
+              "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests",
+              "workload shrunk to fit the pool: prompts <= 128 tokens (default 192)"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
+  assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
 
 
 def test_cli_run_prompt_needs_a_tokenizer():
