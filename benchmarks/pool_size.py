@@ -6,7 +6,10 @@ blocks of 16 tokens; the 32k bfloat16 pool is 268 MB), times under ``jit``:
 - write: a donated ``cache.write`` of 8 tokens;
 - copy: a donated ``cache.copy_blocks`` of 4 blocks;
 - engine: ``LLM`` tokens/s on 8 requests (prompts of 24 tokens, 32 new tokens each), every
-  device-call shape compiled before the clock starts.
+  device-call shape compiled before the clock starts;
+- allocator: ``lookup`` of 8 sequences against a prefix cache holding their blocks (each
+  admission), ``register`` of 8 sequences' first full blocks (registration walks the cache),
+  and a decode step's ``append`` (one token each, no block boundary crossed).
 The same blocks are touched at every pool size (the sequences' blocks are spread over the
 pool). Each figure is the median of ``rounds`` interleaved rounds; the last column of each
 table is largest / smallest pool (goal <= 1.5x).
@@ -29,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from paged_jax import LLM, KVCache, KVCacheSpec, SamplingParams, paged_attention  # noqa: E402
+from paged_jax import (LLM, KVCache, KVCacheSpec, SamplingParams, allocator,  # noqa: E402
+                       paged_attention)
 from paged_jax.models import ModelConfig, init_random  # noqa: E402
 from benchmarks.throughput import machine  # noqa: E402
 
@@ -88,6 +92,45 @@ class Case:
     return self.cache.k_bits
 
 
+class AllocatorCase:
+  """One allocator over the pool: 8 sequences of 40 tokens, their full blocks registered in
+  the prefix cache; each call jitted, on the same state every time (nothing donated)."""
+
+  def __init__(self, num_blocks):
+    pages = -(-CONTEXT // BLOCK)
+    state = allocator.init(num_blocks, BLOCK, SEQS, 2 * pages)
+    state, _ = allocator.append(state, jnp.full((SEQS,), CONTEXT, jnp.int32))
+    rng = np.random.default_rng(0)
+    self.tokens = jnp.asarray(rng.integers(3, 256, (SEQS, 2 * CONTEXT)), jnp.int32)
+    self.state = jax.jit(allocator.register)(state, self.tokens)
+    # The same sequences before any registration: registering them walks the cache.
+    self.fresh = state
+    self.lookup_fn = jax.jit(allocator.lookup)
+    self.register_fn = jax.jit(allocator.register)
+    self.append_fn = jax.jit(allocator.append)
+
+  def run_lookup(self):  # admission: the longest cached prefix of each sequence
+    return self.lookup_fn(self.state, self.tokens, jnp.full((SEQS,), CONTEXT, jnp.int32))
+
+  def run_register(self):  # each sequence's first full blocks: registration walks the cache
+    return self.register_fn(self.fresh, self.tokens).depth_N
+
+  def run_append(self):  # a decode step: one token each, no block boundary crossed
+    return self.append_fn(self.state, jnp.ones((SEQS,), jnp.int32))[1]
+
+
+def _interleaved(cases, name, rounds, calls=1):
+  """{size: median ms}: each pool size measured in turn in every round (noise hits all
+  alike), after one compile-and-warm-up call each."""
+  for case in cases.values():
+    jax.block_until_ready(getattr(case, f"run_{name}")())
+  per = {n: [] for n in cases}
+  for _ in range(rounds):
+    for n, case in cases.items():
+      per[n].append(_median_ms(getattr(case, f"run_{name}"), calls))
+  return {n: statistics.median(v) for n, v in per.items()}
+
+
 def engine_tokens_per_s(sizes, dtype, rounds, quick):
   """{num_blocks: median tokens/s}: one engine per pool size, rounds interleaved (each size
   served in turn, so the machine's noise hits all alike)."""
@@ -110,29 +153,8 @@ def engine_tokens_per_s(sizes, dtype, rounds, quick):
   return {n: statistics.median(v) for n, v in rates.items()}
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny pools, few rounds; no file")
-  parser.add_argument("--rounds", type=int, default=None, help="rounds per figure (default 7)")
-  args = parser.parse_args(argv)
-  sizes = (256, 1024) if args.quick else (1024, 8192, 32768)
-  rounds = args.rounds or (2 if args.quick else 7)
-  dtypes = (jnp.float32, jnp.bfloat16)
-  rows = {}
-  for dtype in dtypes:
-    cases = {n: Case(n, dtype) for n in sizes}
-    for name in ("attention", "write", "copy"):
-      for case in cases.values():  # compile + warm-up
-        getattr(case, f"run_{name}")()
-      # Interleaved rounds: each pool size measured in turn, so noise hits all alike.
-      per = {n: [] for n in sizes}
-      for _ in range(rounds):
-        for n, case in cases.items():
-          per[n].append(_median_ms(getattr(case, f"run_{name}"), 1))
-      rows[(name, jnp.dtype(dtype).name)] = {n: statistics.median(v) for n, v in per.items()}
-    del cases
-    rows[("engine tokens/s", jnp.dtype(dtype).name)] = engine_tokens_per_s(
-        sizes, dtype, rounds, args.quick)
+def _table(rows, sizes):
+  """(markdown table, worst largest / smallest ratio) of ``{(what, dtype): {size: value}}``."""
   header = ("| what | pool dtype | " + " | ".join(f"{n} blocks" for n in sizes)
             + " | largest / smallest |")
   lines = [header, "|" + "---|" * (len(sizes) + 3)]
@@ -145,15 +167,45 @@ def main(argv=None) -> int:
     lines.append(f"| {name} | {dtype} | " + " | ".join(
         f"{by_size[n]:.{1 if name.startswith('engine') else 3}f}{unit}" for n in sizes)
         + f" | {ratio:.2f}x |")
-  table = "\n".join(lines)
+  return "\n".join(lines), worst
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny pools, few rounds; no file")
+  parser.add_argument("--rounds", type=int, default=None, help="rounds per figure (default 7)")
+  args = parser.parse_args(argv)
+  sizes = (256, 1024) if args.quick else (1024, 8192, 32768)
+  rounds = args.rounds or (2 if args.quick else 7)
+  dtypes = (jnp.float32, jnp.bfloat16)
+  rows = {}
+  for dtype in dtypes:
+    cases = {n: Case(n, dtype) for n in sizes}
+    for name in ("attention", "write", "copy"):
+      rows[(name, jnp.dtype(dtype).name)] = _interleaved(cases, name, rounds)
+    del cases
+    rows[("engine tokens/s", jnp.dtype(dtype).name)] = engine_tokens_per_s(
+        sizes, dtype, rounds, args.quick)
+  table, worst = _table(rows, sizes)
   print(table)
   print(f"worst growth largest / smallest pool: {worst:.2f}x (goal <= 1.5x)")
+  # The allocator's own calls, apart: each is one O(N) pass or a few (no sort); alone and
+  # not donated they also allocate their N-sized outputs, so they grow with the pool, but
+  # by tenths of a millisecond at 32k blocks (the engine rows above include them).
+  cases = {n: AllocatorCase(n) for n in sizes}
+  alloc_rows = {(f"allocator {name}", "any"): _interleaved(cases, name, rounds, calls=20)
+                for name in ("lookup", "register", "append")}
+  del cases
+  alloc_table, _ = _table(alloc_rows, sizes)
+  print(alloc_table)
   if not args.quick:
     command = "python benchmarks/pool_size.py"
     RESULTS_PATH.write_text(
         f"## Cost against pool size\n\nCommand: `{command}`\n\nMachine: {machine()}.\n\n"
         f"{table}\n\nWorst growth from the smallest to the largest pool: {worst:.2f}x "
-        "(engine: smallest / largest tokens/s; the others: largest / smallest time).\n")
+        "(engine: smallest / largest tokens/s; the others: largest / smallest time).\n\n"
+        f"The allocator's calls alone (jitted, not donated, median of 20 calls):\n\n"
+        f"{alloc_table}\n")
   return 0
 
 
