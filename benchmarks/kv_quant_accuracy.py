@@ -21,7 +21,8 @@ Each Pallas kernel is compiled once per K/V dtype (the scales are traced, so per
 and every seed reuse the executable; the interpreters' host programs are compiled at XLA's
 cheapest CPU settings, which change nothing they compute).
 
-    python benchmarks/kv_quant_accuracy.py                 # 10 seeds, every impl
+    python benchmarks/kv_quant_accuracy.py                 # 10 seeds, every impl (~10 min)
+    python benchmarks/kv_quant_accuracy.py --no-pallas     # reference and XLA (~10 s)
     python benchmarks/kv_quant_accuracy.py --quick         # 1 seed
     python benchmarks/kv_quant_accuracy.py --pallas-seeds 3  # the Pallas rows on 3 seeds
 """
