@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 # ``paged-jax`` command, which lives here) starts at once; ``from paged_jax import LLM``
 # works as usual. The block under TYPE_CHECKING is what type checkers and readers see.
 if TYPE_CHECKING:
-  from paged_jax import allocator, protocol, step
+  from paged_jax import allocator, protocol, sharding, step, testing
   from paged_jax.attention import (checked_paged_attention, paged_attention, resolve_impl,
                                    validate_attention_inputs)
   from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
@@ -48,7 +48,9 @@ _HOME = {
                        "forward_step", "prepare_step", "tokens_from_history"),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
-_SUBMODULES = ("allocator", "protocol", "step")
+# Modules a user reaches as ``paged_jax.<name>`` after ``import paged_jax`` (imported on
+# first use too): ``testing`` (assertions for your own model), ``sharding`` (meshes).
+_SUBMODULES = ("allocator", "protocol", "sharding", "step", "testing")
 
 
 def __getattr__(name: str):
@@ -94,7 +96,9 @@ __all__ = [
     "prepare_step",
     "protocol",
     "resolve_impl",
+    "sharding",
     "step",
+    "testing",
     "tokens_from_history",
     "validate_attention_inputs",
 ]

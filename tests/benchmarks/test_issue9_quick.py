@@ -20,6 +20,22 @@ def test_memory_quick_rows():
     assert row["peak_concurrent"] >= 1 and row["steps"] >= 1
 
 
+def test_memory_pool_dtypes_quick_one_byte_pools_hold_about_twice():
+  # Issue 20: at one byte budget an int8 / float8 pool (one byte per value plus a float32
+  # scale per token and KV head) holds >= 1.8x the sequences of a bfloat16 one while
+  # requests are queued.
+  rows = {r["dtype"]: r for r in memory.main(["--pool-dtypes", "--quick"])}
+  assert list(rows) == ["bfloat16", "int8", "float8_e4m3fn"]
+  bf16 = rows["bfloat16"]
+  assert bf16["peak_concurrent"] < memory.QUICK_POOL_DTYPES.num_requests  # the budget binds
+  for name in ("int8", "float8_e4m3fn"):
+    row = rows[name]
+    assert row["total_bytes"] <= bf16["total_bytes"]
+    assert row["num_blocks"] >= 1.8 * bf16["num_blocks"], row
+    assert row["peak_vs_bf16"] >= 1.8 and row["mean_vs_bf16"] >= 1.8, row
+    assert row["steps"] < bf16["steps"], row  # the queue drains sooner
+
+
 @pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite
 def test_throughput_quick_rows(capsys):
   pytest.importorskip("torch")
@@ -43,6 +59,22 @@ def test_throughput_quick_rows(capsys):
   assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in sweep)
   out = capsys.readouterr().out
   assert "| system | batch (max concurrent) |" in out and "| system | batch size" in out
+
+
+def test_memory_pool_dtypes_quick_one_byte_pools_hold_about_twice():
+  # Issue 20: at one byte budget an int8 / float8 pool (one byte per value plus a float32
+  # scale per token and KV head) holds >= 1.8x the sequences of a bfloat16 one while
+  # requests are queued.
+  rows = {r["dtype"]: r for r in memory.main(["--pool-dtypes", "--quick"])}
+  assert list(rows) == ["bfloat16", "int8", "float8_e4m3fn"]
+  bf16 = rows["bfloat16"]
+  assert bf16["peak_concurrent"] < memory.QUICK_POOL_DTYPES.num_requests  # the budget binds
+  for name in ("int8", "float8_e4m3fn"):
+    row = rows[name]
+    assert row["total_bytes"] <= bf16["total_bytes"]
+    assert row["num_blocks"] >= 1.8 * bf16["num_blocks"], row
+    assert row["peak_vs_bf16"] >= 1.8 and row["mean_vs_bf16"] >= 1.8, row
+    assert row["steps"] < bf16["steps"], row  # the queue drains sooner
 
 
 @pytest.mark.slow  # a benchmark's quick mode: CI runs it after README's suite

@@ -35,8 +35,22 @@ def _tokens(outs):
 
 
 @pytest.fixture(scope="module")
-def roomy_int8(model):
-  return LLM(model, CONFIG, num_blocks=64, kv_cache_dtype=jnp.int8, **OPTS)
+def roomy(model):
+  """``roomy(kv_dtype)``: an engine with room for every sequence, built once per dtype."""
+  engines = {}
+
+  def get(kv_dtype):
+    name = jnp.dtype(kv_dtype).name
+    if name not in engines:
+      engines[name] = LLM(model, CONFIG, num_blocks=64, kv_cache_dtype=kv_dtype, **OPTS)
+    return engines[name]
+
+  return get
+
+
+@pytest.fixture(scope="module")
+def roomy_int8(roomy):
+  return roomy(jnp.int8)
 
 
 def test_int8_pool_stats_and_greedy_agreement_with_float32(model, roomy_int8):
@@ -57,16 +71,21 @@ def test_int8_pool_stats_and_greedy_agreement_with_float32(model, roomy_int8):
   assert all(first) and same >= 0.75, (first, same)
 
 
-def test_int8_pool_preemption_forks_prefix_cache_and_scrub_unchanged(model, roomy_int8):
+@pytest.mark.parametrize("kv_dtype", [
+    jnp.int8, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.slow)],
+    ids=lambda d: jnp.dtype(d).name)
+def test_int8_pool_preemption_forks_prefix_cache_and_scrub_unchanged(model, roomy, kv_dtype):
   # 12 blocks of 4 tokens: the sequences cannot all stay resident (preemption by
-  # recompute), forks share blocks, and freed blocks are scrubbed (bits and scales).
-  tight = LLM(model, CONFIG, num_blocks=12, kv_cache_dtype=jnp.int8, scrub_on_release=True,
+  # recompute), forks share blocks, and freed blocks are scrubbed (bits and scales). The
+  # same for float8 pools (uint8 bits and scales): the tokens equal a roomy engine's of
+  # the same dtype.
+  tight = LLM(model, CONFIG, num_blocks=12, kv_cache_dtype=kv_dtype, scrub_on_release=True,
               **OPTS)
   shared = _prompts((8,), seed=3)[0]
   prompts = [shared + p for p in _prompts((6, 2, 4, 5), seed=4)] + _prompts((10,), seed=5)
   params = [SamplingParams(max_tokens=m, n=n, ignore_eos=True)
             for m, n in ((20, 1), (12, 2), (18, 1), (8, 2), (20, 1))]
-  expect = _tokens(roomy_int8.generate(prompts, params))
+  expect = _tokens(roomy(kv_dtype).generate(prompts, params))
   assert _tokens(tight.generate(prompts, params)) == expect
   s = tight.stats
   assert s["preemptions"] > 0 and s["num_free_blocks"] == s["num_blocks"]

@@ -132,6 +132,26 @@ def test_run_report_names_a_quantised_pool():
   assert "compile time" in report and "no leak" in report
 
 
+def test_run_int8_pool_end_to_end(capsys):
+  # `paged-jax run --kv-cache-dtype int8` through the console script's entry point on the
+  # embedded model: a tiny workload (one token bucket, one compiled device call) served
+  # from an int8 pool, whose report names the pool and its bytes with the scales: 1024
+  # blocks * 16 tokens * 2 layers * 2 KV heads * K and V * (32 one-byte values + a 4-byte
+  # scale) = 4.5 MiB (a bfloat16 pool: 8.0 MiB).
+  code = cli.main(["run", "--kv-cache-dtype", "int8", "--num-requests", "4",
+                   "--prompt-median", "8", "--output-median", "4", "--num-blocks", "1024",
+                   "--max-seqs", "4", "--max-tokens-per-step", "32", "--steps-per-call", "4",
+                   "--compilation-cache", "off", "--no-progress"])
+  assert code == 0
+  out = capsys.readouterr().out
+  pool = next(line for line in out.splitlines() if line.strip().startswith("KV pool"))
+  assert ("1024 blocks of 16 tokens, int8 with a float32 scale per token and KV head, "
+          "4.5 MiB") in pool, pool
+  assert "4 synthetic requests" in out and "no leak" in out
+  generated = next(line for line in out.splitlines() if "generated tokens" in line)
+  assert int(generated.split()[-1]) >= 4, generated
+
+
 def test_cli_parses_without_importing_jax():
   # `paged-jax run` says what it is doing before JAX loads (~2 s): nothing up to argument
   # parsing imports JAX, and `import paged_jax` stays light until a name is used.
