@@ -74,7 +74,7 @@ def test_int8_pool_stats_and_greedy_agreement_with_float32(model, roomy_int8):
 @pytest.mark.parametrize("kv_dtype", [
     jnp.int8, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.slow)],
     ids=lambda d: jnp.dtype(d).name)
-def test_int8_pool_preemption_forks_prefix_cache_and_scrub_unchanged(model, roomy, kv_dtype):
+def test_one_byte_pool_preemption_forks_prefix_cache_and_scrub_unchanged(model, roomy, kv_dtype):
   # 12 blocks of 4 tokens: the sequences cannot all stay resident (preemption by
   # recompute), forks share blocks, and freed blocks are scrubbed (bits and scales). The
   # same for float8 pools (uint8 bits and scales): the tokens equal a roomy engine's of
