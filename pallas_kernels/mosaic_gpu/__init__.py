@@ -4,14 +4,17 @@
 ``available()`` says whether the installed JAX has the Mosaic GPU pieces it uses. Pages
 come into shared memory by TMA through the block table, a ring of chunks deep; scores and
 updates run on the tensor cores (wgmma) with float32 accumulation; long decode contexts
-are split (flash-decoding).
+are split (flash-decoding). ``copied_pages`` runs the same kernel in interpret mode with a
+counter beside each page copy it issues (the evidence that windows bound the copies).
 """
 
 from paged_jax.pallas_kernels.mosaic_gpu.compat import available, interpret_available
-from paged_jax.pallas_kernels.mosaic_gpu.ragged import (default_tiling_for, operand_plan,
+from paged_jax.pallas_kernels.mosaic_gpu.ragged import (CopiedPages, copied_pages,
+                                                      default_tiling_for, operand_plan,
                                                       ragged_paged_attention,
                                                       unsupported_reason)
 from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling
 
-__all__ = ["MosaicTiling", "available", "default_tiling_for", "interpret_available",
+__all__ = ["CopiedPages", "MosaicTiling", "available", "copied_pages", "default_tiling_for",
+           "interpret_available",
            "operand_plan", "ragged_paged_attention", "unsupported_reason"]

@@ -27,6 +27,10 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   float32. A chunk's scales are read from the scale rows of its pages, beside the pages'
   copies, and are set to 0 at positions that do not count (their scales may be NaN).
 
+With ``KernelConfig.count_pages`` (interpret mode, ``ragged.copied_pages``) every copy
+unit issued also adds 1 to a per-program counter of its block-table entry, at the point
+of issue and under the copy's own condition; without it the kernel has no counter.
+
 Split x covers chunks ``[x * c, min((x + 1) * c, n))`` of the item's n chunks
 (``c = cdiv(n, X)``); it writes its partial output normalised by its own softmax sum and
 its log-sum-exp, and the caller merges the splits. Sinks enter split 0 only.
@@ -161,6 +165,9 @@ class KernelConfig:
   group: int
   has_sinks: bool
   interpret: bool
+  # Also write, per program, how many copy units of each table entry it issued (tests and
+  # benchmarks, interpret mode only). False adds nothing to the kernel.
+  count_pages: bool = False
 
 
 def _smem_tile(shape, dtype):
@@ -199,6 +206,8 @@ def _kernel(*refs, cfg: KernelConfig):
   # Output
   out_ref = refs.pop(0)         # f32[X, W, K, M, D] normalised partial outputs (M: Q*G to 8)
   lse_ref = refs.pop(0)         # f32[X, W, K, M] log-sum-exp, -inf where nothing seen
+  copies_ref = refs.pop(0) if cfg.count_pages else None  # i32[X, W, K, P] copy units issued
+                                # per table entry (count_pages)
   assert not refs
 
   pieces, rows, head_dim = len(q_hbm_refs), q_hbm_refs[0].shape[2], q_hbm_refs[0].shape[3]
@@ -258,6 +267,11 @@ def _kernel(*refs, cfg: KernelConfig):
                                 k_raw.at[slot, rows_r], barrier)
         plgpu.copy_gmem_to_smem(v_pages_ref.at[layer, kv_head, page_id, slots],
                                 v_raw.at[slot, rows_r], barrier)
+        if copies_ref is not None:
+          # Counted where the copy is issued, under the same condition: table entry
+          # pos / Z of the item's sequence got one more copy unit (one K and one V copy).
+          entry = (split, item, kv_head, lax.div(begin + c * chunk + r * unit, block_size))
+          copies_ref[entry] = copies_ref[entry] + 1
 
   def valid_positions(c, info, vector_layout):
     """bool[J] (in ``vector_layout``): positions of chunk c that may count: before the
@@ -413,6 +427,8 @@ def _kernel(*refs, cfg: KernelConfig):
     scratch += [[], []]
   scratch += [plgpu.Barrier(num_arrivals=pieces),
               plgpu.Barrier(num_arrivals=2, num_barriers=num_stages * num_copies)]
+  if copies_ref is not None:
+    copies_ref[split, item, kv_head] = jnp.zeros(copies_ref.shape[3:], jnp.int32)
   max_M, sum_M, acc_MD = pl.run_scoped(main_loop, *scratch)
 
   seen_M = sum_M > 0.0
@@ -436,7 +452,7 @@ def _kernel(*refs, cfg: KernelConfig):
 def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W, horizon_W,
                     qbase_W, lo_W, hi_W, tables_SP, sinks_H=None, k_scales_LKNZ=None,
                     v_scales_LKNZ=None, *, cfg: KernelConfig, out_rows: int,
-                    lse_rows: int):
+                    lse_rows: int, num_entries: int | None = None):
   """Partial attention of every (item, KV head, split); see the module docstring.
 
   Args:
@@ -450,10 +466,14 @@ def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_
     k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] scales of quantised pages, or None.
     cfg: static ``KernelConfig``.
     out_rows, lse_rows: rows of the partial outputs written back (<= M).
+    num_entries: with ``cfg.count_pages``, P: the block-table entries counted (the table
+      width before padding).
 
   Returns:
     ``(out_XWKMD, lse_XWKM)`` float32 with X = ``cfg.tiling.num_splits``, M = ``out_rows``
-    for the outputs and ``lse_rows`` for the log-sum-exp.
+    for the outputs and ``lse_rows`` for the log-sum-exp; with ``cfg.count_pages`` also
+    ``copies_XWKP`` i32: the copy units (of min(Z, J) positions, one K and one V copy
+    each) every program issued from each entry p of its item's block-table row.
   """
   num_items, num_kv_heads, _, head_dim = q_pieces[0].shape
   num_splits = cfg.tiling.num_splits
@@ -469,6 +489,14 @@ def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_
                            jnp.float32),
       jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, lse_rows), jnp.float32),
   )
+  if cfg.count_pages:
+    if not cfg.interpret:
+      raise ValueError(f"count_pages={cfg.count_pages} needs interpret=True (the counter is "
+                       "scalar global-memory traffic, for tests and benchmarks on CPU)")
+    if num_entries is None:
+      raise ValueError(f"{num_entries=} must be the block-table width with count_pages")
+    out_type += (jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, num_entries),
+                                      jnp.int32),)
   interpret = compat.interpret_params() if cfg.interpret else None
   run = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg),

@@ -6,6 +6,7 @@ the kernel is ``kernel.split_attention``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -112,6 +113,99 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
 _STATICS = ("sm_scale", "sliding_window", "soft_cap", "kv_dtype", "tiling", "interpret")
 
 
+@dataclasses.dataclass(frozen=True)
+class CopiedPages:
+  """What ``copied_pages`` counted inside the kernel (all arrays int32 / bool).
+
+  Attributes:
+    copies_WKP: i32[W, K, P]: copy units (min(Z, J) positions; one K and one V TMA copy
+      each) the programs of (work item w, KV head k) issued from entry p of the item's
+      block-table row, summed over the split-K programs. A page is brought in iff its
+      entry is > 0; a whole page takes Z / min(Z, J) units.
+    seq_W: i32[W]: each item's sequence (block-table row).
+    live_W: bool[W]: whether the item has any KV range (a real item).
+    tiling: the ``MosaicTiling`` the kernel ran with (static).
+  """
+
+  copies_WKP: jax.Array
+  seq_W: jax.Array
+  live_W: jax.Array
+  tiling: MosaicTiling = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def pages_WK(self) -> jax.Array:
+    """i32[W, K]: pages (table entries) each (item, KV head) brought in."""
+    return jnp.sum(self.copies_WKP > 0, axis=-1).astype(jnp.int32)
+
+
+jax.tree_util.register_dataclass(CopiedPages)
+
+
+def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+               cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, sinks, kv_dtype,
+               k_scales, v_scales, tiling, interpret, count_pages):
+  """The body of ``ragged_paged_attention``; with ``count_pages`` it returns
+  ``(out_THD, CopiedPages)``: the same output and the copies the kernel issued."""
+  compat.require()
+  static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                  cu_q_lens, num_seqs, sm_scale=sm_scale, tiling=tiling,
+                  sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                  kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
+  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
+  kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
+  num_tokens, num_q_heads, head_dim = q_THD.shape
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  num_kv_heads, block_size = dims["K"], dims["Z"]
+  group = num_q_heads // num_kv_heads
+  num_seq_rows, blocks_per_seq = block_tables_SP.shape
+  if num_tokens == 0 and not count_pages:
+    return jnp.zeros_like(q_THD)
+  if sliding_window is not None and sliding_window >= blocks_per_seq * block_size:
+    sliding_window = None  # wider than any sequence: no key is ever hidden by it
+  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype)
+  if tiling is None:
+    tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
+                                sliding_window=sliding_window)
+  tiling.check_shapes(group=group, block_size=block_size, head_dim=head_dim, plan=plan)
+  mma_dtype, pieces = jnp.dtype(plan.mma_dtype_name), plan.pieces
+  rows = tiling_lib.packed_rows(tiling.q_tile, group)
+  num_items = tiling_lib.num_work_items(num_tokens, num_seq_rows, tiling.q_tile)
+  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+
+  items = items_lib.build_items(kv_lens_S, cu_q_lens, num_seqs, num_tokens=num_tokens,
+                                q_tile=tiling.q_tile, num_items=num_items,
+                                block_size=block_size, blocks_per_seq=blocks_per_seq,
+                                sliding_window=sliding_window)
+  q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
+                                  dtype=jnp.float32 if pieces > 1 else mma_dtype)
+  q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype)
+  # Table entries are read for every copy of a chunk from a page-aligned start: pad the
+  # width by the copies per chunk so those reads stay in bounds (entries past the horizon
+  # go unused).
+  tables_SP = jnp.pad(block_tables_SP,
+                      ((0, 0), (0, tiling.copies_per_chunk(block_size))))
+  cfg = kernel_lib.KernelConfig(
+      sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+      kv_dtype=kv_dtype, mma_dtype=mma_dtype, plan=plan,
+      tiling=tiling, group=group, has_sinks=sinks is not None, interpret=interpret,
+      count_pages=count_pages)
+  out_rows = tiling_lib.out_rows(tiling.q_tile, group)
+  lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))
+  outs = kernel_lib.split_attention(
+      q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, items.begin_W,
+      items.horizon_W, items.qbase_W, items.lo_W, items.hi_W, tables_SP,
+      None if sinks is None else sinks.astype(jnp.float32), k_scales, v_scales, cfg=cfg,
+      out_rows=out_rows, lse_rows=lse_rows, num_entries=blocks_per_seq)
+  out_XWKMD, lse_XWKM = outs[:2]
+  out_WKMD = items_lib.combine_splits(out_XWKMD, lse_XWKM[..., :out_rows])
+  out_THD = items_lib.unpack_outputs(out_WKMD, items, num_tokens=num_tokens,
+                                     num_q_heads=num_q_heads).astype(q_THD.dtype)
+  if count_pages:
+    return out_THD, CopiedPages(copies_WKP=jnp.sum(outs[2], axis=0), seq_W=items.seq_W,
+                                live_W=items.horizon_W > 0, tiling=tiling)
+  return out_THD
+
+
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, sm_scale: float,
@@ -155,56 +249,30 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   is bfloat16 for a bfloat16 q, else float32 (three pieces of q and of the weights
   against one of K/V: three products per dot).
   """
-  compat.require()
-  static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
-                  cu_q_lens, num_seqs, sm_scale=sm_scale, tiling=tiling,
-                  sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                  kv_dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales)
-  sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
-  kv_dtype = None if kv_dtype is None else jnp.dtype(kv_dtype)
-  num_tokens, num_q_heads, head_dim = q_THD.shape
-  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
-  num_kv_heads, block_size = dims["K"], dims["Z"]
-  group = num_q_heads // num_kv_heads
-  num_seq_rows, blocks_per_seq = block_tables_SP.shape
-  if num_tokens == 0:
-    return jnp.zeros_like(q_THD)
-  if sliding_window is not None and sliding_window >= blocks_per_seq * block_size:
-    sliding_window = None  # wider than any sequence: no key is ever hidden by it
-  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype)
-  if tiling is None:
-    tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
-                                sliding_window=sliding_window)
-  tiling.check_shapes(group=group, block_size=block_size, head_dim=head_dim, plan=plan)
-  mma_dtype, pieces = jnp.dtype(plan.mma_dtype_name), plan.pieces
-  rows = tiling_lib.packed_rows(tiling.q_tile, group)
-  num_items = tiling_lib.num_work_items(num_tokens, num_seq_rows, tiling.q_tile)
-  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  return _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                    cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
+                    v_scales=v_scales, tiling=tiling, interpret=interpret,
+                    count_pages=False)
 
-  items = items_lib.build_items(kv_lens_S, cu_q_lens, num_seqs, num_tokens=num_tokens,
-                                q_tile=tiling.q_tile, num_items=num_items,
-                                block_size=block_size, blocks_per_seq=blocks_per_seq,
-                                sliding_window=sliding_window)
-  q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
-                                  dtype=jnp.float32 if pieces > 1 else mma_dtype)
-  q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype)
-  # Table entries are read for every copy of a chunk from a page-aligned start: pad the
-  # width by the copies per chunk so those reads stay in bounds (entries past the horizon
-  # go unused).
-  tables_SP = jnp.pad(block_tables_SP,
-                      ((0, 0), (0, tiling.copies_per_chunk(block_size))))
-  cfg = kernel_lib.KernelConfig(
-      sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-      kv_dtype=kv_dtype, mma_dtype=mma_dtype, plan=plan,
-      tiling=tiling, group=group, has_sinks=sinks is not None, interpret=interpret)
-  out_rows = tiling_lib.out_rows(tiling.q_tile, group)
-  lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))
-  out_XWKMD, lse_XWKM = kernel_lib.split_attention(
-      q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, items.begin_W,
-      items.horizon_W, items.qbase_W, items.lo_W, items.hi_W, tables_SP,
-      None if sinks is None else sinks.astype(jnp.float32), k_scales, v_scales, cfg=cfg,
-      out_rows=out_rows, lse_rows=lse_rows)
-  out_WKMD = items_lib.combine_splits(out_XWKMD, lse_XWKM[..., :out_rows])
-  out_THD = items_lib.unpack_outputs(out_WKMD, items, num_tokens=num_tokens,
-                                     num_q_heads=num_q_heads)
-  return out_THD.astype(q_THD.dtype)
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def copied_pages(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                 cu_q_lens, num_seqs, *, sm_scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None, sinks=None, kv_dtype=None, k_scales=None,
+                 v_scales=None, tiling: MosaicTiling | None = None, interpret: bool = True):
+  """The pages the kernel copies by TMA for these arguments, counted inside the kernel.
+
+  Runs the kernel of ``ragged_paged_attention`` (same work items, same tiling, the same
+  copy loop: prologue and refills) with a counter beside each page copy it issues,
+  incremented under the copy's own condition. Interpret mode only (tests, benchmarks).
+
+  Returns:
+    ``(out_THD, copied)``: the attention output, as ``ragged_paged_attention`` returns it,
+    and a ``CopiedPages``.
+  """
+  return _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                    cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
+                    v_scales=v_scales, tiling=tiling, interpret=interpret,
+                    count_pages=True)

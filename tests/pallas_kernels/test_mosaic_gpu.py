@@ -64,18 +64,19 @@ def _reset_interpreter_after_failure(request):
     compat.reset_interpret_state()
 
 
-def _interpret_run(args, **statics):
+def _interpret_run(args, *, count_pages=False, **statics):
   """``ragged_paged_attention(*args, interpret=True, **statics)``, compiled once per
-  (shapes, dtypes, statics) and shared between tests."""
+  (shapes, dtypes, statics) and shared between tests. ``count_pages``: run
+  ``copied_pages`` instead (returns ``(out, CopiedPages)``)."""
   arrays = [a for a in args if a is not None]
-  key = (tuple((jnp.shape(a), jnp.result_type(a)) for a in arrays),
+  key = (count_pages, tuple((jnp.shape(a), jnp.result_type(a)) for a in arrays),
          tuple((k, v if not isinstance(v, jax.Array) else "array") for k, v in
                sorted(statics.items(), key=lambda kv: kv[0])))
   traced = {k: v for k, v in statics.items() if isinstance(v, jax.Array)}
   static = {k: v for k, v in statics.items() if not isinstance(v, jax.Array)}
   if key not in _COMPILED:
-    fn = jax.jit(lambda traced_kw, *a: mosaic_gpu.ragged_paged_attention(
-        *a, interpret=True, **static, **traced_kw))
+    run = mosaic_gpu.copied_pages if count_pages else mosaic_gpu.ragged_paged_attention
+    fn = jax.jit(lambda traced_kw, *a: run(*a, interpret=True, **static, **traced_kw))
     _COMPILED[key] = fn.trace(traced, *args).lower().compile(_FAST_CPU_COMPILE)
     while len(_COMPILED) > _COMPILED_KEEP:
       _COMPILED.popitem(last=False)
@@ -304,6 +305,134 @@ def test_pages_before_the_window_are_never_read():
   assert poisoned >= 20
   _check(case, dict(sliding_window=window), storage=True,
          tiling=MosaicTiling(q_tile=2, chunk_size=64, num_splits=2, num_stages=2))
+
+
+def _poison_pages_before_first_windows(case, window):
+  """NaN in every page lying wholly before its sequence's first query's window (all of
+  its positions <= first position - W); returns how many pages."""
+  z = case.k_pages_LKNZD.shape[3]
+  case.k_pages_LKNZD = case.k_pages_LKNZD.copy()
+  case.v_pages_LKNZD = case.v_pages_LKNZD.copy()
+  poisoned = 0
+  for i in range(case.num_seqs):
+    first = int(case.kv_lens_S[i]) - int(case.cu_q_lens[i + 1] - case.cu_q_lens[i])
+    for p in range(max(0, first - window + 1) // z):
+      block = case.block_tables_SP[i, p]
+      case.k_pages_LKNZD[:, :, block] = np.nan
+      case.v_pages_LKNZD[:, :, block] = np.nan
+      poisoned += 1
+  return poisoned
+
+
+def _window_copies(case, *, q_tile, window, chunk):
+  """What the kernel must copy, from the case alone (not from ``items``): for each
+  (query tile, sequence) pair with live rows, at positions first..last, the pages holding
+  a key some row sees (positions max(first - W + 1, 0) .. last), each with its copy units
+  of min(Z, J) positions up to the last query's (a page that overlaps the window is
+  copied from its first slot). Sorted ``[(seq, ((entry, units), ...))]``."""
+  z = case.k_pages_LKNZD.shape[3]
+  unit = min(z, chunk)
+  cu = [int(x) for x in case.cu_q_lens]
+  expected = []
+  for start in range(0, case.q_THD.shape[0], q_tile):
+    for i in range(case.num_seqs):
+      lo_row, hi_row = max(start, cu[i]), min(start + q_tile, cu[i + 1])
+      if lo_row >= hi_row:
+        continue
+      pos0 = int(case.kv_lens_S[i]) - (cu[i + 1] - cu[i]) - cu[i]
+      first, last = pos0 + lo_row, pos0 + hi_row - 1
+      low = 0 if window is None else max(first - window + 1, 0)
+      expected.append((i, tuple(
+          (p, sum(1 for u in range(z // unit) if p * z + u * unit <= last))
+          for p in range(low // z, last // z + 1))))
+  return sorted(expected)
+
+
+def _counted_copies(copied):
+  """``CopiedPages`` as ``_window_copies`` writes it (KV head 0), after checking that every
+  KV head copied the same and that items past the last copy nothing."""
+  copies_WKP = np.asarray(copied.copies_WKP)
+  live_W, seq_W = np.asarray(copied.live_W), np.asarray(copied.seq_W)
+  assert np.all(copies_WKP == copies_WKP[:, :1])
+  assert np.all(copies_WKP[~live_W] == 0)
+  return sorted((int(seq_W[w]), tuple((int(p), int(copies_WKP[w, 0, p]))
+                                      for p in np.flatnonzero(copies_WKP[w, 0])))
+                for w in np.flatnonzero(live_W))
+
+
+def _check_counted_output(case, args, out, variant):
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(out))
+  ref = ragged_paged_attention_reference(*args, sm_scale=case.q_THD.shape[-1] ** -0.5,
+                                         **variant)
+  tol = TOLERANCE[case.kv_dtype.name]
+  np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol)
+
+
+@needs_interpret
+@pytest.mark.parametrize("window, block_size, kv_lens", [
+    (20, 8, (200, 120, 77)),
+    pytest.param(1, 8, (200, 120, 77), marks=pytest.mark.slow),
+    pytest.param(None, 8, (200, 120, 77), marks=pytest.mark.slow),
+    pytest.param(150, 128, (1200, 500, 77), marks=pytest.mark.slow),  # Z > J: 2 units a page
+], ids=["w20-z8", "w1-z8", "nowindow-z8", "w150-z128"])
+def test_copies_are_the_pages_overlapping_each_window(window, block_size, kv_lens):
+  # Decode rows and a 13-row chunked prefill, tiles of Q = 4 rows (the prefill spans four
+  # tiles, two of them shared with the decode rows), two KV heads, J = 64, 2 splits and a
+  # 2-deep ring. The kernel's own counter (``copied_pages``: +1 where each TMA copy is
+  # issued, under its condition) must list, per (tile, sequence) item, exactly the pages
+  # overlapping the item's rows' windows, each copy unit once over all splits; and the
+  # counted run's output must match the reference with every page before the first
+  # windows NaN.
+  case = _case(27, dtype=jnp.bfloat16, group=2, num_kv_heads=2, head_dim=64,
+               block_size=block_size, q_lens=[1, 13, 1], kv_lens=list(kv_lens))
+  if window is not None:
+    assert _poison_pages_before_first_windows(case, window) >= 10
+  tiling = MosaicTiling(q_tile=4, chunk_size=64, num_splits=2, num_stages=2)
+  args = case.jax_args()
+  out, copied = _interpret_run(args, count_pages=True, sm_scale=0.125,
+                               sliding_window=window, tiling=tiling)
+  assert copied.tiling == tiling
+  counted = _counted_copies(copied)
+  assert counted == _window_copies(case, q_tile=4, window=window, chunk=64)
+  if window == 20 and block_size == 8:  # a decode row's window spans at most 4 pages
+    assert max(len(entries) for seq, entries in counted if seq != 1) <= 4
+  if window is None:  # the 200-token sequence's decode row copies all its 25 pages
+    assert max(len(entries) for _, entries in counted) == 25
+  _check_counted_output(case, args, out, dict(sliding_window=window))
+
+
+@needs_interpret
+def test_window_keeps_decode_copies_flat_from_512_to_8k():
+  # Five decode rows at contexts 512 .. 8192 in one batch, W = 256, Z = 16, the default
+  # tiling: each row's item copies the pages holding positions C - 256 .. C - 1, at most
+  # ceil(W / Z) + 1 = 17 of them and here exactly 16 (C is a multiple of Z) at every
+  # context, where the context holds 32 .. 512 pages. Everything before the windows is
+  # NaN, and the counted run's output matches the reference.
+  contexts, window, z = (512, 1024, 2048, 4096, 8192), 256, 16
+  case = attention_cases.make_case(28, q_lens=[1] * len(contexts), kv_lens=list(contexts),
+                                   num_kv_heads=1, group=4, head_dim=64, block_size=z,
+                                   dtype=jnp.bfloat16, num_layers=1, layer=0)
+  assert _poison_pages_before_first_windows(case, window) == sum(contexts) // z - 5 * 16
+  args = case.jax_args()
+  out, copied = _interpret_run(args, count_pages=True, sm_scale=0.125,
+                               sliding_window=window)
+  counted = _counted_copies(copied)
+  pages = [len(entries) for _, entries in counted]
+  assert [seq for seq, _ in counted] == list(range(len(contexts)))
+  assert pages == [16] * len(contexts) and max(pages) <= -(-window // z) + 1
+  for (seq, entries), context in zip(counted, contexts):
+    assert [p for p, _ in entries] == list(range((context - window) // z, context // z))
+    assert all(units == 1 for _, units in entries)  # Z <= J: one copy a page
+  _check_counted_output(case, args, out, dict(sliding_window=window))
+
+
+def test_copied_pages_needs_interpret_mode():
+  case = _case(30, dtype=jnp.bfloat16, group=1, head_dim=64, block_size=16, q_lens=[1],
+               kv_lens=[40])
+  with pytest.raises(ValueError, match="count_pages=True needs interpret=True"):
+    jax.jit(lambda *a: mosaic_gpu.copied_pages(*a, sm_scale=0.125, interpret=False)).trace(
+        *case.jax_args()).lower(lowering_platforms=("cuda",))
 
 
 @needs_interpret
