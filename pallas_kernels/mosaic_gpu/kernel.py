@@ -73,18 +73,30 @@ def piece_pairs(a_pieces: int, b_pieces: int) -> tuple[tuple[int, int], ...]:
   return tuple(sorted(pairs, key=lambda ij: (-(ij[0] + ij[1]), -ij[0])))
 
 
-def split_pieces(x, pieces: int, dtype):
+def split_pieces(x, pieces: int, dtype, *, explicit_rounding: bool = False):
   """``x`` as ``pieces`` values of ``dtype`` summing to it: hi, mid, lo for float32 in
-  bfloat16 (24 bits of mantissa in three 8-bit pieces); ``[x]`` cast when ``pieces`` is 1."""
+  bfloat16 (24 bits of mantissa in three 8-bit pieces); ``[x]`` cast when ``pieces`` is 1.
+
+  ``explicit_rounding`` (for a split done by XLA, outside the kernel): round each piece
+  with ``lax.reduce_precision`` rather than a float32 -> ``dtype`` -> float32 round trip.
+  XLA on GPU may drop such a round trip (``xla_allow_excess_precision``, on by default),
+  which makes every piece after the first zero: measured on an H200, float32 queries were
+  then multiplied as bfloat16 (1.8e-3 off on a long decode). ``reduce_precision`` is an
+  op of its own that XLA keeps. Inside the kernel the Mosaic GPU lowering keeps the round
+  trip (its K, V and probability splits matched float32 there)."""
   if pieces == 1:
     return [x.astype(dtype)]
+  info = jnp.finfo(dtype)
   out = []
   rest = x.astype(jnp.float32)
   for i in range(pieces):
-    piece = rest.astype(dtype)
-    out.append(piece)
+    if explicit_rounding:
+      rounded = lax.reduce_precision(rest, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    else:
+      rounded = rest.astype(dtype).astype(jnp.float32)
+    out.append(rounded.astype(dtype))
     if i + 1 < pieces:
-      rest = rest - piece.astype(jnp.float32)
+      rest = rest - rounded
   return out
 
 
@@ -341,10 +353,12 @@ def _kernel(*refs, cfg: KernelConfig):
     if sink_M is not None:
       # The sink is one more logit with no value, counted once: split 0 starts from it
       # (running max = sink, running sum = exp(sink - max) = 1), the other splits from
-      # nothing. A -inf sink (dead rows) adds 0.
-      first = split == 0
-      max_M = jnp.where(first, jnp.maximum(sink_M, _MAX_FLOOR), max_M)
-      sum_M = jnp.where(first, jnp.exp(sink_M - max_M), sum_M)
+      # nothing. A -inf sink (dead rows) adds 0. The condition is a vector (the same for
+      # every row): Mosaic GPU lowers no select of a scalar predicate over vector cases
+      # (jax 0.11.2 on an H200: "Implicit broadcast not implemented").
+      first_M = (row_M >= 0) & (split == 0)
+      max_M = jnp.where(first_M, jnp.maximum(sink_M, _MAX_FLOOR), max_M)
+      sum_M = jnp.where(first_M, jnp.exp(sink_M - max_M), sum_M)
     acc_MD = prims.layout_cast(jnp.full((rows, head_dim), 0.0, jnp.float32), wgmma_layout)
 
     def body(step, carry):

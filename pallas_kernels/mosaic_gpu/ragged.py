@@ -178,7 +178,7 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
                                 sliding_window=sliding_window)
   q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
                                   dtype=jnp.float32 if pieces > 1 else mma_dtype)
-  q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype)
+  q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype, explicit_rounding=True)
   # Table entries are read for every copy of a chunk from a page-aligned start: pad the
   # width by the copies per chunk so those reads stay in bounds (entries past the horizon
   # go unused).

@@ -25,6 +25,7 @@ import sys
 import zlib
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -668,6 +669,21 @@ def test_float32_pieces_are_exact_to_float32():
   assert np.abs(hi_only - exact).max() > 1e-3 * np.abs(exact).max()  # bf16 alone is not
 
 
+def test_query_pieces_are_rounded_by_an_op_xla_keeps():
+  # The float32 query split runs in XLA, outside the kernel. XLA on GPU drops a float32 ->
+  # bfloat16 -> float32 round trip (excess precision allowed), which zeroed the mid and lo
+  # pieces on an H200: 1.8e-3 off where float32 gives 2e-7. reduce_precision is kept;
+  # the pieces it gives equal the round-trip ones wherever the round trip is kept (CPU).
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(8, 64)).astype(np.float32))
+  for cast, rounded in zip(kernel_lib.split_pieces(x, 3, jnp.bfloat16),
+                           kernel_lib.split_pieces(x, 3, jnp.bfloat16,
+                                                   explicit_rounding=True)):
+    np.testing.assert_array_equal(np.asarray(cast, np.float32), np.asarray(rounded, np.float32))
+  text = _lower("llama", 8, 2, 64, 16, T=4, S=2, pages_dtype=jnp.float32,
+                q_dtype=jnp.float32)
+  assert text.count("stablehlo.reduce_precision") >= 2  # hi and mid (lo is the remainder)
+
+
 # --- Validation, tiling, availability (no kernel runs). ---
 
 def _small_args(*, head_dim=64, block_size=16, dtype=jnp.bfloat16, num_q_heads=2):
@@ -850,6 +866,13 @@ LOWERING_VARIANTS = {
 
 def _lower(name, H, K, D, Z, *, T, S, pages_dtype=jnp.uint16, q_dtype=jnp.bfloat16,
            variant=(), tiling=None):
+  traced = _trace(name, H, K, D, Z, T=T, S=S, pages_dtype=pages_dtype, q_dtype=q_dtype,
+                  variant=variant, tiling=tiling)
+  return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _trace(name, H, K, D, Z, *, T, S, pages_dtype=jnp.uint16, q_dtype=jnp.bfloat16,
+           variant=(), tiling=None):
   num_blocks, blocks_per_seq, num_layers = 256, 64, 2
   kwargs = dict(variant)
   kv_dtype = jnp.bfloat16 if pages_dtype == jnp.uint16 else None
@@ -865,7 +888,36 @@ def _lower(name, H, K, D, Z, *, T, S, pages_dtype=jnp.uint16, q_dtype=jnp.bfloat
   else:
     f = lambda *a: mosaic_gpu.ragged_paged_attention(
         *a, sm_scale=D ** -0.5, kv_dtype=kv_dtype, tiling=tiling, **kwargs)
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return jax.jit(f).trace(*args)
+
+
+def _all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs inside its equations (the kernel body,
+  its loops and scopes), depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _all_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("pages_dtype, q_dtype", [(jnp.uint16, jnp.bfloat16),
+                                                  (jnp.float32, jnp.float32)])
+def test_kernel_selects_no_vector_on_a_scalar_predicate(pages_dtype, q_dtype):
+  # jax 0.11.2's Mosaic GPU lowering refuses select_n with a scalar predicate over vector
+  # cases ("Implicit broadcast not implemented with warpgroup semantics"); the sink's
+  # start on split 0 was one, and every call with sinks failed on an H200 although it
+  # lowered with jax 0.10.2 here. Checked on the traced kernel, all variants on.
+  traced = _trace("llama", 8, 2, 64, 16, T=8, S=2, pages_dtype=pages_dtype,
+                  q_dtype=q_dtype, variant=LOWERING_VARIANTS["all"])
+  selects = [e for e in _all_eqns(traced.jaxpr.jaxpr) if e.primitive.name == "select_n"]
+  assert selects  # the walk reached the kernel body
+  bad = [e for e in selects if e.invars[0].aval.shape == ()
+         and any(v.aval.shape != () for v in e.invars[1:])]
+  assert not bad, bad
 
 
 def _assert_one_mosaic_kernel(text, pages_dtype, Z, D):
