@@ -18,9 +18,13 @@ IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_mosaic_
 _PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
                    "pallas_gpu": "paged_jax.pallas_kernels.gpu",
                    "pallas_mosaic_gpu": "paged_jax.pallas_kernels.mosaic_gpu"}
-# What "auto" tries on each backend, best first; "xla" is always there.
-_AUTO_BY_BACKEND = {"tpu": ("pallas_tpu",), "gpu": ("pallas_mosaic_gpu", "pallas_gpu"),
-                    "cuda": ("pallas_mosaic_gpu", "pallas_gpu")}
+# What "auto" tries on each backend, best first; "xla" is always there. On a GPU the Triton
+# kernel comes first while JAX has its backend: measured on an H200 (jax 0.11.2, bf16 pools
+# as a KVCache holds them, benchmarks/RESULTS.md) it decodes 1.4-1.7x faster than the Mosaic
+# GPU kernel at 8k-32k contexts and batch 8-256 (at batch 1 they are even). The Mosaic
+# kernel is what keeps a Pallas GPU path, on Hopper, once JAX drops Triton.
+_AUTO_BY_BACKEND = {"tpu": ("pallas_tpu",), "gpu": ("pallas_gpu", "pallas_mosaic_gpu"),
+                    "cuda": ("pallas_gpu", "pallas_mosaic_gpu")}
 # Kernels that run on only some devices of their backend: the Mosaic GPU kernel is written
 # with wgmma and TMA, Hopper's (sm_90) instructions, which neither Ampere (sm_80) nor
 # Blackwell (sm_100: tcgen05) runs. "auto" takes it only on a CUDA device of major 9.
@@ -97,11 +101,12 @@ def _first_on_backend(takes: Callable = lambda module: True) -> str:
 
 def resolve_impl(impl: str) -> str:
   """The concrete implementation ``impl`` names. "auto" picks by the default backend: on
-  TPU "pallas_tpu"; on a GPU "pallas_mosaic_gpu" when the device is Hopper (CUDA compute
-  capability 9.x: the kernel uses wgmma and TMA), else "pallas_gpu" (Triton), each only
-  where the installed JAX has its backend; elsewhere, or when none is there, "xla".
-  (Inside ``paged_attention`` "auto" also passes over a GPU kernel that refuses the
-  shapes, e.g. the Mosaic GPU kernel at float32 and head dim 256.)"""
+  TPU "pallas_tpu"; on a GPU "pallas_gpu" (Triton: the faster one measured on an H200)
+  where the installed JAX still has that backend, else "pallas_mosaic_gpu" when the device
+  is Hopper (CUDA compute capability 9.x: the kernel uses wgmma and TMA) and JAX has Mosaic
+  GPU; elsewhere, or when none is there, "xla". (Inside ``paged_attention`` "auto" also
+  passes over a GPU kernel that refuses the shapes, e.g. the Mosaic GPU kernel at float32
+  and head dim 256.)"""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   return _first_on_backend() if impl == "auto" else impl
@@ -171,9 +176,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       denominator, with no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
     impl: "auto", "reference", "xla", "pallas_tpu", "pallas_gpu" (Triton backend) or
       "pallas_mosaic_gpu" (Mosaic GPU, Hopper). "auto": on TPU the Pallas TPU kernel; on a
-      GPU the Mosaic GPU kernel on a Hopper device (compute capability 9.x) where JAX has
-      it and it takes these shapes (not float32 at head dim 256), else the Triton one
-      where JAX still has that backend; otherwise XLA.
+      GPU the Triton one while JAX has that backend (faster, measured on an H200), else
+      the Mosaic GPU kernel on a Hopper device (compute capability 9.x) where JAX has it
+      and it takes these shapes (not float32 at head dim 256); otherwise XLA.
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
       consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in
