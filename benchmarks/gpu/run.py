@@ -15,7 +15,7 @@
    GPU kernel is timed twice: on bf16 pools (its direct path: the tensor cores read the
    pages where TMA put them) and on the same pools as uint16 storage bits with
    ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its staged path converts each chunk
-   through registers).
+   through registers). Our Triton kernel is timed on both too.
 
 Built for a blind, time-limited run:
 - each impl of each case is built and timed in its own try/except (a JAX without Triton
@@ -28,7 +28,7 @@ Built for a blind, time-limited run:
 - a watchdog ends the process (results written, exit 3) when one check or timing runs
   past ``--hang-s`` (a hung kernel would otherwise hold the device until the limit).
 
-Time: the default grid is 12 decode cases x 6 impls + 3 mixed = 75 timings, each a
+Time: the default grid is 12 decode cases x 7 impls + 3 mixed = 87 timings, each a
 compile (~1-10 s), a warm-up round and ``--sample-s`` 0.5 s of samples (the largest case,
 batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks: ~5-6 min; the budget
 (``--budget-s 400``, counted from the start of ``main``) stops starting new work and one
@@ -61,6 +61,7 @@ DECODE_CONTEXTS = (8192, 32768, 1024)
 GOAL_CONTEXTS = (8192, 32768)   # the issue's goals are for decode at 8k-32k contexts
 GOAL_COPY_FRACTION, GOAL_SPEEDUP = 0.85, 1.2
 MOSAIC, MOSAIC_BITS = "pallas_mosaic_gpu (ours)", "pallas_mosaic_gpu, storage bits (ours)"
+TRITON_BITS = "pallas_gpu, storage bits (ours)"
 JAX_TRITON = "jax pallas paged_attention"
 L2_DEFEAT_BYTES = 256 << 20   # rotate input sets until one round reads this much
 MAX_SETS = 16
@@ -258,13 +259,15 @@ def wanted(impl: str) -> bool:
   return not IMPL_FILTER or any(word in impl for word in IMPL_FILTER)
 
 
-def ours_fn(sm_scale):
+def ours_fn(sm_scale, *, kv_dtype=None):
+  """Our Triton kernel; with ``kv_dtype`` the pools hold its storage bits."""
   from paged_jax.pallas_kernels import gpu
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
     return gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
-                                      sm_scale=sm_scale, interpret=INTERPRET)
+                                      sm_scale=sm_scale, kv_dtype=kv_dtype,
+                                      interpret=INTERPRET)
   return f
 
 
@@ -467,11 +470,13 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, recorder):
                    b["num_seqs"]))
     jax.block_until_ready(sets)
   mosaic_bits = lambda: (mosaic_fn(sm_scale, kv_dtype=dtype), storage_bits_sets(sets))
+  triton_bits = lambda: (ours_fn(sm_scale, kv_dtype=dtype), storage_bits_sets(sets))
   # The goal pair first (Mosaic and JAX's Triton kernel), then the rest.
   impls = [(MOSAIC, lambda: (mosaic_fn(sm_scale), sets)),
            (JAX_TRITON, lambda: (jax_pallas_fn(sm_scale, blocks_per_seq), sets)),
            (MOSAIC_BITS, mosaic_bits),
            ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
+           (TRITON_BITS, triton_bits),
            ("xla (ours)", lambda: (xla_fn(sm_scale), sets)),
            ("dense xla", lambda: dense_inputs(sets, batch, ctx, dtype, sm_scale))]
   for impl, build in [(name, build) for name, build in impls if wanted(name)]:
