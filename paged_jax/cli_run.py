@@ -154,10 +154,34 @@ def _engine(args):
   return LLM(model, config, **opts)
 
 
+def describe_device(model) -> str:
+  """Where the run serves and which attention kernel: ``"cpu, attention xla (auto)"``,
+  ``"NVIDIA H200 (gpu), attention pallas_gpu (auto)"``, ``"4 x TPU v5 lite (tpu), ..."``.
+  The kernel is what ``impl`` resolves to on this backend (a call may still pass over a
+  kernel that refuses its shapes, see ``paged_attention``); a model without an ``impl``
+  attribute (your own) is reported as "auto"."""
+  import jax
+  from paged_jax.attention import resolve_impl
+  device = jax.devices()[0]
+  kind, platform = str(device.device_kind), str(device.platform)
+  where = platform if kind.lower() == platform.lower() else f"{kind} ({platform})"
+  if jax.device_count() > 1:
+    where = f"{jax.device_count()} x {where}"
+  impl = getattr(model, "impl", "auto")
+  try:
+    chosen = resolve_impl(impl)
+  except ValueError:
+    chosen = str(impl)
+  return f"{where}, attention {chosen}" + (" (auto)" if impl == "auto" else "")
+
+
 def format_report(stats: dict, *, title: str, compile_s: float | None = None,
-                  steady_tokens_per_s: float | None = None, notes=()) -> str:
+                  steady_tokens_per_s: float | None = None, notes=(),
+                  device: str | None = None) -> str:
   """The serving report printed by ``paged-jax run``."""
   rows = []
+  if device is not None:
+    rows.append(("device", device))
   if compile_s is not None:
     rows.append(("compile time", f"{compile_s:.2f} s (before serving; not counted below)"))
   rows += [
@@ -231,8 +255,10 @@ def _run(args) -> int:
   from paged_jax.workload import Workload, make_requests
   llm = _engine(args)
   source = args.model or "embedded tiny Llama (random weights)"
+  device = describe_device(llm.model)
   _say(progress, f"  {source}: {llm.stats['num_blocks']} KV blocks of {args.block_size} "
-       f"tokens, up to {llm.max_seqs} sequences ({time.perf_counter() - t_start:.1f} s)")
+       f"tokens, up to {llm.max_seqs} sequences, on {device} "
+       f"({time.perf_counter() - t_start:.1f} s)")
   if args.prompt is not None and llm.tokenizer is None:  # said before compiling, not after
     raise ValueError("--prompt needs --model DIR with a tokenizer.json (the embedded model "
                      "has no tokenizer)")
@@ -245,7 +271,7 @@ def _run(args) -> int:
     print(f"prompt:     {args.prompt}")
     print(f"completion: {out.text}")
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
-                        f"{out.finish_reason}", compile_s=compile_s))
+                        f"{out.finish_reason}", compile_s=compile_s, device=device))
     return 0
   default = Workload()
   max_prompt = min(default.max_prompt_len, llm.max_model_len // 2)
@@ -276,5 +302,6 @@ def _run(args) -> int:
   bar.close()
   print(format_report(llm.stats, title=f"paged-jax run: {len(prompts)} synthetic requests on "
                       f"{source}, seed {args.seed}", compile_s=compile_s,
-                      steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes))
+                      steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes,
+                      device=device))
   return 0

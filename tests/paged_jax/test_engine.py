@@ -339,6 +339,8 @@ def test_cli_run_prints_report(capsys, monkeypatch):
               "workload shrunk to fit the pool: prompts <= 128 tokens (default 192)"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
+  assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
+  assert "on cpu, attention xla (auto)" in captured.err
   assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
 
 
@@ -346,3 +348,18 @@ def test_cli_run_prompt_needs_a_tokenizer():
   args = _run_args("--prompt", "hello")
   with pytest.raises(ValueError, match="tokenizer"):
     args.func(args)
+
+
+def test_describe_device_names_the_kernel_auto_resolves_to(monkeypatch):
+  import types
+  from paged_jax import attention
+  from paged_jax.cli_run import describe_device
+  assert describe_device(types.SimpleNamespace(impl="reference")) == "cpu, attention reference"
+  assert describe_device(object()) == "cpu, attention xla (auto)"  # your own model: no impl
+  device = types.SimpleNamespace(device_kind="NVIDIA H200", platform="gpu",
+                                 compute_capability="9.0")
+  monkeypatch.setattr(jax, "devices", lambda *a: [device])
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "_default_device", lambda: device)
+  assert describe_device(types.SimpleNamespace(impl="auto")) == (
+      "NVIDIA H200 (gpu), attention pallas_gpu (auto)")
