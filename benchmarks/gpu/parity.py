@@ -69,8 +69,9 @@ IMPLS = ("xla", "pallas_gpu", "pallas_mosaic_gpu", "auto")
 
 
 def build_case(dtype, q_dtype, num_q_heads, num_kv_heads, head_dim, variant, seqs, seed):
-  """``(q, cache, metadata, kwargs)``: K/V written through ``KVCache.write`` into a NaN
-  cache at shuffled blocks; layer 1 of 2 holds them (layer 0 stays NaN)."""
+  """``(q, cache, metadata, static, sinks)``: K/V written through ``KVCache.write`` into a
+  NaN cache at shuffled blocks, layer 1 of 2 holding them (layer 0 stays NaN); ``static``
+  the variant's window / cap keywords, ``sinks`` f32[H] or None."""
   rng = np.random.default_rng(seed)
   pages = [-(-kv // BLOCK_SIZE) for _, kv in seqs]
   width = max(pages) + 1
@@ -101,15 +102,14 @@ def build_case(dtype, q_dtype, num_q_heads, num_kv_heads, head_dim, variant, seq
   metadata = (jnp.asarray([kv for _, kv in seqs], jnp.int32), jnp.asarray(tables),
               jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
               jnp.int32(len(seqs)))
-  kwargs = {key: value for key, value in variant.items() if key != "sinks"}
+  static = {key: value for key, value in variant.items() if key != "sinks"}
+  sinks = None
   if variant.get("sinks"):
-    kwargs["sinks"] = jnp.asarray(rng.normal(size=num_q_heads) * 2.0, jnp.float32)
-  return q, cache, metadata, kwargs
+    sinks = jnp.asarray(rng.normal(size=num_q_heads) * 2.0, jnp.float32)
+  return q, cache, metadata, static, sinks
 
 
-def attention_fn(impl, kwargs, interpret):
-  static = {key: value for key, value in kwargs.items() if key != "sinks"}
-
+def attention_fn(impl, static, interpret):
   @jax.jit
   def f(q, cache, kv_lens, tables, cu, num_seqs, sinks):
     return paged_attention(q, cache, 1, kv_lens, tables, cu, num_seqs, sinks=sinks,
@@ -160,9 +160,9 @@ def main(argv=None) -> int:
     tol = 2e-5 if exact else 2e-2
     cells = []
     try:
-      q, cache, meta, kwargs = build_case(dtype, q_dtype, h, kh, d, variant, seqs, seed=len(name))
-      sinks = kwargs.get("sinks")
-      want = np.asarray(attention_fn("reference", kwargs, False)(q, cache, *meta, sinks),
+      q, cache, meta, static, sinks = build_case(dtype, q_dtype, h, kh, d, variant, seqs,
+                                                 seed=len(name))
+      want = np.asarray(attention_fn("reference", static, False)(q, cache, *meta, sinks),
                         np.float32)
     except Exception as e:  # noqa: BLE001 - one case's failure stays in its row
       traceback.print_exc()
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     live = int(np.asarray(meta[2])[-1])
     for impl in impls:
       try:
-        got = np.asarray(attention_fn(impl, kwargs, args.smoke_cpu)(q, cache, *meta, sinks),
+        got = np.asarray(attention_fn(impl, static, args.smoke_cpu)(q, cache, *meta, sinks),
                          np.float32)
         err = float(np.max(np.abs(got[:live] - want[:live])))
         ok = bool(np.all(np.abs(got[:live] - want[:live]) <= tol * (1 + np.abs(want[:live]))))
