@@ -82,8 +82,9 @@ def split_pieces(x, pieces: int, dtype, *, explicit_rounding: bool = False):
   XLA on GPU may drop such a round trip (``xla_allow_excess_precision``, on by default),
   which makes every piece after the first zero: measured on an H200, float32 queries were
   then multiplied as bfloat16 (1.8e-3 off on a long decode). ``reduce_precision`` is an
-  op of its own that XLA keeps. Inside the kernel the Mosaic GPU lowering keeps the round
-  trip (its K, V and probability splits matched float32 there)."""
+  op of its own that XLA keeps, but Mosaic GPU has no lowering for it: inside the kernel
+  the round trip stays, and that lowering keeps it (its K, V and probability splits matched
+  float32 on the H200)."""
   if pieces == 1:
     return [x.astype(dtype)]
   info = jnp.finfo(dtype)
