@@ -10,6 +10,9 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   copies arrive there), so pages past the item's horizon, or with an id outside the pool,
   are neither copied nor waited for. Chunk c + S is issued as soon as chunk c's buffer is free:
   right after it is converted (staged path) or after the dots that read it (direct path).
+  Its block-table entries (global-memory loads) are read at the start of chunk c's step
+  and carried in the loop state, so no step waits on a table read before its page waits
+  or its refill.
 - Scores ``Q K^T`` and the update ``P V`` run on the tensor cores (``wgmma``) with float32
   accumulation; the online softmax, masks and variants run on the float32 accumulator
   fragments in registers.
@@ -26,6 +29,11 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   ``sum_j (p_j * v_scale_j) v_j``, exactly the dequantised products, accumulated in
   float32. A chunk's scales are read from the scale rows of its pages, beside the pages'
   copies, and are set to 0 at positions that do not count (their scales may be NaN).
+
+The body's phases are named regions (``region``: prologue; per chunk pages, wait, stage,
+scores, softmax, update, refill; epilogue): with ``KernelConfig.profile_dir`` (a GPU,
+``ragged.profiled_attention``) the Mosaic GPU profiler writes where each program entered
+and left each of them.
 
 With ``KernelConfig.count_pages`` (interpret mode, ``ragged.copied_pages``) every copy
 unit issued also adds 1 to a per-program counter of its block-table entry, at the point
@@ -99,6 +107,13 @@ def split_pieces(x, pieces: int, dtype, *, explicit_rounding: bool = False):
     if i + 1 < pieces:
       rest = rest - rounded
   return out
+
+
+def region(name: str):
+  """A named region of the kernel body (``jax.named_scope``): with
+  ``KernelConfig.profile_dir`` set, the Mosaic GPU profiler records the clock where each
+  warpgroup enters and leaves it; otherwise it only names the code."""
+  return jax.named_scope(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +196,11 @@ class KernelConfig:
   # Also write, per program, how many copy units of each table entry it issued (tests and
   # benchmarks, interpret mode only). False adds nothing to the kernel.
   count_pages: bool = False
+  # The Mosaic GPU profiler (on a GPU only): a trace of the kernel's named regions
+  # (``region``) for every program, written as JSON into this folder after each call;
+  # ``profile_space`` regions a program may record (more corrupts the trace).
+  profile_dir: str | None = None
+  profile_space: int = 0
 
 
 def _smem_tile(shape, dtype):
@@ -253,13 +273,26 @@ def _kernel(*refs, cfg: KernelConfig):
   row_live_M = (slot_M >= lo) & (slot_M < hi)
   qpos_M = jnp.where(row_live_M, qbase_ref[item] + slot_M, -1)
 
-  def page_info(c):
-    """``[(read, page_id, offset)]``, one per copy unit of chunk c: whether copy r happens, from
-    which page and at which slot of it."""
-    info = []
+  table_width = tables_ref.shape[1]
+
+  def page_ids(c):
+    """The block-table entries of chunk c's copy units, one scalar load each. Loaded a ring
+    of chunks ahead of use (``main_loop``), so the latency of these global-memory loads
+    overlaps the waits and dots before them instead of stalling the chunk that needs
+    them. The entry index is clamped into the (padded) table: a chunk past the item's
+    end loads an entry it never uses."""
+    ids = []
     for r in range(num_copies):
       pos = begin + c * chunk + r * unit
-      page_id = tables_ref[seq, lax.div(pos, block_size)]
+      ids.append(tables_ref[seq, jnp.minimum(lax.div(pos, block_size), table_width - 1)])
+    return tuple(ids)
+
+  def page_info(c, ids):
+    """``[(read, page_id, offset)]``, one per copy unit of chunk c (page ids ``ids``):
+    whether copy r happens, from which page and at which slot of it."""
+    info = []
+    for r, page_id in enumerate(ids):
+      pos = begin + c * chunk + r * unit
       # A page past the horizon is never touched (garbage table entries, other
       # sequences' blocks); an id outside [0, N) (invalid input) reads nothing rather
       # than being clamped into a real block.
@@ -268,8 +301,8 @@ def _kernel(*refs, cfg: KernelConfig):
       info.append((read, page_id, offset))
     return info
 
-  def issue(c, slot, k_raw, v_raw, page_barriers):
-    for r, (read, page_id, offset) in enumerate(page_info(c)):
+  def issue(c, ids, slot, k_raw, v_raw, page_barriers):
+    for r, (read, page_id, offset) in enumerate(page_info(c, ids)):
       rows_r = pl.ds(r * unit, unit)
       slots = pl.ds(offset, unit)
       barrier = page_barriers.at[slot * num_copies + r]
@@ -340,13 +373,18 @@ def _kernel(*refs, cfg: KernelConfig):
       sink_M = jnp.where(row_live_M & (head_M == g), sinks_ref[kv_head * group + g], sink_M)
 
   def main_loop(q_smem, k_raw, v_raw, k_ops, v_ops, q_barrier, page_barriers):
-    for i in range(pieces):
-      plgpu.copy_gmem_to_smem(q_hbm_refs[i].at[item, kv_head], q_smem.at[i], q_barrier)
-    for s in range(num_stages):
-      @pl.when(chunk_begin + s < chunk_end)
-      def _prologue():
-        issue(chunk_begin + s, s, k_raw, v_raw, page_barriers)
-    plgpu.barrier_wait(q_barrier)
+    with region("prologue"):
+      for i in range(pieces):
+        plgpu.copy_gmem_to_smem(q_hbm_refs[i].at[item, kv_head], q_smem.at[i], q_barrier)
+      # The page ids of the chunks in flight: entry s holds chunk c + s's (c: the chunk
+      # the loop body consumes); the body loads chunk c + S's at its start and shifts the
+      # ring.
+      ids_ring = tuple(page_ids(chunk_begin + s) for s in range(num_stages))
+      for s in range(num_stages):
+        @pl.when(chunk_begin + s < chunk_end)
+        def _prologue():
+          issue(chunk_begin + s, ids_ring[s], s, k_raw, v_raw, page_barriers)
+      plgpu.barrier_wait(q_barrier)
     q_refs = [q_smem.at[i] for i in range(pieces)]
 
     max_M = prims.layout_cast(jnp.full((rows,), _MAX_FLOOR, jnp.float32), row_layout)
@@ -363,70 +401,83 @@ def _kernel(*refs, cfg: KernelConfig):
     acc_MD = prims.layout_cast(jnp.full((rows, head_dim), 0.0, jnp.float32), wgmma_layout)
 
     def body(step, carry):
-      max_M, sum_M, acc_MD = carry
+      max_M, sum_M, acc_MD, ids_ring = carry
       c = chunk_begin + step
       slot = lax.rem(step, num_stages)
-      info = page_info(c)
-      for r, (read, _, _) in enumerate(info):
-        @pl.when(read)
-        def _wait():
-          plgpu.barrier_wait(page_barriers.at[slot * num_copies + r])
+      refill_ids = page_ids(c + num_stages)   # used by the refill, after the waits
+      with region("pages"):
+        info = page_info(c, ids_ring[0])
+        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
+      with region("wait"):
+        for r, (read, _, _) in enumerate(info):
+          @pl.when(read)
+          def _wait():
+            plgpu.barrier_wait(page_barriers.at[slot * num_copies + r])
       refill = c + num_stages < chunk_end
       if cfg.plan.staged:
         # Through registers into the operand buffers; then the ring slot is free and
         # the chunk S ahead is issued before this one's dots run.
-        stage(k_raw.at[slot], k_ops, c, info, zero_invalid_rows=False)
-        stage(v_raw.at[slot], v_ops, c, info, zero_invalid_rows=True)
-        plgpu.commit_smem()
+        with region("stage"):
+          stage(k_raw.at[slot], k_ops, c, info, zero_invalid_rows=False)
+          stage(v_raw.at[slot], v_ops, c, info, zero_invalid_rows=True)
+          plgpu.commit_smem()
 
-        @pl.when(refill)
-        def _refill():
-          issue(c + num_stages, slot, k_raw, v_raw, page_barriers)
+        with region("refill"):
+          @pl.when(refill)
+          def _refill():
+            issue(c + num_stages, refill_ids, slot, k_raw, v_raw, page_barriers)
 
         k_refs, v_refs = k_ops, v_ops
       else:
         # The item's last chunk (positions past the horizon) and a chunk with a skipped
         # page hold V rows that are stale or unwritten: zero them where they lie.
-        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
-        @pl.when((c == num_chunks - 1) | any_skipped)
-        def _zero_rows():
-          stage(v_raw.at[slot], [v_raw.at[slot]], c, info, zero_invalid_rows=True)
-          plgpu.commit_smem()
+        with region("stage"):
+          @pl.when((c == num_chunks - 1) | any_skipped)
+          def _zero_rows():
+            stage(v_raw.at[slot], [v_raw.at[slot]], c, info, zero_invalid_rows=True)
+            plgpu.commit_smem()
         k_refs, v_refs = [k_raw.at[slot]], [v_raw.at[slot]]
 
-      pos_J, valid_J = valid_positions(c, info, col_layout)
-      scores_MJ = prims.scores(q_refs, k_refs, (rows, chunk))
-      if k_scales_ref is not None:  # s_j = (q . k_j) * k_scale_j
-        k_scale_J = scale_vector(k_scales_ref, info, valid_J)
-        scores_MJ = scores_MJ * lax.broadcast_in_dim(k_scale_J, scores_MJ.shape, [1])
-      scores_MJ = scores_MJ * cfg.sm_scale
-      if cfg.soft_cap is not None:
-        scores_MJ = cfg.soft_cap * jnp.tanh(scores_MJ / cfg.soft_cap)
-      pos_MJ = lax.broadcast_in_dim(pos_J, scores_MJ.shape, [1])
-      qpos_MJ = lax.broadcast_in_dim(qpos_M, scores_MJ.shape, [0])
-      visible_MJ = (pos_MJ <= qpos_MJ) & lax.broadcast_in_dim(valid_J, scores_MJ.shape, [1])
-      if cfg.sliding_window is not None:
-        visible_MJ = visible_MJ & (pos_MJ > qpos_MJ - cfg.sliding_window)
-      scores_MJ = jnp.where(visible_MJ, scores_MJ, -jnp.inf)
+      with region("scores"):
+        scores_MJ = prims.scores(q_refs, k_refs, (rows, chunk))
+      with region("softmax"):
+        pos_J, valid_J = valid_positions(c, info, col_layout)
+        if k_scales_ref is not None:  # s_j = (q . k_j) * k_scale_j
+          k_scale_J = scale_vector(k_scales_ref, info, valid_J)
+          scores_MJ = scores_MJ * lax.broadcast_in_dim(k_scale_J, scores_MJ.shape, [1])
+        scores_MJ = scores_MJ * cfg.sm_scale
+        if cfg.soft_cap is not None:
+          scores_MJ = cfg.soft_cap * jnp.tanh(scores_MJ / cfg.soft_cap)
+        pos_MJ = lax.broadcast_in_dim(pos_J, scores_MJ.shape, [1])
+        qpos_MJ = lax.broadcast_in_dim(qpos_M, scores_MJ.shape, [0])
+        visible_MJ = (pos_MJ <= qpos_MJ) & lax.broadcast_in_dim(valid_J, scores_MJ.shape, [1])
+        if cfg.sliding_window is not None:
+          visible_MJ = visible_MJ & (pos_MJ > qpos_MJ - cfg.sliding_window)
+        scores_MJ = jnp.where(visible_MJ, scores_MJ, -jnp.inf)
 
-      new_max_M = jnp.maximum(max_M, jnp.max(scores_MJ, axis=1))
-      probs_MJ = jnp.exp(scores_MJ - lax.broadcast_in_dim(new_max_M, scores_MJ.shape, [0]))
-      rescale_M = jnp.exp(max_M - new_max_M)
-      sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
-      acc_MD = acc_MD * lax.broadcast_in_dim(rescale_M, acc_MD.shape, [0])
-      weights_MJ = probs_MJ
-      if v_scales_ref is not None:  # sum_j (p_j * v_scale_j) v_j
-        v_scale_J = scale_vector(v_scales_ref, info, valid_J)
-        weights_MJ = probs_MJ * lax.broadcast_in_dim(v_scale_J, probs_MJ.shape, [1])
-      acc_MD = prims.accumulate(acc_MD, split_pieces(weights_MJ, pieces, mma_dtype), v_refs)
+        new_max_M = jnp.maximum(max_M, jnp.max(scores_MJ, axis=1))
+        probs_MJ = jnp.exp(scores_MJ - lax.broadcast_in_dim(new_max_M, scores_MJ.shape, [0]))
+        rescale_M = jnp.exp(max_M - new_max_M)
+        sum_M = sum_M * rescale_M + jnp.sum(probs_MJ, axis=1)
+        acc_MD = acc_MD * lax.broadcast_in_dim(rescale_M, acc_MD.shape, [0])
+        weights_MJ = probs_MJ
+        if v_scales_ref is not None:  # sum_j (p_j * v_scale_j) v_j
+          v_scale_J = scale_vector(v_scales_ref, info, valid_J)
+          weights_MJ = probs_MJ * lax.broadcast_in_dim(v_scale_J, probs_MJ.shape, [1])
+        weight_pieces = split_pieces(weights_MJ, pieces, mma_dtype)
+      with region("update"):
+        acc_MD = prims.accumulate(acc_MD, weight_pieces, v_refs)
 
       if not cfg.plan.staged:
-        @pl.when(refill)
-        def _refill():
-          issue(c + num_stages, slot, k_raw, v_raw, page_barriers)
-      return new_max_M, sum_M, acc_MD
+        with region("refill"):
+          @pl.when(refill)
+          def _refill():
+            issue(c + num_stages, refill_ids, slot, k_raw, v_raw, page_barriers)
+      return new_max_M, sum_M, acc_MD, ids_ring[1:] + (refill_ids,)
 
-    return lax.fori_loop(0, chunk_end - chunk_begin, body, (max_M, sum_M, acc_MD))
+    max_M, sum_M, acc_MD, _ = lax.fori_loop(0, chunk_end - chunk_begin, body,
+                                            (max_M, sum_M, acc_MD, ids_ring))
+    return max_M, sum_M, acc_MD
 
   storage_dtype = k_pages_ref.dtype
   ring_shape = (num_stages, chunk, head_dim)
@@ -460,8 +511,9 @@ def _kernel(*refs, cfg: KernelConfig):
     plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_rows)], lse_ref.at[split, item, kv_head])
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(epilogue, _smem_tile((rows, head_dim), jnp.float32),
-                plgpu.SMEM((rows,), jnp.float32))
+  with region("epilogue"):
+    pl.run_scoped(epilogue, _smem_tile((rows, head_dim), jnp.float32),
+                  plgpu.SMEM((rows,), jnp.float32))
 
 
 def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_W, horizon_W,
@@ -513,12 +565,18 @@ def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_
     out_type += (jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, num_entries),
                                       jnp.int32),)
   interpret = compat.interpret_params() if cfg.interpret else None
+  profile = {}
+  if cfg.profile_dir is not None:
+    if cfg.interpret or cfg.profile_space < 1:
+      raise ValueError(f"profile_dir={cfg.profile_dir!r} needs a GPU (interpret=False) and "
+                       f"profile_space >= 1 (got {cfg.profile_space})")
+    profile = dict(profile_space=cfg.profile_space, profile_dir=cfg.profile_dir)
   run = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg),
       out_type=out_type,
       grid=(num_items, num_kv_heads, num_splits),
       grid_names=("w", "k", "x"),
-      compiler_params=plgpu.CompilerParams(approx_math=cfg.plan.pieces == 1),
+      compiler_params=plgpu.CompilerParams(approx_math=cfg.plan.pieces == 1, **profile),
       interpret=interpret,
   )
   return run(*inputs)

@@ -143,9 +143,12 @@ jax.tree_util.register_dataclass(CopiedPages)
 
 def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, sinks, kv_dtype,
-               k_scales, v_scales, tiling, interpret, count_pages):
+               k_scales, v_scales, tiling, interpret, count_pages, profile_dir=None,
+               profile_space=0):
   """The body of ``ragged_paged_attention``; with ``count_pages`` it returns
-  ``(out_THD, CopiedPages)``: the same output and the copies the kernel issued."""
+  ``(out_THD, CopiedPages)``: the same output and the copies the kernel issued. With
+  ``profile_dir`` the kernel is built with the Mosaic GPU profiler on
+  (``profiled_attention``)."""
   compat.require()
   static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                   cu_q_lens, num_seqs, sm_scale=sm_scale, tiling=tiling,
@@ -188,7 +191,7 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
       sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
       kv_dtype=kv_dtype, mma_dtype=mma_dtype, plan=plan,
       tiling=tiling, group=group, has_sinks=sinks is not None, interpret=interpret,
-      count_pages=count_pages)
+      count_pages=count_pages, profile_dir=profile_dir, profile_space=profile_space)
   out_rows = tiling_lib.out_rows(tiling.q_tile, group)
   lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))
   outs = kernel_lib.split_attention(
@@ -276,3 +279,27 @@ def copied_pages(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_ta
                     soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
                     v_scales=v_scales, tiling=tiling, interpret=interpret,
                     count_pages=True)
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS + ("profile_dir", "profile_space"))
+def profiled_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                       cu_q_lens, num_seqs, *, sm_scale: float, profile_dir: str,
+                       profile_space: int, sliding_window: int | None = None,
+                       soft_cap: float | None = None, sinks=None, kv_dtype=None,
+                       k_scales=None, v_scales=None, tiling: MosaicTiling | None = None,
+                       interpret: bool = False):
+  """``ragged_paged_attention`` with the Mosaic GPU profiler on (a GPU only; benchmarks).
+
+  Every call also writes a JSON trace (Chrome trace events) into ``profile_dir``: for each
+  program (warpgroup), the clock (SM cycles) where it entered and left each named region
+  of the kernel (``kernel.region``: prologue; per chunk pages, wait, stage, scores,
+  softmax, update, refill; epilogue). ``profile_space`` is how many regions one program
+  may record: at least 7 per chunk it walks plus 3, or the trace is corrupt. The
+  profiler's clock reads and shared-memory trace buffer slow the kernel a little and take
+  ``16 * profile_space`` bytes of shared memory.
+  """
+  return _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
+                    cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, k_scales=k_scales,
+                    v_scales=v_scales, tiling=tiling, interpret=interpret,
+                    count_pages=False, profile_dir=profile_dir, profile_space=profile_space)

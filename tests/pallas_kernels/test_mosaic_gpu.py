@@ -1005,3 +1005,94 @@ def test_lowers_for_cuda_full(model, case):
     text = _lower(name, H, K, D, Z, T=T, S=S, pages_dtype=pages_dtype, q_dtype=q_dtype,
                   variant=variant)
     _assert_one_mosaic_kernel(text, pages_dtype, Z, D)
+
+
+# --- The loop's table reads, the tilings run.py sweeps, the profiler build. ---
+
+
+def test_table_entries_are_read_a_ring_ahead():
+  # A block-table entry is a global-memory load (hundreds of cycles): the loop body reads
+  # the entries of chunk c + S at its start, before it waits for chunk c's pages, and
+  # carries chunk c's (read S iterations earlier) in its loop state; no table read sits
+  # after the waits, nor inside a refill (where it would stall the copy it feeds).
+  traced = _trace("llama", 8, 2, 64, 16, T=8, S=8, pages_dtype=jnp.bfloat16)
+  loops = [e for e in _all_eqns(traced.jaxpr.jaxpr) if e.primitive.name == "while"]
+  assert len(loops) == 1
+  body = loops[0].params["body_jaxpr"].jaxpr
+
+  def table_reads(eqns):
+    return [i for i, e in enumerate(eqns) if e.primitive.name == "get"
+            and e.invars[0].aval.dtype == jnp.int32 and len(e.invars[0].aval.shape) == 2]
+
+  def waits(eqn):
+    return any(sub.primitive.name == "barrier_wait" for sub in _all_eqns_of(eqn))
+
+  reads = table_reads(body.eqns)
+  first_wait = min(i for i, e in enumerate(body.eqns) if waits(e))
+  copies_per_chunk = 64 // 16
+  assert len(reads) == copies_per_chunk and max(reads) < first_wait
+  nested = [e for e in body.eqns if e.primitive.name == "cond"
+            and table_reads(list(_all_eqns_of(e)))]
+  assert not nested
+
+
+def _all_eqns_of(eqn):
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(sub, jax.extend.core.ClosedJaxpr):
+        yield from _all_eqns(sub.jaxpr)
+      elif isinstance(sub, jax.extend.core.Jaxpr):
+        yield from _all_eqns(sub)
+
+
+def _run_script_constant(name):
+  import importlib.util
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  spec = importlib.util.spec_from_file_location(
+      "gpu_run", os.path.join(root, "benchmarks", "gpu", "run.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return getattr(module, name)
+
+
+def test_the_tilings_run_py_sweeps_lower_for_cuda():
+  # benchmarks/gpu/run.py times these (J, S) beside the default on an H200, on bf16 pools
+  # (the direct path): a tiling that failed to build there would cost device minutes.
+  # Llama-3-8B decode, 8 sequences.
+  default = mosaic_gpu.default_tiling_for(
+      jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct((1, 8, 256, 16, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct((8, 64), jnp.int32))
+  for chunk, stages in _run_script_constant("MOSAIC_SWEEP"):
+    tiling = dataclasses.replace(default, chunk_size=chunk, num_stages=stages)
+    text = _lower("llama3_8b", 32, 8, 128, 16, T=8, S=8, pages_dtype=jnp.bfloat16,
+                  tiling=tiling)
+    _assert_one_mosaic_kernel(text, jnp.bfloat16, 16, 128)
+
+
+def test_profiled_kernel_lowers_for_cuda(tmp_path, monkeypatch):
+  # The Mosaic GPU profiler build (run.py's last stage): the kernel with its named
+  # regions recorded into a trace buffer. The host callback that writes the trace cannot
+  # lower for CUDA on a CPU-only JAX: it is stubbed, the kernel's lowering is what runs.
+  monkeypatch.setattr(jax.debug, "callback", lambda *args, **kwargs: None)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = (jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 8, 256, 16, 128), jnp.uint16),
+          jax.ShapeDtypeStruct((1, 8, 256, 16, 128), jnp.uint16),
+          i32(), i32(8), i32(8, 64), i32(9), i32())
+  f = lambda *a: mosaic_gpu.profiled_attention(
+      *a, sm_scale=0.1, kv_dtype=jnp.bfloat16, profile_dir=str(tmp_path), profile_space=64)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = [line for line in text.splitlines() if "@mosaic_gpu" in line]
+  # One kernel, whose last result is the profiler's trace buffer (u32).
+  assert len(kernels) == 1 and kernels[0].rstrip().endswith("xui32>)")
+
+
+@pytest.mark.parametrize("interpret, space", [(True, 64), (False, 0)])
+def test_profiling_needs_a_gpu_and_space(interpret, space, tmp_path):
+  case = _case(31, dtype=jnp.bfloat16, group=1, head_dim=64, block_size=16, q_lens=[1],
+               kv_lens=[40])
+  with pytest.raises(ValueError, match="profile_dir=.* needs a GPU"):
+    jax.jit(lambda *a: mosaic_gpu.profiled_attention(
+        *a, sm_scale=0.125, profile_dir=str(tmp_path), profile_space=space,
+        interpret=interpret)).trace(*case.jax_args()).lower(lowering_platforms=("cuda",))
