@@ -3,19 +3,28 @@
 1. Checks ``pallas_kernels.mosaic_gpu.ragged_paged_attention`` (Mosaic GPU) and
    ``pallas_kernels.gpu.ragged_paged_attention`` (Triton) against the jnp reference on a
    few realistic shapes (mixed ragged batch, long split-K decode, MQA).
-2. Times them (warmed up, median over samples, rotating input sets so a small case does
-   not run from L2) against JAX's built-in Pallas GPU (Triton) paged attention (decode
-   only), the project's XLA path and a dense XLA attention over a contiguous cache, for
-   decode at batch 8/32/256/1 x context 8k/32k/1k (Llama-3-8B-like: 32 query heads, 8 KV
-   heads, D = 128, bf16, 16-token blocks) and for a mixed prefill + decode batch.
+2. Times them against JAX's built-in Pallas GPU (Triton) paged attention (decode only),
+   the project's XLA path and a dense XLA attention over a contiguous cache, for decode at
+   batch 8/32/256/1 x context 8k/32k/1k (Llama-3-8B-like: 32 query heads, 8 KV heads,
+   D = 128, bf16, 16-token blocks) and for a mixed prefill + decode batch. A sample queues
+   one or two dispatches of one jitted function that makes several calls (``repeat_plan``:
+   up to 16, ~1 GiB of K/V a dispatch, each call its own q; input sets rotate so a small
+   case does not run from L2), so a call of a few microseconds times the kernel, not the
+   host's dispatch and wait; medians over samples after a warm-up.
    Achieved bandwidth = unique K/V (+ q, out) bytes / time, against the measured
    device-to-device copy bandwidth; each row also gives JAX's Triton paged attention time
    over its own (the issue's goals: the Mosaic kernel >= 85% of copy bandwidth at 8k-32k
    decode and >= 1.2x JAX's Triton kernel; a "Goals" table lists those cases). The Mosaic
-   GPU kernel is timed twice: on bf16 pools (its direct path: the tensor cores read the
-   pages where TMA put them) and on the same pools as uint16 storage bits with
-   ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its staged path converts each chunk
-   through registers). Our Triton kernel is timed on both too.
+   GPU kernel is timed on bf16 pools (its direct path: the tensor cores read the pages
+   where TMA put them), at the goal contexts also with the tilings of ``MOSAIC_SWEEP``
+   (chunk size J and chunks in flight S), and on the same pools as uint16 storage bits
+   with ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its staged path converts each chunk
+   through registers). Our Triton kernel is timed on both pools too.
+3. Profiles the Mosaic GPU kernel (``PROFILE_CASES``; ``--skip-profile`` skips it): one
+   call of ``mosaic_gpu.profiled_attention`` per case, whose Mosaic GPU profiler trace
+   (under $OUT/profile/) ``mosaic_profile.summarise`` turns into cycles and shares per
+   kernel region (page waits, scores, softmax, update, refills, ...), cycles per chunk and
+   programs side by side on one SM.
 
 Built for a blind, time-limited run:
 - each impl of each case is built and timed in its own try/except (a JAX without Triton
@@ -28,11 +37,12 @@ Built for a blind, time-limited run:
 - a watchdog ends the process (results written, exit 3) when one check or timing runs
   past ``--hang-s`` (a hung kernel would otherwise hold the device until the limit).
 
-Time: the default grid is 12 decode cases x 7 impls + 3 mixed = 87 timings, each a
-compile (~1-10 s), a warm-up round and ``--sample-s`` 0.5 s of samples (the largest case,
-batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks: ~5-6 min; the budget
-(``--budget-s 400``, counted from the start of ``main``) stops starting new work and one
-timing at most finishes after it, so the whole run stays within ~8 minutes.
+Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 4 swept tilings + 3
+mixed = 111 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
+samples (the largest case, batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks
+and 4 profiles: ~6-7 min; the budget (``--budget-s 400``, counted from the start of
+``main``) stops starting new work and one timing at most finishes after it, so the whole
+run stays within ~8 minutes.
 
   PYTHONPATH=. python benchmarks/gpu/run.py [--budget-s 400] [--sample-s 0.5] [--quick]
   PYTHONPATH=. python benchmarks/gpu/run.py --smoke-cpu   # plumbing test on CPU, ~100 s
@@ -41,6 +51,7 @@ timing at most finishes after it, so the whole run stays within ~8 minutes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -55,6 +66,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import mosaic_profile  # noqa: E402 - beside this script
+
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = (8, 32, 256, 1)
 DECODE_CONTEXTS = (8192, 32768, 1024)
@@ -65,6 +79,13 @@ TRITON_BITS = "pallas_gpu, storage bits (ours)"
 JAX_TRITON = "jax pallas paged_attention"
 L2_DEFEAT_BYTES = 256 << 20   # rotate input sets until one round reads this much
 MAX_SETS = 16
+DISPATCH_BYTES = 1 << 30      # batch calls into one dispatch until it reads this much
+MAX_CALLS = 16
+# Mosaic GPU tilings timed beside the default at the goal contexts, (J, S): chunk size and
+# chunks in flight. J = 64, S <= 2 and J = 128, S = 1 fit two or more programs per SM
+# (each under half of the 227 KiB of shared memory); J = 128, S = 3 one, with half the
+# chunks (and table reads, barrier waits) per token.
+MOSAIC_SWEEP = ((64, 1), (64, 2), (128, 1), (128, 3))
 
 
 def parse_args(argv=None):
@@ -83,6 +104,8 @@ def parse_args(argv=None):
   parser.add_argument("--sample-s", type=float, default=0.5,
                       help="seconds of samples per timing (default 0.5; at least 5 samples)")
   parser.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+  parser.add_argument("--skip-profile", action="store_true",
+                      help="skip the last stage: profiles of the Mosaic GPU kernel's regions")
   parser.add_argument("--impls", default="",
                       help="time only the impls whose name contains one of these comma-"
                            "separated words (e.g. 'mosaic,jax,dense'); default all")
@@ -120,6 +143,11 @@ class Recorder:
   def timing(self, row: dict) -> None:
     print(f"{row}", flush=True)
     self._add("timings", row)
+
+  def profile(self, row: dict) -> None:
+    print(f"profile {row.get('label')}: "
+          f"{ {k: v for k, v in row.items() if k != 'regions'} }", flush=True)
+    self._add("profiles", row)
 
   def _add(self, kind: str, row: dict) -> None:
     with self.lock:
@@ -271,16 +299,32 @@ def ours_fn(sm_scale, *, kv_dtype=None):
   return f
 
 
-def mosaic_fn(sm_scale, *, kv_dtype=None):
-  """The Mosaic GPU kernel; with ``kv_dtype`` the pools hold its storage bits."""
+def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None):
+  """The Mosaic GPU kernel; with ``kv_dtype`` the pools hold its storage bits. With
+  ``chunk_stages=(J, S)`` the default tiling's chunk size and stages are replaced (its
+  query tile and split-K factor kept)."""
+  import dataclasses
+
   from paged_jax.pallas_kernels import mosaic_gpu
+  from paged_jax.pallas_kernels.mosaic_gpu import ragged as mosaic_ragged
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    tiling = None
+    if chunk_stages is not None:
+      chunk, stages = chunk_stages
+      tiling = dataclasses.replace(
+          mosaic_ragged.default_tiling_for(q, k[None], tables, kv_dtype=kv_dtype),
+          chunk_size=chunk, num_stages=stages)
     return mosaic_gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu,
                                              num_seqs, sm_scale=sm_scale,
-                                             kv_dtype=kv_dtype, interpret=INTERPRET)
+                                             kv_dtype=kv_dtype, tiling=tiling,
+                                             interpret=INTERPRET)
   return f
+
+
+def sweep_name(chunk: int, stages: int) -> str:
+  return f"pallas_mosaic_gpu J={chunk} S={stages} (ours)"
 
 
 def storage_bits_sets(sets):
@@ -351,18 +395,48 @@ def dense_fn(sm_scale):
 
 # --- Timing. ---
 
-def time_fn(fn, arg_sets, sample_s: float):
-  """Median seconds per call: samples of one round over the rotating sets, after warm-up."""
-  jax.block_until_ready(fn(*arg_sets[0]))  # compile
-  for args in arg_sets:
-    jax.block_until_ready(fn(*args))
+def call_args(arg_sets, calls: int):
+  """``calls`` argument tuples cycling through ``arg_sets``, each call with its own queries
+  (past the sets, q scaled by 1 + i / 64: distinct in bfloat16), so XLA cannot merge two
+  calls of one dispatch into one."""
+  out = []
+  for i in range(max(calls, len(arg_sets))):
+    q, *rest = arg_sets[i % len(arg_sets)]
+    if i >= len(arg_sets):
+      q = (q.astype(jnp.float32) * (1 + i / 64)).astype(q.dtype)
+    out.append((q, *rest))
+  return out
+
+
+def repeat_plan(call_bytes: int, num_sets: int) -> tuple[int, int]:
+  """``(calls, dispatches)``: calls of the timed function per jitted dispatch, and dispatches
+  queued per sample before waiting. A small call (batch 1, 1k tokens: microseconds on the
+  GPU) would otherwise time the host's dispatch and the wait, not the kernel: calls are
+  batched into one dispatch until it reads ~1 GiB (at most 16), and two dispatches are
+  queued while that stays under 4 GiB (more would hold the XLA path's gathered copies of
+  several calls at once)."""
+  if INTERPRET:
+    return num_sets, 1
+  calls = max(num_sets, min(MAX_CALLS, -(-DISPATCH_BYTES // max(1, call_bytes))))
+  dispatches = 2 if calls * call_bytes <= 4 * DISPATCH_BYTES else 1
+  return calls, dispatches
+
+
+def time_fn(fn, arg_sets, sample_s: float, *, calls: int = 1, dispatches: int = 1):
+  """Median seconds per call. Each sample queues ``dispatches`` dispatches of one jitted
+  function running ``calls`` calls of ``fn`` (``call_args``: the rotating sets, each call
+  its own q), waits, and divides; after a compile and a warm-up round."""
+  arg_list = call_args(arg_sets, calls)
+  many = jax.jit(lambda arg_list: [fn(*args) for args in arg_list])
+  jax.block_until_ready(many(arg_list))  # compile
+  jax.block_until_ready(many(arg_list))
   samples = []
   start = time.perf_counter()
   while len(samples) < 5 or (time.perf_counter() - start < sample_s and len(samples) < 200):
     t0 = time.perf_counter()
-    outs = [fn(*args) for args in arg_sets]
+    outs = [many(arg_list) for _ in range(dispatches)]
     jax.block_until_ready(outs)
-    samples.append((time.perf_counter() - t0) / len(arg_sets))
+    samples.append((time.perf_counter() - t0) / (len(arg_list) * dispatches))
   return statistics.median(samples), len(samples)
 
 
@@ -438,7 +512,9 @@ def timed_row(row: dict, build, *, budget: Budget, sample_s: float, moved_bytes:
   try:
     with watched(f"{row['case']} [{row['impl']}]"):
       fn, arg_sets = build()
-      sec, n = time_fn(fn, arg_sets, sample_s)
+      calls, dispatches = repeat_plan(moved_bytes, len(arg_sets))
+      sec, n = time_fn(fn, arg_sets, sample_s, calls=calls, dispatches=dispatches)
+      row.update(calls=calls, dispatches=dispatches)
     bw = moved_bytes / sec
     row.update(us=sec * 1e6, samples=n, gb_s=bw / 1e9, frac_copy_bw=bw / copy_bw)
   except Exception as e:  # noqa: BLE001 - every impl of every case is isolated
@@ -473,8 +549,11 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, recorder):
   triton_bits = lambda: (ours_fn(sm_scale, kv_dtype=dtype), storage_bits_sets(sets))
   # The goal pair first (Mosaic and JAX's Triton kernel), then the rest.
   impls = [(MOSAIC, lambda: (mosaic_fn(sm_scale), sets)),
-           (JAX_TRITON, lambda: (jax_pallas_fn(sm_scale, blocks_per_seq), sets)),
-           (MOSAIC_BITS, mosaic_bits),
+           (JAX_TRITON, lambda: (jax_pallas_fn(sm_scale, blocks_per_seq), sets))]
+  if ctx in GOAL_CONTEXTS or (INTERPRET and batch == 1):  # the smoke test's first case
+    impls += [(sweep_name(*js), functools.partial(
+        lambda js: (mosaic_fn(sm_scale, chunk_stages=js), sets), js)) for js in MOSAIC_SWEEP]
+  impls += [(MOSAIC_BITS, mosaic_bits),
            ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
            (TRITON_BITS, triton_bits),
            ("xla (ours)", lambda: (xla_fn(sm_scale), sets)),
@@ -533,6 +612,74 @@ def mixed_case(dtype, seqs, *, budget, sample_s, copy_bw, recorder):
                               moved_bytes=kv_bytes + qo_bytes, copy_bw=copy_bw))
 
 
+# --- Profiles of the Mosaic GPU kernel (the Mosaic GPU profiler; a GPU only). ---
+
+# (batch, context, (J, S) or None for the default tiling, pools as storage bits)
+PROFILE_CASES = ((8, 8192, None, False), (8, 8192, (64, 2), False),
+                 (8, 8192, (128, 3), False), (8, 8192, None, True))
+
+
+def profile_label(batch, ctx, chunk_stages, bits) -> str:
+  tiling = "default tiling" if chunk_stages is None else "J={} S={}".format(*chunk_stages)
+  return f"decode B={batch} ctx={ctx}, {tiling}{', storage bits' if bits else ''}"
+
+
+def profile_case(batch, ctx, chunk_stages, bits, *, out_dir: pathlib.Path) -> dict:
+  """One call of ``mosaic_gpu.profiled_attention`` (after a warm-up call) on a decode
+  batch, and the summary of the trace it wrote (``mosaic_profile.summarise``)."""
+  import dataclasses
+
+  from paged_jax.pallas_kernels import layout, mosaic_gpu
+  dtype = jnp.bfloat16
+  key = jax.random.key(batch * 7 + ctx)
+  b = ragged_batch(key, [(1, ctx)] * batch, dtype)
+  k = random_pool(jax.random.fold_in(key, 1), b["used_blocks"], dtype)
+  v = random_pool(jax.random.fold_in(key, 2), b["used_blocks"], dtype)
+  kv_dtype = None
+  if bits:
+    k, v, kv_dtype = layout.to_storage(k, dtype), layout.to_storage(v, dtype), dtype
+  args = (b["q"], k[None], v[None], 0, b["kv_lens"], b["block_tables"], b["cu_q_lens"],
+          b["num_seqs"])
+  tiling = mosaic_gpu.default_tiling_for(b["q"], k[None], b["block_tables"],
+                                         kv_dtype=kv_dtype)
+  if chunk_stages is not None:
+    tiling = dataclasses.replace(tiling, chunk_size=chunk_stages[0],
+                                 num_stages=chunk_stages[1])
+  # Regions a program records: 7 per chunk (pages, wait, stage, scores, softmax, update,
+  # refill) plus prologue and epilogue; a margin on top.
+  chunks = math.ceil(math.ceil(ctx / tiling.chunk_size) / tiling.num_splits)
+  folder = out_dir / "profile" / (f"b{batch}_c{ctx}_" + ("default" if chunk_stages is None
+                                  else "j{}_s{}".format(*chunk_stages)) + ("_bits" * bits))
+  folder.mkdir(parents=True, exist_ok=True)
+  fn = jax.jit(functools.partial(
+      mosaic_gpu.profiled_attention, sm_scale=HEAD_DIM ** -0.5, kv_dtype=kv_dtype,
+      tiling=tiling, profile_dir=str(folder), profile_space=8 * chunks + 8))
+  for _ in range(2):  # the second call's trace: a warm kernel
+    jax.block_until_ready(fn(*args))
+    jax.effects_barrier()  # the trace is written by a host callback
+  summary = mosaic_profile.summarise(mosaic_profile.load_trace(
+      mosaic_profile.newest_trace(folder)))
+  return dict(label=profile_label(batch, ctx, chunk_stages, bits),
+              tiling=dataclasses.asdict(tiling), **summary)
+
+
+def run_profiles(recorder: Recorder, budget: Budget, out_dir: pathlib.Path) -> None:
+  for case in PROFILE_CASES:
+    label = profile_label(*case)
+    if INTERPRET:
+      recorder.profile(dict(label=label, error="skipped: the profiler needs a GPU"))
+      continue
+    if not budget.left():
+      recorder.profile(dict(label=label, error=SKIPPED))
+      continue
+    try:
+      with watched(f"profile {label}"):
+        recorder.profile(profile_case(*case, out_dir=out_dir))
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+      traceback.print_exc()
+      recorder.profile(dict(label=label, error=f"{type(e).__name__}: {e}"[:500]))
+
+
 def annotate(results) -> None:
   """Each timed row's ``speedup_vs_jax_triton``: JAX's Triton paged attention time on the
   same case over the row's own (absent where either is missing)."""
@@ -559,16 +706,17 @@ def to_markdown(results) -> str:
   for c in results["checks"]:
     lines.append(f"| {c['name']} | {c['dtype']} | {c.get('max_abs_err', float('nan')):.2e} | "
                  f"{c.get('tolerance', '')} | {c['ok']}{' ' + c['error'] if 'error' in c else ''} |")
-  lines += ["", "| case | impl | us (median) | GB/s | of copy BW | JAX Triton time / this | sets |",
-            "|---|---|---|---|---|---|---|"]
+  lines += ["", "| case | impl | us (median) | GB/s | of copy BW | JAX Triton time / this | "
+            "calls x dispatches |", "|---|---|---|---|---|---|---|"]
   for t in results["timings"]:
     if "error" in t:
       lines.append(f"| {t['case']} | {t['impl']} | error: {t['error'][:120]} | | | | |")
     else:
       lines.append(f"| {t['case']} | {t['impl']} | {t['us']:.1f} | {t['gb_s']:.0f} | "
                    f"{t['frac_copy_bw']:.0%} | {_cell(t.get('speedup_vs_jax_triton'), '.2f')}"
-                   f"{'x' if 'speedup_vs_jax_triton' in t else ''} | {t['sets']} |")
-  goals = [t for t in results["timings"] if t.get("impl") in (MOSAIC, MOSAIC_BITS)
+                   f"{'x' if 'speedup_vs_jax_triton' in t else ''} | "
+                   f"{t.get('calls', '?')} x {t.get('dispatches', '?')} |")
+  goals = [t for t in results["timings"] if t.get("impl", "").startswith("pallas_mosaic_gpu")
            and t.get("ctx") in GOAL_CONTEXTS and "us" in t]
   if goals:
     lines += ["", f"Goals (decode at 8k-32k): >= {GOAL_COPY_FRACTION:.0%} of copy bandwidth, "
@@ -582,6 +730,11 @@ def to_markdown(results) -> str:
           f"{'yes' if t['frac_copy_bw'] >= GOAL_COPY_FRACTION else 'no'} | "
           f"{'' if speedup is None else f'{speedup:.2f}x'} | "
           f"{'?' if speedup is None else ('yes' if speedup >= GOAL_SPEEDUP else 'no')} |")
+  for p in results.get("profiles", []):
+    if "error" in p:
+      lines += ["", f"Profile {p['label']}: {p['error'][:300]}"]
+    else:
+      lines += ["", mosaic_profile.to_markdown(p["label"], p).rstrip("\n")]
   lines += ["", f"Script time so far {results.get('elapsed_s', float('nan')):.0f} s. GB/s "
             "counts each K/V byte a sequence owns once, plus q and out."]
   return "\n".join(lines) + "\n"
@@ -626,7 +779,7 @@ def main(argv=None) -> int:
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   results = dict(device=device_info(), jax=jax.__version__, auto=auto_impl(), checks=[],
-                 timings=[], copy_gb_s=float("nan"), budget_s=args.budget_s,
+                 timings=[], profiles=[], copy_gb_s=float("nan"), budget_s=args.budget_s,
                  sample_s=args.sample_s)
   recorder = Recorder(results, out_dir, budget)
   # Interpreted kernels on CPU take tens of seconds a call: a longer leash there.
@@ -661,6 +814,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - input building may fail (memory)
       traceback.print_exc()
       recorder.timing(dict(case=label, impl="all", error=f"{type(e).__name__}: {e}"[:500]))
+  if not args.skip_profile:
+    run_profiles(recorder, budget, out_dir)
   WATCHDOG.done()
   print(recorder.save())
   return 0

@@ -3,12 +3,14 @@ a GPU session's few minutes are not spent on a script error. Timings are never a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,4 +52,67 @@ def test_run_smoke_checks_pass_and_times_every_impl(tmp_path):
   assert results["checks"] and all(c["ok"] for c in results["checks"]), results["checks"]
   impls = {t["impl"] for t in results["timings"] if "us" in t}
   assert {"pallas_mosaic_gpu (ours)", "pallas_mosaic_gpu, storage bits (ours)",
-          "pallas_gpu (ours)", "pallas_gpu, storage bits (ours)"} <= impls, impls
+          "pallas_gpu (ours)", "pallas_gpu, storage bits (ours)",
+          "pallas_mosaic_gpu J=64 S=2 (ours)", "pallas_mosaic_gpu J=128 S=3 (ours)"} <= impls, impls
+  # The profiles need the GPU's profiler: on CPU each is recorded as skipped, by name.
+  profiles = results["profiles"]
+  assert len(profiles) == 4 and all("needs a GPU" in p["error"] for p in profiles)
+  assert "Profile decode B=8 ctx=8192, default tiling" in (tmp_path / "results.md").read_text()
+
+
+def _load_beside_run(name: str):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "gpu" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _program(trace, *, sm, tid, start_ns, regions):
+  """Events of one program: ``regions`` = [(name, cycles)] back to back from cycle 0;
+  times as the Mosaic GPU profiler writes them, (start ns + cycles) / 1e3."""
+  cycle = 0
+  for name, cycles in regions:
+    for phase, at in (("B", cycle), ("E", cycle + cycles)):
+      trace["traceEvents"].append(dict(name=name, ph=phase, ts=(start_ns + at) / 1e3,
+                                       pid=sm, tid=tid))
+    cycle += cycles
+
+
+def test_profile_summary_of_a_synthetic_trace():
+  profile = _load_beside_run("mosaic_profile")
+  chunk = [("pages", 10), ("wait", 300), ("scores", 100), ("softmax", 150), ("update", 100),
+           ("refill", 40)]
+  trace = {"traceEvents": []}
+  # Two programs side by side on SM 1 (the second starts 100 ns into the first), one later
+  # on SM 2: 2 chunks each, 700 cycles per chunk, 100 + 1400 + 100 cycles per program.
+  for tid, (sm, start) in enumerate([(1, 0), (1, 100), (2, 5000)]):
+    _program(trace, sm=sm, tid=tid, start_ns=start,
+             regions=[("prologue", 100), *chunk, *chunk, ("epilogue", 100)])
+  summary = profile.summarise(trace)
+  assert summary["programs"] == 3
+  assert summary["chunks_per_program"] == pytest.approx(2.0)
+  assert summary["cycles_per_program"] == pytest.approx(1600.0)
+  assert summary["cycles_per_chunk"] == pytest.approx(800.0)  # programs' cycles / chunks
+  assert summary["max_programs_per_sm"] == 2
+  wait = summary["regions"]["wait"]
+  assert wait["count"] == 6 and wait["per_program"] == pytest.approx(2.0)
+  assert wait["mean_cycles"] == pytest.approx(300.0)
+  assert wait["share"] == pytest.approx(600 / 1600)
+  assert list(summary["regions"])[0] == "wait"  # the largest share first
+  assert sum(r["share"] for r in summary["regions"].values()) == pytest.approx(1.0)
+  table = profile.to_markdown("decode", summary)
+  assert "| wait | 2.0 | 300 | 37.5% |" in table and "3 programs" in table
+
+
+def test_run_batches_small_calls_into_one_dispatch():
+  run = _load_beside_run("run")
+  # 33 MB a call (batch 1 at 8k): 16 calls a dispatch, two dispatches queued; 34 GB (batch
+  # 256 at 32k): one of each; the rotating sets are always all called.
+  assert run.repeat_plan(33 << 20, 8) == (16, 2)
+  assert run.repeat_plan(34 << 30, 1) == (1, 1)
+  assert run.repeat_plan(300 << 20, 1) == (4, 2)
+  q = np.arange(4, dtype=np.float32).reshape(2, 2)
+  calls = run.call_args([(q, "k0"), (q + 1, "k1")], 5)
+  assert [rest for _, rest in calls] == ["k0", "k1", "k0", "k1", "k0"]
+  firsts = [np.asarray(c[0], np.float32) for c in calls]
+  assert all(not np.array_equal(a, b) for i, a in enumerate(firsts) for b in firsts[:i])

@@ -1,0 +1,112 @@
+"""Where the Mosaic GPU kernel's programs spend their cycles: a summary of the traces that
+``pallas_kernels.mosaic_gpu.profiled_attention`` writes (the Mosaic GPU profiler).
+
+A trace holds, per program (one warpgroup: a trace ``tid``; its SM: ``pid``), a begin and
+an end event for every named region it ran (``kernel.region``: prologue; per chunk pages,
+wait, stage, scores, softmax, update, refill; epilogue). Event times are
+``(globaltimer ns at the program's start + SM clock cycles since its first event) / 1e3``,
+so a difference of two events of one program is kilo-cycles.
+
+``summarise`` turns one trace into per-region figures (cycles per occurrence, share of the
+programs' time) plus the cycles per chunk and how many programs ran side by side on one
+SM; ``to_markdown`` prints them. Run on a GPU by ``benchmarks/gpu/run.py`` (its last
+stage); the summary is tested on a synthetic trace, the profiler itself only runs there.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+
+# SM clock of an H200 under load (GHz), only to place a program's end on the globaltimer
+# axis when counting programs that overlap on one SM (an estimate; durations stay cycles).
+CLOCK_GHZ = 1.98
+# The region counted once per chunk a program walks.
+CHUNK_REGION = "wait"
+
+
+def load_trace(path) -> dict:
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def newest_trace(folder) -> pathlib.Path:
+  """The last trace written into ``folder`` (file names start with a ns timestamp)."""
+  traces = sorted(pathlib.Path(folder).glob("*-trace.json"))
+  if not traces:
+    raise FileNotFoundError(f"no *-trace.json in {folder}")
+  return traces[-1]
+
+
+def summarise(trace: dict) -> dict:
+  """Per-region and per-program figures of one trace.
+
+  Returns a dict: ``programs``; ``regions``: name -> {count, per_program, mean_cycles,
+  share} (share: the region's cycles over the programs' cycles from their first event to
+  their last); ``cycles_per_program`` (mean); ``chunks_per_program`` and
+  ``cycles_per_chunk`` (by the ``wait`` region, once per chunk); ``max_programs_per_sm``
+  (most programs whose estimated spans overlap on one SM).
+  """
+  by_program = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    by_program[(event["pid"], event["tid"])].append(event)
+  totals = collections.defaultdict(float)
+  counts = collections.Counter()
+  spans = []
+  starts_by_sm = collections.defaultdict(list)
+  for (sm, _), events in by_program.items():
+    events.sort(key=lambda e: e["ts"])
+    open_regions = []
+    for event in events:
+      if event["ph"] == "B":
+        open_regions.append(event)
+        continue
+      while open_regions and open_regions[-1]["name"] != event["name"]:
+        open_regions.pop()  # an unmatched begin (a corrupt trace): dropped
+      if not open_regions:
+        continue
+      begin = open_regions.pop()
+      totals[event["name"]] += (event["ts"] - begin["ts"]) * 1e3
+      counts[event["name"]] += 1
+    span = (events[-1]["ts"] - events[0]["ts"]) * 1e3
+    spans.append(span)
+    starts_by_sm[sm].append((events[0]["ts"] * 1e3, span / CLOCK_GHZ))
+  programs = len(by_program)
+  all_cycles = sum(spans)
+  regions = {
+      name: dict(count=counts[name], per_program=counts[name] / programs,
+                 mean_cycles=totals[name] / counts[name],
+                 share=totals[name] / all_cycles if all_cycles else float("nan"))
+      for name in sorted(totals, key=lambda n: -totals[n])}
+  chunks = counts[CHUNK_REGION] / programs if programs else 0.0
+  return dict(programs=programs, regions=regions,
+              cycles_per_program=all_cycles / programs if programs else float("nan"),
+              chunks_per_program=chunks,
+              cycles_per_chunk=(all_cycles / counts[CHUNK_REGION]
+                                if counts[CHUNK_REGION] else float("nan")),
+              max_programs_per_sm=max((_most_overlapping(v) for v in starts_by_sm.values()),
+                                      default=0))
+
+
+def _most_overlapping(intervals) -> int:
+  """Most of the (start ns, length ns) intervals that hold one instant."""
+  edges = sorted([(s, 1) for s, _ in intervals] + [(s + n, -1) for s, n in intervals])
+  most = live = 0
+  for _, step in edges:
+    live += step
+    most = max(most, live)
+  return most
+
+
+def to_markdown(label: str, summary: dict) -> str:
+  lines = [f"Profile {label}: {summary['programs']} programs, "
+           f"{summary['chunks_per_program']:.1f} chunks and "
+           f"{summary['cycles_per_program']:.0f} cycles each "
+           f"({summary['cycles_per_chunk']:.0f} per chunk), up to "
+           f"{summary['max_programs_per_sm']} programs at once on one SM.", "",
+           "| region | per program | cycles each | share of program time |",
+           "|---|---|---|---|"]
+  for name, r in summary["regions"].items():
+    lines.append(f"| {name} | {r['per_program']:.1f} | {r['mean_cycles']:.0f} | "
+                 f"{r['share']:.1%} |")
+  return "\n".join(lines) + "\n"
