@@ -17,7 +17,7 @@
    decode and >= 1.2x JAX's Triton kernel; a "Goals" table lists those cases). The Mosaic
    GPU kernel is timed on bf16 pools (its direct path: the tensor cores read the pages
    where TMA put them), at the goal contexts also with the tilings of ``MOSAIC_SWEEP``
-   (chunk size J and chunks in flight S), and on the same pools as uint16 storage bits
+   (chunk size J and chunks in flight S) and with wave-balanced split-K, and on the same pools as uint16 storage bits
    with ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its staged path converts each chunk
    through registers). Our Triton kernel is timed on both pools too.
 3. Profiles the Mosaic GPU kernel (``PROFILE_CASES``; ``--skip-profile`` skips it): one
@@ -37,8 +37,8 @@ Built for a blind, time-limited run:
 - a watchdog ends the process (results written, exit 3) when one check or timing runs
   past ``--hang-s`` (a hung kernel would otherwise hold the device until the limit).
 
-Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 4 swept tilings + 3
-mixed = 111 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
+Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 5 swept tilings + 3
+mixed = 117 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
 samples (the largest case, batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks
 and 4 profiles: ~6-7 min; the budget (``--budget-s 400``, counted from the start of
 ``main``) stops starting new work and one timing at most finishes after it, so the whole
@@ -52,12 +52,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -84,7 +87,8 @@ MAX_CALLS = 16
 # Mosaic GPU tilings timed beside the default at the goal contexts, (J, S): chunk size and
 # chunks in flight. J = 64, S <= 2 and J = 128, S = 1 fit two or more programs per SM
 # (each under half of the 227 KiB of shared memory); J = 128, S = 3 one, with half the
-# chunks (and table reads, barrier waits) per token.
+# chunks (and table reads, barrier waits) per token. Also timed there: the default with
+# the split-K factor of ``tiling.wave_balanced_splits`` (MOSAIC_WAVES).
 MOSAIC_SWEEP = ((64, 1), (64, 2), (128, 1), (128, 3))
 
 
@@ -299,23 +303,28 @@ def ours_fn(sm_scale, *, kv_dtype=None):
   return f
 
 
-def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None):
+def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None, wave_splits=False):
   """The Mosaic GPU kernel; with ``kv_dtype`` the pools hold its storage bits. With
   ``chunk_stages=(J, S)`` the default tiling's chunk size and stages are replaced (its
-  query tile and split-K factor kept)."""
+  query tile and split-K factor kept); with ``wave_splits`` its split-K factor is
+  ``tiling.wave_balanced_splits`` (a decode batch: one item per sequence)."""
   import dataclasses
 
   from paged_jax.pallas_kernels import mosaic_gpu
-  from paged_jax.pallas_kernels.mosaic_gpu import ragged as mosaic_ragged
+  from paged_jax.pallas_kernels.mosaic_gpu import tiling as mosaic_tiling
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
     tiling = None
+    if chunk_stages is not None or wave_splits:
+      tiling = mosaic_gpu.default_tiling_for(q, k[None], tables, kv_dtype=kv_dtype)
     if chunk_stages is not None:
       chunk, stages = chunk_stages
-      tiling = dataclasses.replace(
-          mosaic_ragged.default_tiling_for(q, k[None], tables, kv_dtype=kv_dtype),
-          chunk_size=chunk, num_stages=stages)
+      tiling = dataclasses.replace(tiling, chunk_size=chunk, num_stages=stages)
+    if wave_splits:
+      max_chunks = -(-tables.shape[1] * k.shape[2] // tiling.chunk_size)
+      tiling = dataclasses.replace(tiling, num_splits=mosaic_tiling.wave_balanced_splits(
+          q.shape[0] * k.shape[0], max_chunks))
     return mosaic_gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu,
                                              num_seqs, sm_scale=sm_scale,
                                              kv_dtype=kv_dtype, tiling=tiling,
@@ -325,6 +334,9 @@ def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None):
 
 def sweep_name(chunk: int, stages: int) -> str:
   return f"pallas_mosaic_gpu J={chunk} S={stages} (ours)"
+
+
+MOSAIC_WAVES = "pallas_mosaic_gpu X=waves (ours)"
 
 
 def storage_bits_sets(sets):
@@ -553,6 +565,7 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, recorder):
   if ctx in GOAL_CONTEXTS or (INTERPRET and batch == 1):  # the smoke test's first case
     impls += [(sweep_name(*js), functools.partial(
         lambda js: (mosaic_fn(sm_scale, chunk_stages=js), sets), js)) for js in MOSAIC_SWEEP]
+    impls += [(MOSAIC_WAVES, lambda: (mosaic_fn(sm_scale, wave_splits=True), sets))]
   impls += [(MOSAIC_BITS, mosaic_bits),
            ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
            (TRITON_BITS, triton_bits),
@@ -648,17 +661,23 @@ def profile_case(batch, ctx, chunk_stages, bits, *, out_dir: pathlib.Path) -> di
   # Regions a program records: 7 per chunk (pages, wait, stage, scores, softmax, update,
   # refill) plus prologue and epilogue; a margin on top.
   chunks = math.ceil(math.ceil(ctx / tiling.chunk_size) / tiling.num_splits)
-  folder = out_dir / "profile" / (f"b{batch}_c{ctx}_" + ("default" if chunk_stages is None
+  name = (f"b{batch}_c{ctx}_" + ("default" if chunk_stages is None
                                   else "j{}_s{}".format(*chunk_stages)) + ("_bits" * bits))
-  folder.mkdir(parents=True, exist_ok=True)
+  folder = pathlib.Path(tempfile.mkdtemp(prefix=f"profile_{name}_"))
   fn = jax.jit(functools.partial(
       mosaic_gpu.profiled_attention, sm_scale=HEAD_DIM ** -0.5, kv_dtype=kv_dtype,
       tiling=tiling, profile_dir=str(folder), profile_space=8 * chunks + 8))
   for _ in range(2):  # the second call's trace: a warm kernel
     jax.block_until_ready(fn(*args))
     jax.effects_barrier()  # the trace is written by a host callback
-  summary = mosaic_profile.summarise(mosaic_profile.load_trace(
-      mosaic_profile.newest_trace(folder)))
+  trace_path = mosaic_profile.newest_trace(folder)
+  summary = mosaic_profile.summarise(mosaic_profile.load_trace(trace_path))
+  # The raw trace (chrome://tracing, Perfetto) comes back compressed: ~10x smaller.
+  (out_dir / "profile").mkdir(parents=True, exist_ok=True)
+  with open(trace_path, "rb") as src, gzip.open(out_dir / "profile" / f"{name}.json.gz",
+                                                "wb") as dst:
+    shutil.copyfileobj(src, dst)
+  shutil.rmtree(folder, ignore_errors=True)
   return dict(label=profile_label(batch, ctx, chunk_stages, bits),
               tiling=dataclasses.asdict(tiling), **summary)
 

@@ -227,3 +227,32 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   splits = min(wanted, MAX_SPLITS, max(1, max_chunks // MIN_CHUNKS_PER_SPLIT))
   return dataclasses.replace(tiling, num_splits=max(1, splits))
 
+
+
+# SMs of an H100 / H200: the programs of one wave when each SM holds one.
+NUM_SMS = 132
+# A program's fixed cost (launch, query copy, first pages' latency, epilogue), in chunk
+# steps: an estimate for ``wave_balanced_splits`` (not yet measured on a GPU).
+PROGRAM_OVERHEAD_CHUNKS = 2
+
+
+def wave_balanced_splits(num_programs_per_split: int, max_chunks: int, *,
+                         slots: int = NUM_SMS,
+                         overhead_chunks: int = PROGRAM_OVERHEAD_CHUNKS) -> int:
+  """The split-K factor X that minimises a decode's modelled time: waves of programs
+  (``ceil(P * X / slots)``, P = items x KV heads) times one program's steps
+  (``ceil(n / X)`` chunks plus a fixed overhead), the fewest splits among equals.
+
+  The default (``default_tiling``) aims at two waves of programs whatever their
+  rounding: 8 sequences x 8 KV heads at 8k take X = 5, 320 programs, three waves of 26
+  chunks where this model picks X = 2, one wave of 64 (and 4 waves of 64 at 32
+  sequences, X = 2, where X = 1 fills two waves of 128). An alternative the GPU benchmark
+  times beside the default (``benchmarks/gpu/run.py``); not the default until measured.
+  """
+  best, best_cost = 1, None
+  for splits in range(1, max(1, min(MAX_SPLITS, max_chunks)) + 1):
+    waves = -(-(num_programs_per_split * splits) // slots)
+    cost = waves * (-(-max_chunks // splits) + overhead_chunks)
+    if best_cost is None or cost < best_cost:
+      best, best_cost = splits, cost
+  return best

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -53,7 +54,8 @@ def test_run_smoke_checks_pass_and_times_every_impl(tmp_path):
   impls = {t["impl"] for t in results["timings"] if "us" in t}
   assert {"pallas_mosaic_gpu (ours)", "pallas_mosaic_gpu, storage bits (ours)",
           "pallas_gpu (ours)", "pallas_gpu, storage bits (ours)",
-          "pallas_mosaic_gpu J=64 S=2 (ours)", "pallas_mosaic_gpu J=128 S=3 (ours)"} <= impls, impls
+          "pallas_mosaic_gpu J=64 S=2 (ours)", "pallas_mosaic_gpu J=128 S=3 (ours)",
+          "pallas_mosaic_gpu X=waves (ours)"} <= impls, impls
   # The profiles need the GPU's profiler: on CPU each is recorded as skipped, by name.
   profiles = results["profiles"]
   assert len(profiles) == 4 and all("needs a GPU" in p["error"] for p in profiles)
@@ -116,3 +118,31 @@ def test_run_batches_small_calls_into_one_dispatch():
   assert [rest for _, rest in calls] == ["k0", "k1", "k0", "k1", "k0"]
   firsts = [np.asarray(c[0], np.float32) for c in calls]
   assert all(not np.array_equal(a, b) for i, a in enumerate(firsts) for b in firsts[:i])
+
+
+def test_profile_case_summarises_the_trace_the_kernel_writes(tmp_path, monkeypatch):
+  # run.py's profile stage, with the profiled kernel (a GPU only) replaced by one that
+  # writes a synthetic trace where the Mosaic GPU profiler would: the plumbing (tiling,
+  # trace folder, summary, the compressed trace under $OUT) is what runs here.
+  from paged_jax.pallas_kernels import mosaic_gpu
+  run = _load_beside_run("run")
+  seen = {}
+
+  def fake_profiled(q, *args, profile_dir, profile_space, tiling, **kwargs):
+    seen.update(space=profile_space, tiling=tiling, kv_dtype=kwargs["kv_dtype"])
+    trace = {"traceEvents": []}
+    _program(trace, sm=1, tid=0, start_ns=0,
+             regions=[("prologue", 50), ("wait", 200), ("scores", 100), ("epilogue", 50)])
+    pathlib.Path(profile_dir, "123-trace.json").write_text(json.dumps(trace))
+    return q
+
+  monkeypatch.setattr(mosaic_gpu, "profiled_attention", fake_profiled)
+  row = run.profile_case(2, 256, (128, 1), True, out_dir=tmp_path)
+  assert row["label"] == "decode B=2 ctx=256, J=128 S=1, storage bits"
+  assert row["programs"] == 1 and row["regions"]["wait"]["mean_cycles"] == pytest.approx(200)
+  assert seen["tiling"].chunk_size == 128 and seen["tiling"].num_stages == 1
+  assert seen["kv_dtype"] == np.dtype("bfloat16")
+  # 8 regions a chunk (7 and a margin) for the chunks of one split, plus 8.
+  chunks = math.ceil(math.ceil(256 / 128) / seen["tiling"].num_splits)
+  assert seen["space"] == 8 * chunks + 8
+  assert (tmp_path / "profile" / "b2_c256_j128_s1_bits.json.gz").stat().st_size > 0

@@ -1096,3 +1096,21 @@ def test_profiling_needs_a_gpu_and_space(interpret, space, tmp_path):
     jax.jit(lambda *a: mosaic_gpu.profiled_attention(
         *a, sm_scale=0.125, profile_dir=str(tmp_path), profile_space=space,
         interpret=interpret)).trace(*case.jax_args()).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("batch, context, expected", [
+    (8, 8192, 2),     # 64 programs a split: X = 2 is one wave of 64 chunks
+    (32, 32768, 1),   # 256: X = 1 fills two waves; X = 2 would make four of half the work
+    (1, 8192, 16),    # 8: 128 programs, one wave of 8 chunks
+    (256, 8192, 1)])
+def test_wave_balanced_splits(batch, context, expected):
+  # Llama-3-8B decode (K = 8), J = 64: the model's choice, and it is the cheapest X of all
+  # by the model's own cost, the fewest among equals.
+  programs, chunks = batch * 8, context // 64
+  splits = tiling_lib.wave_balanced_splits(programs, chunks)
+  assert splits == expected
+  cost = lambda x: -(-programs * x // tiling_lib.NUM_SMS) * (
+      -(-chunks // x) + tiling_lib.PROGRAM_OVERHEAD_CHUNKS)
+  others = range(1, tiling_lib.MAX_SPLITS + 1)
+  assert all(cost(splits) < cost(x) or (cost(splits) == cost(x) and splits <= x)
+             for x in others)
