@@ -45,7 +45,9 @@ def summarise(trace: dict) -> dict:
   share} (share: the region's cycles over the programs' cycles from their first event to
   their last); ``cycles_per_program`` (mean); ``chunks_per_program`` and
   ``cycles_per_chunk`` (by the ``wait`` region, once per chunk); ``max_programs_per_sm``
-  (most programs whose estimated spans overlap on one SM).
+  (most programs whose estimated spans overlap on one SM); ``kernel_us``: from the first
+  program's start to the last one's estimated end (its cycles at ``CLOCK_GHZ``), to set
+  beside the call's measured time (the rest is the XLA work around the kernel).
   """
   by_program = collections.defaultdict(list)
   for event in trace["traceEvents"]:
@@ -79,9 +81,12 @@ def summarise(trace: dict) -> dict:
                  share=totals[name] / all_cycles if all_cycles else float("nan"))
       for name in sorted(totals, key=lambda n: -totals[n])}
   chunks = counts[CHUNK_REGION] / programs if programs else 0.0
+  intervals = [iv for ivs in starts_by_sm.values() for iv in ivs]
+  kernel_ns = (max(s + n for s, n in intervals) - min(s for s, _ in intervals)
+               if intervals else float("nan"))
   return dict(programs=programs, regions=regions,
               cycles_per_program=all_cycles / programs if programs else float("nan"),
-              chunks_per_program=chunks,
+              chunks_per_program=chunks, kernel_us=kernel_ns / 1e3,
               cycles_per_chunk=(all_cycles / counts[CHUNK_REGION]
                                 if counts[CHUNK_REGION] else float("nan")),
               max_programs_per_sm=max((_most_overlapping(v) for v in starts_by_sm.values()),
@@ -103,7 +108,8 @@ def to_markdown(label: str, summary: dict) -> str:
            f"{summary['chunks_per_program']:.1f} chunks and "
            f"{summary['cycles_per_program']:.0f} cycles each "
            f"({summary['cycles_per_chunk']:.0f} per chunk), up to "
-           f"{summary['max_programs_per_sm']} programs at once on one SM.", "",
+           f"{summary['max_programs_per_sm']} programs at once on one SM; kernel ~"
+           f"{summary['kernel_us']:.1f} us (cycles at {CLOCK_GHZ} GHz).", "",
            "| region | per program | cycles each | share of program time |",
            "|---|---|---|---|"]
   for name, r in summary["regions"].items():

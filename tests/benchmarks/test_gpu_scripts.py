@@ -96,6 +96,8 @@ def test_profile_summary_of_a_synthetic_trace():
   assert summary["cycles_per_program"] == pytest.approx(1600.0)
   assert summary["cycles_per_chunk"] == pytest.approx(800.0)  # programs' cycles / chunks
   assert summary["max_programs_per_sm"] == 2
+  # From the first start (0 ns) to the last end (5000 ns + 1600 cycles at CLOCK_GHZ).
+  assert summary["kernel_us"] == pytest.approx((5000 + 1600 / profile.CLOCK_GHZ) / 1e3)
   wait = summary["regions"]["wait"]
   assert wait["count"] == 6 and wait["per_program"] == pytest.approx(2.0)
   assert wait["mean_cycles"] == pytest.approx(300.0)
