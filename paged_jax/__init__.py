@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 # ``paged-jax`` command, which lives here) starts at once; ``from paged_jax import LLM``
 # works as usual. The block under TYPE_CHECKING is what type checkers and readers see.
 if TYPE_CHECKING:
-  from paged_jax import allocator, protocol, sharding, step, testing
+  from paged_jax import (allocator, attention, engine, kv_cache, kv_groups, models,
+                         pallas_kernels, planner, protocol, sampling, sharding, spec, step,
+                         testing)
   from paged_jax.attention import (checked_paged_attention, paged_attention, resolve_impl,
                                    validate_attention_inputs)
   from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
@@ -49,8 +51,11 @@ _HOME = {
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 # Modules a user reaches as ``paged_jax.<name>`` after ``import paged_jax`` (imported on
-# first use too): ``testing`` (assertions for your own model), ``sharding`` (meshes).
-_SUBMODULES = ("allocator", "protocol", "sharding", "step", "testing")
+# first use too): ``testing`` (assertions for your own model), ``sharding`` (meshes),
+# ``models`` (the built-in decoders), ``pallas_kernels`` (the kernels themselves), ...
+_SUBMODULES = ("allocator", "attention", "engine", "kv_cache", "kv_groups", "models",
+               "pallas_kernels", "planner", "protocol", "sampling", "sharding", "spec",
+               "step", "testing")
 
 
 def __getattr__(name: str):
@@ -87,16 +92,25 @@ __all__ = [
     "Steps",
     "StreamEvent",
     "allocator",
+    "attention",
     "decode_step",
     "default_token_buckets",
+    "engine",
     "forward_step",
     "init_random",
+    "kv_cache",
+    "kv_groups",
     "load_pretrained",
+    "models",
     "paged_attention",
+    "pallas_kernels",
+    "planner",
     "prepare_step",
     "protocol",
     "resolve_impl",
+    "sampling",
     "sharding",
+    "spec",
     "step",
     "testing",
     "tokens_from_history",

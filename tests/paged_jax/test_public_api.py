@@ -10,7 +10,9 @@ import pytest
 
 import paged_jax
 
-SUBMODULES = ("allocator", "protocol", "sharding", "step", "testing")
+SUBMODULES = ("allocator", "attention", "engine", "kv_cache", "kv_groups", "models",
+              "pallas_kernels", "planner", "protocol", "sampling", "sharding", "spec", "step",
+              "testing")
 
 
 @pytest.mark.parametrize("name", SUBMODULES)
