@@ -54,6 +54,7 @@ from flax import nnx
 
 from paged_jax import allocator
 from paged_jax import protocol
+from paged_jax.pallas_kernels import metadata
 
 __all__ = ["AttentionMetadata", "StepInputs", "Steps", "decode_step", "forward_step",
            "prepare_step", "tokens_from_history"]
@@ -133,7 +134,7 @@ def _exclusive_cumsum(x_S: jax.Array) -> jax.Array:
 def _row_owner(cu: jax.Array, num_rows: int) -> jax.Array:
   """i32[T]: the sequence owning each row of a layout with offsets ``cu`` (clipped)."""
   t = jnp.arange(num_rows, dtype=jnp.int32)
-  return jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, cu.shape[0] - 2)
+  return jnp.clip(metadata.search_right(cu, t) - 1, 0, cu.shape[0] - 2)
 
 
 def _pack_rows(values_T: jax.Array, counts_S: jax.Array, keep_S: jax.Array) -> jax.Array:

@@ -5,6 +5,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def search_right(sorted_a, v):
+  """``jnp.searchsorted(sorted_a, v, side="right")`` as int32, with no loop in the program.
+
+  jnp's default method is a ``while`` loop of log2(len(a)) steps; these searches run
+  inside every attention call (and the XLA path's loop body), where XLA on a GPU runs a
+  ``while`` as a loop of small kernels decided step by step. ``scan_unrolled`` is the same
+  binary search unrolled: one gather and compare per step, the same cost on CPU.
+  """
+  return jnp.searchsorted(sorted_a, v, side="right", method="scan_unrolled").astype(jnp.int32)
+
+
 def token_sequence_ids(cu_q_lens, num_seqs, num_tokens: int):
   """For each query row t: ``(seq_T, live_T)``.
 
@@ -14,7 +25,7 @@ def token_sequence_ids(cu_q_lens, num_seqs, num_tokens: int):
   """
   num_seq_rows = cu_q_lens.shape[0] - 1
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq_T = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1
+  seq_T = search_right(cu_q_lens, t) - 1
   seq_T = jnp.clip(seq_T, 0, num_seq_rows - 1)
   live_T = t < cu_q_lens[jnp.asarray(num_seqs, jnp.int32)]
   return seq_T, live_T
@@ -54,8 +65,7 @@ def tile_sequence_items(cu_q_lens, num_seqs, *, num_tokens: int, q_tile: int,
   tiles_S = jnp.where(live_S, (q_end_S - 1) // q_tile - first_tile_S + 1, 0)
   tiles_end_S = jnp.cumsum(tiles_S)
   w = jnp.arange(num_items, dtype=jnp.int32)
-  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"),
-                      num_seq_rows - 1).astype(jnp.int32)
+  seq_W = jnp.minimum(search_right(tiles_end_S, w), num_seq_rows - 1)
   live_W = w < tiles_end_S[-1]
   tile_W = (first_tile_S[seq_W] + w - (tiles_end_S - tiles_S)[seq_W]).astype(jnp.int32)
   return seq_W, tile_W, live_W, q_start_S, q_end_S

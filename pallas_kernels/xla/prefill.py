@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_jax.pallas_kernels import layout
+from paged_jax.pallas_kernels import metadata
 
 _NEG_INF = float("-inf")
 
@@ -131,8 +132,7 @@ def plan_prefill(kv_lens_S, cu_q_lens, num_seqs, *, num_tokens: int, block_size:
   tiles_S = jnp.where(long_S, (q_end_S - q_start_S + q_tile - 1) // q_tile, 0)
   tiles_end_S = jnp.cumsum(tiles_S)
   w = jnp.arange(num_prefill_items(num_tokens, num_seq_rows, tiling), dtype=jnp.int32)
-  seq_W = jnp.minimum(jnp.searchsorted(tiles_end_S, w, side="right"),
-                      num_seq_rows - 1).astype(jnp.int32)
+  seq_W = jnp.minimum(metadata.search_right(tiles_end_S, w), num_seq_rows - 1)
   tiles_W = tiles_S[seq_W]
   tile_W = w - (tiles_end_S[seq_W] - tiles_W)
   q_end_W = q_end_S[seq_W]

@@ -265,8 +265,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     row_max_KWM, denom_KWM, acc_KWMD = carry
     unit_U = step * units_per_step + jnp.arange(units_per_step, dtype=jnp.int32)
     live_U = unit_U < num_units
-    item_U = jnp.minimum(jnp.searchsorted(units_end_W, unit_U, side="right"),
-                         num_items - 1).astype(jnp.int32)
+    item_U = jnp.minimum(metadata.search_right(units_end_W, unit_U), num_items - 1)
     chunk_U = unit_U - (units_end_W - units_W)[item_U]
     end_page_U = jnp.where(live_U, plan.end_page_W[item_U], 0)
     first_page_U = plan.first_page_W[item_U] + chunk_U * pages_per_chunk

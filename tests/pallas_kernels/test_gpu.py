@@ -797,6 +797,8 @@ def test_variants_lower_for_cuda(model, variant):
   # The storage-bit pools go to the kernel whole and as they are (no convert of the pool).
   assert "%arg1, %arg2" in calls[0]
   assert f"{Z}x{D}xui16>" in calls[0]
+  # No loop around the kernel (work items by an unrolled binary search, not a while).
+  assert "stablehlo.while" not in text
 
 
 # --- Quantised pools (issue 20): int8 / float8 bits, one float32 scale per token and head. ---
