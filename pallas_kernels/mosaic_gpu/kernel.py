@@ -228,7 +228,7 @@ def _kernel(*refs, cfg: KernelConfig):
   qbase_ref = refs.pop(0)       # i32[W] position of slot 0 of the item's tile
   lo_ref = refs.pop(0)          # i32[W] first live slot
   hi_ref = refs.pop(0)          # i32[W] end of the live slots
-  tables_ref = refs.pop(0)      # i32[S, P + copies per chunk] block tables, padded
+  tables_ref = refs.pop(0)      # i32[S, P] block tables
   sinks_ref = refs.pop(0) if cfg.has_sinks else None   # f32[H]
   q_hbm_refs = [refs.pop(0) for _ in range(cfg.plan.pieces)]  # [W, K, M, D] each: packed
                                 # queries (mma dtype), one array per piece
@@ -279,8 +279,9 @@ def _kernel(*refs, cfg: KernelConfig):
     """The block-table entries of chunk c's copy units, one scalar load each. Loaded a ring
     of chunks ahead of use (``main_loop``), so the latency of these global-memory loads
     overlaps the waits and dots before them instead of stalling the chunk that needs
-    them. The entry index is clamped into the (padded) table: a chunk past the item's
-    end loads an entry it never uses."""
+    them. The entry index is clamped into the table: a copy unit past the table's end
+    (past the item's horizon, which is at most P * Z) loads entry P - 1 and never uses
+    it."""
     ids = []
     for r in range(num_copies):
       pos = begin + c * chunk + r * unit
@@ -528,7 +529,7 @@ def split_attention(q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W, begin_
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages as stored.
     layer: i32[] layer index.
     seq_W, begin_W, horizon_W, qbase_W, lo_W, hi_W: i32[W] item metadata (``items``).
-    tables_SP: i32[S, P + copies per chunk] block tables, padded.
+    tables_SP: i32[S, P] block tables.
     sinks_H: f32[H] sink logits or None.
     k_scales_LKNZ, v_scales_LKNZ: f32[L, K, N, Z] scales of quantised pages, or None.
     cfg: static ``KernelConfig``.

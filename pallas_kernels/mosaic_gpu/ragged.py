@@ -182,11 +182,6 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   q_WKMD = items_lib.pack_queries(q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
                                   dtype=jnp.float32 if pieces > 1 else mma_dtype)
   q_pieces = kernel_lib.split_pieces(q_WKMD, pieces, mma_dtype, explicit_rounding=True)
-  # Table entries are read for every copy of a chunk from a page-aligned start: pad the
-  # width by the copies per chunk so those reads stay in bounds (entries past the horizon
-  # go unused).
-  tables_SP = jnp.pad(block_tables_SP,
-                      ((0, 0), (0, tiling.copies_per_chunk(block_size))))
   cfg = kernel_lib.KernelConfig(
       sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
       kv_dtype=kv_dtype, mma_dtype=mma_dtype, plan=plan,
@@ -196,7 +191,7 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   lse_rows = min(rows, tiling_lib.lse_rows(tiling.q_tile, group))
   outs = kernel_lib.split_attention(
       q_pieces, k_pages_LKNZD, v_pages_LKNZD, layer, items.seq_W, items.begin_W,
-      items.horizon_W, items.qbase_W, items.lo_W, items.hi_W, tables_SP,
+      items.horizon_W, items.qbase_W, items.lo_W, items.hi_W, block_tables_SP,
       None if sinks is None else sinks.astype(jnp.float32), k_scales, v_scales, cfg=cfg,
       out_rows=out_rows, lse_rows=lse_rows, num_entries=blocks_per_seq)
   out_XWKMD, lse_XWKM = outs[:2]
