@@ -158,6 +158,11 @@ class AllocatorState:
   def num_groups(self) -> int:
     return len(self.windows)
 
+  @property
+  def slides(self) -> bool:
+    """Static: whether any group has a sliding window (``slide`` then gives blocks back)."""
+    return any(w is not None for w in self.windows)
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -191,11 +196,6 @@ def _tables_gSP(state: AllocatorState) -> jax.Array:
 def _pack(state: AllocatorState, tables_gSP: jax.Array) -> jax.Array:
   """``tables_gSP`` in the state's own layout (i32[S, P] when it has one group)."""
   return tables_gSP[0] if state.block_tables.ndim == 2 else tables_gSP
-
-
-def _slides(state: AllocatorState) -> bool:
-  """Static: does any group have a sliding window?"""
-  return any(w is not None for w in state.windows)
 
 
 def _prefix_caching(state: AllocatorState) -> bool:
@@ -360,7 +360,7 @@ def slide(state: AllocatorState) -> AllocatorState:
   group is returned as it is. ``append`` slides first; call it alone to see the free count
   that the next ``append`` will find.
   """
-  if not _slides(state):
+  if not state.slides:
     return state
   t_gSP = _tables_gSP(state)
   j_P = jnp.arange(state.max_blocks_per_seq, dtype=jnp.int32)

@@ -65,7 +65,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   allocator has several groups."""
   # KV groups: sliding groups first give back what no query still to come can read, so
   # that admission and preemption below count only the blocks the groups really hold.
-  if any(w is not None for w in st.alloc.windows):
+  if st.alloc.slides:
     alloc = allocator.slide(st.alloc)
     cache = scrub_freed(st.cache, st.alloc, alloc) if scrub_on_release else st.cache
     st = dataclasses.replace(st, alloc=alloc, cache=cache)
