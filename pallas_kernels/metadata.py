@@ -11,9 +11,12 @@ def search_right(sorted_a, v):
   jnp's default method is a ``while`` loop of log2(len(a)) steps; these searches run
   inside every attention call (and the XLA path's loop body), where XLA on a GPU runs a
   ``while`` as a loop of small kernels decided step by step. ``scan_unrolled`` is the same
-  binary search unrolled: one gather and compare per step, the same cost on CPU.
+  binary search unrolled: one gather and compare per step, the same cost on CPU. (At one
+  step, len(a) = 1, jax still emits a one-trip ``while``: up to 16 entries each query is
+  compared with all of them instead, which is no dearer.)
   """
-  return jnp.searchsorted(sorted_a, v, side="right", method="scan_unrolled").astype(jnp.int32)
+  method = "compare_all" if sorted_a.shape[0] <= 16 else "scan_unrolled"
+  return jnp.searchsorted(sorted_a, v, side="right", method=method).astype(jnp.int32)
 
 
 def token_sequence_ids(cu_q_lens, num_seqs, num_tokens: int):
