@@ -8,7 +8,7 @@
    batch 8/32/256/1 x context 8k/32k/1k (Llama-3-8B-like: 32 query heads, 8 KV heads,
    D = 128, bf16, 16-token blocks) and for a mixed prefill + decode batch. A sample queues
    one or two dispatches of one jitted function that makes several calls (``repeat_plan``:
-   up to 16, ~1 GiB of K/V a dispatch, each call its own q; input sets rotate so a small
+   up to 8, ~1 GiB of K/V a dispatch, each call its own q; input sets rotate so a small
    case does not run from L2), so a call of a few microseconds times the kernel, not the
    host's dispatch and wait; medians over samples after a warm-up.
    Achieved bandwidth = unique K/V (+ q, out) bytes / time, against the measured
@@ -17,7 +17,8 @@
    decode and >= 1.2x JAX's Triton kernel; a "Goals" table lists those cases). The Mosaic
    GPU kernel is timed on bf16 pools (its direct path: the tensor cores read the pages
    where TMA put them), at the goal contexts also with the tilings of ``MOSAIC_SWEEP``
-   (chunk size J and chunks in flight S) and with wave-balanced split-K, and on the same pools as uint16 storage bits
+   (chunk size J and chunks in flight S) and with wave-balanced split-K (and our XLA path
+   with ``XLA_UNITS`` work units a loop step), and on the same pools as uint16 storage bits
    with ``kv_dtype=bfloat16`` (what ``KVCache`` holds: its staged path converts each chunk
    through registers). Our Triton kernel is timed on both pools too.
 3. Profiles the Mosaic GPU kernel (``PROFILE_CASES``; ``--skip-profile`` skips it): one
@@ -37,8 +38,8 @@ Built for a blind, time-limited run:
 - a watchdog ends the process (results written, exit 3) when one check or timing runs
   past ``--hang-s`` (a hung kernel would otherwise hold the device until the limit).
 
-Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 5 swept tilings + 3
-mixed = 117 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
+Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 6 variants (5 Mosaic
+tilings, a wider XLA step) + 3 mixed = 123 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
 samples (the largest case, batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks
 and 4 profiles: ~6-7 min; the budget (``--budget-s 400``, counted from the start of
 ``main``) stops starting new work and one timing at most finishes after it, so the whole
@@ -83,7 +84,7 @@ JAX_TRITON = "jax pallas paged_attention"
 L2_DEFEAT_BYTES = 256 << 20   # rotate input sets until one round reads this much
 MAX_SETS = 16
 DISPATCH_BYTES = 1 << 30      # batch calls into one dispatch until it reads this much
-MAX_CALLS = 16
+MAX_CALLS = 8                 # (or the rotating sets, when more: up to 16)
 # Mosaic GPU tilings timed beside the default at the goal contexts, (J, S): chunk size and
 # chunks in flight. J = 64, S <= 2 and J = 128, S = 1 fit two or more programs per SM
 # (each under half of the 227 KiB of shared memory); J = 128, S = 3 one, with half the
@@ -351,14 +352,31 @@ def storage_bits_sets(sets):
   return [(q, bits(k), bits(v), *rest) for q, k, v, *rest in sets]
 
 
-def xla_fn(sm_scale):
+def xla_fn(sm_scale, *, units_per_step=None):
+  """Our XLA path; ``units_per_step`` replaces its default U (sized for a CPU's caches:
+  2^16 scores a step, so a GPU steps through hundreds of tiny loop steps)."""
+  import dataclasses
+
   from paged_jax.pallas_kernels import xla
+  from paged_jax.pallas_kernels.xla import ragged as xla_ragged
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
+    tiling = None
+    if units_per_step is not None:
+      tiling = xla_ragged.default_tiling(q.shape[0], tables.shape[0], k.shape[2],
+                                         tables.shape[1], num_kv_heads=k.shape[0],
+                                         group=q.shape[1] // k.shape[0])
+      # No more than the units a decode batch has (one item per row).
+      units = q.shape[0] * -(-tables.shape[1] // tiling.pages_per_chunk)
+      tiling = dataclasses.replace(tiling, units_per_step=min(units_per_step, units))
     return xla.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu, num_seqs,
-                                      sm_scale=sm_scale)
+                                      sm_scale=sm_scale, tiling=tiling)
   return f
+
+
+XLA_UNITS = 2048   # U timed beside the XLA path's default at the goal contexts
+XLA_WIDE = f"xla U={XLA_UNITS} (ours)"
 
 
 def reference_fn(sm_scale):
@@ -424,7 +442,8 @@ def repeat_plan(call_bytes: int, num_sets: int) -> tuple[int, int]:
   """``(calls, dispatches)``: calls of the timed function per jitted dispatch, and dispatches
   queued per sample before waiting. A small call (batch 1, 1k tokens: microseconds on the
   GPU) would otherwise time the host's dispatch and the wait, not the kernel: calls are
-  batched into one dispatch until it reads ~1 GiB (at most 16), and two dispatches are
+  batched into one dispatch until it reads ~1 GiB (at most 8, or every rotating set), and
+  two dispatches are
   queued while that stays under 4 GiB (more would hold the XLA path's gathered copies of
   several calls at once)."""
   if INTERPRET:
@@ -566,6 +585,7 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, recorder):
     impls += [(sweep_name(*js), functools.partial(
         lambda js: (mosaic_fn(sm_scale, chunk_stages=js), sets), js)) for js in MOSAIC_SWEEP]
     impls += [(MOSAIC_WAVES, lambda: (mosaic_fn(sm_scale, wave_splits=True), sets))]
+    impls += [(XLA_WIDE, lambda: (xla_fn(sm_scale, units_per_step=XLA_UNITS), sets))]
   impls += [(MOSAIC_BITS, mosaic_bits),
            ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
            (TRITON_BITS, triton_bits),

@@ -55,7 +55,7 @@ def test_run_smoke_checks_pass_and_times_every_impl(tmp_path):
   assert {"pallas_mosaic_gpu (ours)", "pallas_mosaic_gpu, storage bits (ours)",
           "pallas_gpu (ours)", "pallas_gpu, storage bits (ours)",
           "pallas_mosaic_gpu J=64 S=2 (ours)", "pallas_mosaic_gpu J=128 S=3 (ours)",
-          "pallas_mosaic_gpu X=waves (ours)"} <= impls, impls
+          "pallas_mosaic_gpu X=waves (ours)", "xla U=2048 (ours)"} <= impls, impls
   # The profiles need the GPU's profiler: on CPU each is recorded as skipped, by name.
   profiles = results["profiles"]
   assert len(profiles) == 4 and all("needs a GPU" in p["error"] for p in profiles)
@@ -110,9 +110,10 @@ def test_profile_summary_of_a_synthetic_trace():
 
 def test_run_batches_small_calls_into_one_dispatch():
   run = _load_beside_run("run")
-  # 33 MB a call (batch 1 at 8k): 16 calls a dispatch, two dispatches queued; 34 GB (batch
+  # 33 MB a call (batch 1 at 8k): 8 calls a dispatch, two dispatches queued; 34 GB (batch
   # 256 at 32k): one of each; the rotating sets are always all called.
-  assert run.repeat_plan(33 << 20, 8) == (16, 2)
+  assert run.repeat_plan(33 << 20, 8) == (8, 2)
+  assert run.repeat_plan(4 << 20, 16) == (16, 2)
   assert run.repeat_plan(34 << 30, 1) == (1, 1)
   assert run.repeat_plan(300 << 20, 1) == (4, 2)
   q = np.arange(4, dtype=np.float32).reshape(2, 2)
