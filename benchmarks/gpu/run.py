@@ -2,7 +2,8 @@
 
 1. Checks ``pallas_kernels.mosaic_gpu.ragged_paged_attention`` (Mosaic GPU) and
    ``pallas_kernels.gpu.ragged_paged_attention`` (Triton) against the jnp reference on a
-   few realistic shapes (mixed ragged batch, long split-K decode, MQA).
+   few realistic shapes (mixed ragged batch, long split-K decode, MQA), and the Mosaic
+   kernel with each tiling the timings sweep on a batch of decodes.
 2. Times them against JAX's built-in Pallas GPU (Triton) paged attention (decode only),
    the project's XLA path and a dense XLA attention over a contiguous cache, for decode at
    batch 8/32/256/1 x context 8k/32k/1k (Llama-3-8B-like: 32 query heads, 8 KV heads,
@@ -39,11 +40,11 @@ Built for a blind, time-limited run:
   past ``--hang-s`` (a hung kernel would otherwise hold the device until the limit).
 
 Time: the default grid is 12 decode cases x 7 impls + 6 goal cases x 6 variants (5 Mosaic
-tilings, a wider XLA step) + 3 mixed = 123 timings, each a compile (~1-10 s), a warm-up and ``--sample-s`` 0.5 s of
-samples (the largest case, batch 256 x 32k, reads 34 GB per call: ~8 ms), plus 6 checks
-and 4 profiles: ~6-7 min; the budget (``--budget-s 400``, counted from the start of
-``main``) stops starting new work and one timing at most finishes after it, so the whole
-run stays within ~8 minutes.
+tilings, a wider XLA step) + 3 mixed = 123 timings, each a compile (~1-10 s), a warm-up
+and ``--sample-s`` 0.5 s of samples (the largest case, batch 256 x 32k, reads 34 GB per
+call: ~8 ms), plus 11 checks and 4 profiles: ~6-7 min; the budget (``--budget-s 400``,
+counted from the start of ``main``) stops starting new work and one timing at most
+finishes after it, so the whole run stays within ~8 minutes.
 
   PYTHONPATH=. python benchmarks/gpu/run.py [--budget-s 400] [--sample-s 0.5] [--quick]
   PYTHONPATH=. python benchmarks/gpu/run.py --smoke-cpu   # plumbing test on CPU, ~100 s
@@ -494,17 +495,31 @@ CHECKS = [
 
 SMOKE_CHECKS = [("smoke_mixed_bf16", jnp.bfloat16, [(1, 40), (9, 9), (0, 3), (4, 70)],
                  NUM_Q_HEADS, 2e-2)]
+# The Mosaic tilings the timings sweep, checked too: a faster tiling is worth adopting only
+# if it is right on the hardware (long split-K decodes, a short one, NaN past the used pages).
+SWEEP_CHECK = ("sweep_decode_bf16", jnp.bfloat16, [(1, 8192), (1, 5000), (1, 1024), (1, 33)],
+               NUM_Q_HEADS, 2e-2)
+SMOKE_SWEEP_CHECK = ("smoke_sweep_bf16", jnp.bfloat16, [(1, 300), (1, 33)], NUM_Q_HEADS,
+                     2e-2)
 
 
-def run_checks(recorder: Recorder, checks, budget: Budget):
+def run_checks(recorder: Recorder, checks, budget: Budget, sweep_check=None):
+  """Each check against the reference with both kernels; ``sweep_check`` with each Mosaic
+  tiling the timings sweep (``MOSAIC_SWEEP`` and the wave-balanced splits)."""
   sm_scale = HEAD_DIM ** -0.5
   ref = reference_fn(sm_scale)
   # Built inside each check's try: a JAX without one backend loses only that impl's rows.
   impls = (("pallas_mosaic_gpu", lambda: mosaic_fn(sm_scale)),
            ("pallas_gpu", lambda: ours_fn(sm_scale)))
+  sweep = [("pallas_mosaic_gpu J={} S={}".format(*js),
+            functools.partial(lambda js: mosaic_fn(sm_scale, chunk_stages=js), js))
+           for js in MOSAIC_SWEEP]
+  sweep.append(("pallas_mosaic_gpu X=waves", lambda: mosaic_fn(sm_scale, wave_splits=True)))
+  pairs = [(check, impl) for check in checks for impl in impls]
+  if sweep_check is not None:
+    pairs += [(sweep_check, impl) for impl in sweep]
   built = {}
-  for (name, dtype, seqs, num_heads, tol), (impl, build) in (
-      (check, impl) for check in checks for impl in impls):
+  for (name, dtype, seqs, num_heads, tol), (impl, build) in pairs:
     row = dict(name=f"{name} [{impl}]", dtype=jnp.dtype(dtype).name)
     if not budget.left():
       row.update(ok=False, error=SKIPPED)
@@ -836,7 +851,8 @@ def main(argv=None) -> int:
   print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
   recorder.save()
   if not args.skip_check:
-    run_checks(recorder, SMOKE_CHECKS if args.smoke_cpu else CHECKS, budget)
+    run_checks(recorder, SMOKE_CHECKS if args.smoke_cpu else CHECKS, budget,
+               SMOKE_SWEEP_CHECK if args.smoke_cpu else SWEEP_CHECK)
   dtype = jnp.bfloat16
   for kind, a, b in run_plan(args):
     label = f"decode B={a} ctx={b}" if kind == "decode" else f"mixed {len(a)} seqs"

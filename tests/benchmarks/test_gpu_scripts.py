@@ -51,6 +51,8 @@ def test_run_smoke_checks_pass_and_times_every_impl(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["checks"] and all(c["ok"] for c in results["checks"]), results["checks"]
+  swept = [c["name"] for c in results["checks"] if c["name"].startswith("smoke_sweep_bf16")]
+  assert len(swept) == 5, swept  # four (J, S) tilings and the wave-balanced splits
   impls = {t["impl"] for t in results["timings"] if "us" in t}
   assert {"pallas_mosaic_gpu (ours)", "pallas_mosaic_gpu, storage bits (ours)",
           "pallas_gpu (ours)", "pallas_gpu, storage bits (ours)",
