@@ -896,12 +896,18 @@ def _all_eqns(jaxpr):
   its loops and scopes), depth first."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _all_eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _all_eqns(sub)
+    yield from _all_eqns_of(eqn)
+
+
+def _all_eqns_of(eqn):
+  """Every equation of the jaxprs inside ``eqn`` (a loop's body, a cond's branches), depth
+  first."""
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(sub, jax.extend.core.ClosedJaxpr):
+        yield from _all_eqns(sub.jaxpr)
+      elif isinstance(sub, jax.extend.core.Jaxpr):
+        yield from _all_eqns(sub)
 
 
 @pytest.mark.parametrize("pages_dtype, q_dtype", [(jnp.uint16, jnp.bfloat16),
@@ -1037,15 +1043,6 @@ def test_table_entries_are_read_a_ring_ahead():
   nested = [e for e in body.eqns if e.primitive.name == "cond"
             and table_reads(list(_all_eqns_of(e)))]
   assert not nested
-
-
-def _all_eqns_of(eqn):
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(sub, jax.extend.core.ClosedJaxpr):
-        yield from _all_eqns(sub.jaxpr)
-      elif isinstance(sub, jax.extend.core.Jaxpr):
-        yield from _all_eqns(sub)
 
 
 def _run_script_constant(name):
