@@ -310,23 +310,14 @@ def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None, wave_splits=False):
   ``chunk_stages=(J, S)`` the default tiling's chunk size and stages are replaced (its
   query tile and split-K factor kept); with ``wave_splits`` its split-K factor is
   ``tiling.wave_balanced_splits`` (a decode batch: one item per sequence)."""
-  import dataclasses
-
   from paged_jax.pallas_kernels import mosaic_gpu
-  from paged_jax.pallas_kernels.mosaic_gpu import tiling as mosaic_tiling
 
   @jax.jit
   def f(q, k, v, kv_lens, tables, cu, num_seqs):
-    tiling = None
+    tiling = None  # the wrapper's own default
     if chunk_stages is not None or wave_splits:
-      tiling = mosaic_gpu.default_tiling_for(q, k[None], tables, kv_dtype=kv_dtype)
-    if chunk_stages is not None:
-      chunk, stages = chunk_stages
-      tiling = dataclasses.replace(tiling, chunk_size=chunk, num_stages=stages)
-    if wave_splits:
-      max_chunks = -(-tables.shape[1] * k.shape[2] // tiling.chunk_size)
-      tiling = dataclasses.replace(tiling, num_splits=mosaic_tiling.wave_balanced_splits(
-          q.shape[0] * k.shape[0], max_chunks))
+      tiling = variant_tiling(q, k, tables, kv_dtype=kv_dtype, chunk_stages=chunk_stages,
+                              wave_splits=wave_splits)
     return mosaic_gpu.ragged_paged_attention(q, k[None], v[None], 0, kv_lens, tables, cu,
                                              num_seqs, sm_scale=sm_scale,
                                              kv_dtype=kv_dtype, tiling=tiling,
@@ -334,11 +325,40 @@ def mosaic_fn(sm_scale, *, kv_dtype=None, chunk_stages=None, wave_splits=False):
   return f
 
 
+def variant_tiling(q, k_KNZD, tables, *, kv_dtype=None, chunk_stages=None,
+                   wave_splits=False):
+  """The Mosaic kernel's default tiling for a decode batch (one item per query row) with
+  ``chunk_stages=(J, S)`` replacing its chunk size and stages, and with ``wave_splits``
+  its split-K factor by ``tiling.wave_balanced_splits``. Reads shapes only."""
+  import dataclasses
+
+  from paged_jax.pallas_kernels import mosaic_gpu
+  from paged_jax.pallas_kernels.mosaic_gpu import tiling as mosaic_tiling
+  tiling = mosaic_gpu.default_tiling_for(q, k_KNZD[None], tables, kv_dtype=kv_dtype)
+  if chunk_stages is not None:
+    chunk, stages = chunk_stages
+    tiling = dataclasses.replace(tiling, chunk_size=chunk, num_stages=stages)
+  if wave_splits:
+    max_chunks = -(-tables.shape[1] * k_KNZD.shape[2] // tiling.chunk_size)
+    tiling = dataclasses.replace(tiling, num_splits=mosaic_tiling.wave_balanced_splits(
+        q.shape[0] * k_KNZD.shape[0], max_chunks))
+  return tiling
+
+
 def sweep_name(chunk: int, stages: int) -> str:
   return f"pallas_mosaic_gpu J={chunk} S={stages} (ours)"
 
 
 MOSAIC_WAVES = "pallas_mosaic_gpu X=waves (ours)"
+
+
+def mosaic_variants(sm_scale):
+  """``[(name, build)]``: the Mosaic kernel's variants timed (and checked) beside its
+  default, each ``build()`` returning the jitted function: the tilings of
+  ``MOSAIC_SWEEP`` and the wave-balanced splits."""
+  variants = [(sweep_name(*js), functools.partial(mosaic_fn, sm_scale, chunk_stages=js))
+              for js in MOSAIC_SWEEP]
+  return variants + [(MOSAIC_WAVES, functools.partial(mosaic_fn, sm_scale, wave_splits=True))]
 
 
 def storage_bits_sets(sets):
@@ -444,9 +464,8 @@ def repeat_plan(call_bytes: int, num_sets: int) -> tuple[int, int]:
   queued per sample before waiting. A small call (batch 1, 1k tokens: microseconds on the
   GPU) would otherwise time the host's dispatch and the wait, not the kernel: calls are
   batched into one dispatch until it reads ~1 GiB (at most 8, or every rotating set), and
-  two dispatches are
-  queued while that stays under 4 GiB (more would hold the XLA path's gathered copies of
-  several calls at once)."""
+  two dispatches are queued while that stays under 4 GiB (more would hold the XLA path's
+  gathered copies of several calls at once)."""
   if INTERPRET:
     return num_sets, 1
   calls = max(num_sets, min(MAX_CALLS, -(-DISPATCH_BYTES // max(1, call_bytes))))
@@ -511,13 +530,9 @@ def run_checks(recorder: Recorder, checks, budget: Budget, sweep_check=None):
   # Built inside each check's try: a JAX without one backend loses only that impl's rows.
   impls = (("pallas_mosaic_gpu", lambda: mosaic_fn(sm_scale)),
            ("pallas_gpu", lambda: ours_fn(sm_scale)))
-  sweep = [("pallas_mosaic_gpu J={} S={}".format(*js),
-            functools.partial(lambda js: mosaic_fn(sm_scale, chunk_stages=js), js))
-           for js in MOSAIC_SWEEP]
-  sweep.append(("pallas_mosaic_gpu X=waves", lambda: mosaic_fn(sm_scale, wave_splits=True)))
   pairs = [(check, impl) for check in checks for impl in impls]
   if sweep_check is not None:
-    pairs += [(sweep_check, impl) for impl in sweep]
+    pairs += [(sweep_check, impl) for impl in mosaic_variants(sm_scale)]
   built = {}
   for (name, dtype, seqs, num_heads, tol), (impl, build) in pairs:
     row = dict(name=f"{name} [{impl}]", dtype=jnp.dtype(dtype).name)
@@ -597,9 +612,8 @@ def decode_case(batch, ctx, dtype, *, budget, sample_s, copy_bw, recorder):
   impls = [(MOSAIC, lambda: (mosaic_fn(sm_scale), sets)),
            (JAX_TRITON, lambda: (jax_pallas_fn(sm_scale, blocks_per_seq), sets))]
   if ctx in GOAL_CONTEXTS or (INTERPRET and batch == 1):  # the smoke test's first case
-    impls += [(sweep_name(*js), functools.partial(
-        lambda js: (mosaic_fn(sm_scale, chunk_stages=js), sets), js)) for js in MOSAIC_SWEEP]
-    impls += [(MOSAIC_WAVES, lambda: (mosaic_fn(sm_scale, wave_splits=True), sets))]
+    impls += [(name, lambda build=build: (build(), sets))
+              for name, build in mosaic_variants(sm_scale)]
     impls += [(XLA_WIDE, lambda: (xla_fn(sm_scale, units_per_step=XLA_UNITS), sets))]
   impls += [(MOSAIC_BITS, mosaic_bits),
            ("pallas_gpu (ours)", lambda: (ours_fn(sm_scale), sets)),
@@ -688,11 +702,8 @@ def profile_case(batch, ctx, chunk_stages, bits, *, out_dir: pathlib.Path) -> di
     k, v, kv_dtype = layout.to_storage(k, dtype), layout.to_storage(v, dtype), dtype
   args = (b["q"], k[None], v[None], 0, b["kv_lens"], b["block_tables"], b["cu_q_lens"],
           b["num_seqs"])
-  tiling = mosaic_gpu.default_tiling_for(b["q"], k[None], b["block_tables"],
-                                         kv_dtype=kv_dtype)
-  if chunk_stages is not None:
-    tiling = dataclasses.replace(tiling, chunk_size=chunk_stages[0],
-                                 num_stages=chunk_stages[1])
+  tiling = variant_tiling(b["q"], k, b["block_tables"], kv_dtype=kv_dtype,
+                          chunk_stages=chunk_stages)
   # Regions a program records: 7 per chunk (pages, wait, stage, scores, softmax, update,
   # refill) plus prologue and epilogue; a margin on top.
   chunks = math.ceil(math.ceil(ctx / tiling.chunk_size) / tiling.num_splits)
