@@ -408,7 +408,6 @@ def _kernel(*refs, cfg: KernelConfig):
       refill_ids = page_ids(c + num_stages)   # used by the refill, after the waits
       with region("pages"):
         info = page_info(c, ids_ring[0])
-        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
       with region("wait"):
         for r, (read, _, _) in enumerate(info):
           @pl.when(read)
@@ -432,6 +431,7 @@ def _kernel(*refs, cfg: KernelConfig):
       else:
         # The item's last chunk (positions past the horizon) and a chunk with a skipped
         # page hold V rows that are stale or unwritten: zero them where they lie.
+        any_skipped = functools.reduce(lambda a, b: a | b, [~read for read, _, _ in info])
         with region("stage"):
           @pl.when((c == num_chunks - 1) | any_skipped)
           def _zero_rows():

@@ -289,7 +289,7 @@ def profiled_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, bl
   program (warpgroup), the clock (SM cycles) where it entered and left each named region
   of the kernel (``kernel.region``: prologue; per chunk pages, wait, stage, scores,
   softmax, update, refill; epilogue). ``profile_space`` is how many regions one program
-  may record: at least 7 per chunk it walks plus 3, or the trace is corrupt. The
+  may record: at least 7 per chunk it walks plus 2, or the trace is corrupt. The
   profiler's clock reads and shared-memory trace buffer slow the kernel a little and take
   ``16 * profile_space`` bytes of shared memory.
   """

@@ -30,9 +30,11 @@ MAX_BARRIERS = 32
 SHARED_MEMORY_BUDGET = 227 * 1024
 # Allocation slack: barriers, and 1 KiB alignment of each swizzled buffer.
 _SLACK = 4 * 1024
-# Programs (CTAs) worth launching before split-K stops paying off: two waves of the 132
-# SMs of an H100/H200, one CTA per SM. A constant: the kernel reads no device.
-TARGET_PROGRAMS = 264
+# SMs of an H100 / H200: the programs of one wave when each SM holds one.
+NUM_SMS = 132
+# Programs (CTAs) worth launching before split-K stops paying off: two waves of an
+# H100/H200, one CTA per SM. A constant: the kernel reads no device.
+TARGET_PROGRAMS = 2 * NUM_SMS
 MAX_SPLITS = 32
 # Each split should walk at least this many chunks, or the partial-output traffic of
 # split-K outweighs the parallelism it buys.
@@ -228,9 +230,6 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   return dataclasses.replace(tiling, num_splits=max(1, splits))
 
 
-
-# SMs of an H100 / H200: the programs of one wave when each SM holds one.
-NUM_SMS = 132
 # A program's fixed cost (launch, query copy, first pages' latency, epilogue), in chunk
 # steps: an estimate for ``wave_balanced_splits`` (not yet measured on a GPU).
 PROGRAM_OVERHEAD_CHUNKS = 2
