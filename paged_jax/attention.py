@@ -178,7 +178,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       "pallas_mosaic_gpu" (Mosaic GPU, Hopper). "auto": on TPU the Pallas TPU kernel; on a
       GPU the Triton one while JAX has that backend (faster, measured on an H200), else
       the Mosaic GPU kernel on a Hopper device (compute capability 9.x) where JAX has it
-      and it takes these shapes (not float32 at head dim 256); otherwise XLA.
+      and it takes these shapes (``mosaic_gpu.unsupported_reason``); otherwise XLA.
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
       consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in

@@ -19,7 +19,9 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
 - Staged path (pages stored as bits of another dtype, quantised pages, float32): each
   chunk goes through registers into operand buffers: storage bits are bitcast back
   (``layout.from_storage``), float32 split into three bfloat16 pieces, and V rows that
-  must not count zeroed. Direct path (pages already in the 16-bit compute dtype): the
+  must not count zeroed (a chunk of J < 64 positions, ``tiling.SMALL_CHUNKS``, goes
+  through registers as its transpose: the wgmma register layout spans 64 rows, and the
+  transposed tile has D rows). Direct path (pages already in the 16-bit compute dtype): the
   dots read the TMA buffers, and only a chunk holding rows that must not count (the
   item's last chunk, or a skipped page) has those V rows zeroed in place first: 0 * NaN
   would poison the P V dot.
@@ -63,6 +65,7 @@ from jax.experimental import pallas as pl
 
 from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels.mosaic_gpu import compat
+from paged_jax.pallas_kernels.mosaic_gpu import tiling as tiling_lib
 from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
 
 plgpu = compat.plgpu
@@ -132,6 +135,21 @@ class _Primitives:
     if self.interpret:
       return lax.broadcasted_iota(jnp.int32, shape, dimension)
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=layout_)
+
+  def load_transposed(self, ref):
+    """A [J, D] shared-memory tile as its transpose [D, J] in registers: the wgmma layout
+    spans 64 rows, so a tile of J < 64 rows is loaded with its D rows as the rows."""
+    if self.interpret:
+      return ref[...].T
+    return plgpu.load(plgpu.transpose_ref(ref, (1, 0)), (),
+                      layout=plgpu.Layout.WGMMA_TRANSPOSED)
+
+  def store_transposed(self, ref, value_DJ):
+    """Stores ``value_DJ`` (from ``load_transposed``) into the [J, D] tile ``ref``."""
+    if self.interpret:
+      ref[...] = value_DJ.T
+    else:
+      plgpu.transpose_ref(ref, (1, 0))[...] = value_DJ
 
   def scale_row(self, scales_ref, index, offset, size):
     """``size`` float32 scalars ``scales_ref[*index, offset:offset + size]``: scalar loads
@@ -203,10 +221,11 @@ class KernelConfig:
   profile_space: int = 0
 
 
-def _smem_tile(shape, dtype):
-  """A shared-memory buffer laid out as the wgmma and TMA want it: 8-row tiles, swizzled."""
+def _smem_tile(shape, dtype, *, max_swizzle: int = 128):
+  """A shared-memory buffer laid out as the wgmma and TMA want it: 8-row tiles, swizzled
+  (by at most ``max_swizzle`` bytes)."""
   itemsize_bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(shape[-1] * itemsize_bits)
+  swizzle = min(max_swizzle, plgpu.find_swizzle(shape[-1] * itemsize_bits))
   minor = swizzle * 8 // itemsize_bits
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)),
                                               plgpu.SwizzleTransform(swizzle)))
@@ -330,11 +349,12 @@ def _kernel(*refs, cfg: KernelConfig):
       valid_J = valid_J & ((copy_J != r) | read)
     return pos_J, valid_J
 
-  def load_values(raw_ref):
-    """A [J, D] tile as operand values: storage bits bitcast back (``from_storage``), in
-    the compute dtype; quantised values (int8, float8) as they are, in the mma dtype,
-    where each is exact (their scales apply to the dots' columns, ``scale_vector``)."""
-    values = layout.from_storage(raw_ref[...], cfg.kv_dtype)
+  def operand_values(raw):
+    """A tile as loaded (pages as stored) as operand values: storage bits bitcast back
+    (``from_storage``), in the compute dtype; quantised values (int8, float8) as they are,
+    in the mma dtype, where each is exact (their scales apply to the dots' columns,
+    ``scale_vector``)."""
+    values = layout.from_storage(raw, cfg.kv_dtype)
     if not cfg.plan.scaled:
       return values.astype(compute_dtype)
     if jnp.issubdtype(values.dtype, jnp.floating) and values.dtype.itemsize == 1:
@@ -358,13 +378,31 @@ def _kernel(*refs, cfg: KernelConfig):
     return jnp.where(valid_J, scale_J, 0.0)
 
   def stage(raw_ref, op_ref, c, info, *, zero_invalid_rows):
-    values_JD = load_values(raw_ref)
+    if chunk < tiling_lib.CHUNK_TILE:
+      stage_transposed(raw_ref, op_ref, c, info, zero_invalid_rows=zero_invalid_rows)
+      return
+    values_JD = operand_values(raw_ref[...])
     if zero_invalid_rows:
       _, valid_J = valid_positions(c, info, row_layout)
       valid_JD = lax.broadcast_in_dim(valid_J, values_JD.shape, [0])
       values_JD = jnp.where(valid_JD, values_JD, jnp.zeros_like(values_JD))
     for i, piece in enumerate(split_pieces(values_JD, len(op_ref), mma_dtype)):
       op_ref[i][...] = piece
+
+  def stage_transposed(raw_ref, op_ref, c, info, *, zero_invalid_rows):
+    """``stage`` for chunks of J < 64 positions (``tiling.SMALL_CHUNKS``): the tile goes
+    through registers as its transpose [D, J], and the positions that must not count are
+    the columns ``valid_positions`` would give, from a [D, J] iota of positions."""
+    transposed = plgpu.Layout.WGMMA_TRANSPOSED
+    values_DJ = operand_values(prims.load_transposed(raw_ref))
+    if zero_invalid_rows:
+      within_DJ = prims.iota(values_DJ.shape, 1, transposed)
+      valid_DJ = begin + c * chunk + within_DJ < horizon
+      for r, (read, _, _) in enumerate(info):
+        valid_DJ = valid_DJ & ((lax.div(within_DJ, unit) != r) | read)
+      values_DJ = jnp.where(valid_DJ, values_DJ, jnp.zeros_like(values_DJ))
+    for i, piece in enumerate(split_pieces(values_DJ, len(op_ref), mma_dtype)):
+      prims.store_transposed(op_ref[i], piece)
 
   sink_M = None
   if sinks_ref is not None:
@@ -488,8 +526,12 @@ def _kernel(*refs, cfg: KernelConfig):
       _smem_tile(ring_shape, storage_dtype),
   ]
   if cfg.plan.staged:
-    scratch += [[_smem_tile((chunk, head_dim), mma_dtype) for _ in range(kv_pieces)]
-                for _ in range(2)]
+    # The V operand's rows (J) are the K of the update's wgmma, which takes K in groups
+    # of the swizzle's width: J * 2 bytes at most (32 bytes for J = 16).
+    v_swizzle = chunk * jnp.dtype(mma_dtype).itemsize
+    scratch += [[_smem_tile((chunk, head_dim), mma_dtype) for _ in range(kv_pieces)],
+                [_smem_tile((chunk, head_dim), mma_dtype, max_swizzle=v_swizzle)
+                 for _ in range(kv_pieces)]]
   else:
     scratch += [[], []]
   scratch += [plgpu.Barrier(num_arrivals=pieces),

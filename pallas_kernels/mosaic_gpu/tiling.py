@@ -6,7 +6,11 @@ Shapes the Hopper primitives impose (checked in ``check_shapes``):
   multiple of 64: one warpgroup-wide ``wgmma`` covers 64 rows.
 - J, the KV positions of one chunk, is a multiple of 64: J is the N of the score
   ``wgmma``, the K of the probability ``wgmma``, and the rows of a tile loaded into
-  registers in the wgmma layout (64 rows a warpgroup).
+  registers in the wgmma layout (64 rows a warpgroup). Staged plans (``OperandPlan``) also
+  take J = 16 or 32 (``SMALL_CHUNKS``), the one way float32 K/V at D = 256 fits a
+  program's shared memory: the kernel then converts each [J, D] tile as its transpose
+  [D, J] (D rows) and gives the V operand a J * 2-byte swizzle (a wgmma's K comes in
+  swizzle-wide groups).
 - D is a multiple of 64 up to 256; Z a multiple of 8 (a copy lands on whole 8-row tiles
   of shared memory) up to 128 that divides J or that J divides. A chunk is copied in units
   of min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
@@ -18,6 +22,7 @@ import dataclasses
 
 ROW_TILE = 64         # rows of one warpgroup wgmma (M granularity) and of a register tile
 CHUNK_TILE = 64       # granularity of J
+SMALL_CHUNKS = (16, 32)  # J below CHUNK_TILE, for staged plans (see the module docstring)
 OUT_ROW_TILE = 8      # rows of the partial outputs written back (a shared-memory tile)
 LSE_TILE = 32         # entries of the log-sum-exp rows written back (128 bytes of f32)
 MAX_HEAD_DIM = 256
@@ -120,8 +125,9 @@ class MosaicTiling:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
     if self.num_stages > MAX_STAGES:
       raise ValueError(f"num_stages={self.num_stages} must be <= {MAX_STAGES}")
-    if self.chunk_size % CHUNK_TILE:
-      raise ValueError(f"chunk_size={self.chunk_size} must be a multiple of {CHUNK_TILE}")
+    if self.chunk_size % CHUNK_TILE and self.chunk_size not in SMALL_CHUNKS:
+      raise ValueError(f"chunk_size={self.chunk_size} must be a multiple of {CHUNK_TILE} "
+                       f"(or one of {SMALL_CHUNKS} when K/V are staged)")
 
   def copies_per_chunk(self, block_size: int) -> int:
     """Page copies (TMA) of K, and of V, per chunk: J / min(Z, J)."""
@@ -156,6 +162,11 @@ class MosaicTiling:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a multiple "
                        "of 8 up to 128 for the Mosaic GPU kernel")
     chunk = self.chunk_size
+    if chunk < CHUNK_TILE and not plan.staged:
+      raise ValueError(f"chunk_size J={chunk} below {CHUNK_TILE} needs staged K/V "
+                       f"(float32, storage bits or quantised pages); these pages "
+                       f"({plan.storage_itemsize}-byte, read by the dots as they land) "
+                       f"need a multiple of {CHUNK_TILE}")
     if chunk % block_size and block_size % chunk:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) and chunk_size="
                        f"{chunk} must divide one another")
@@ -201,24 +212,33 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
 
   Q: 1 for a decode batch (one row per sequence); otherwise enough rows to fill M = 64
   (64 // G, at least 1).
-  J: 64 positions.
-  num_stages: the deepest ring (up to 4) that fits the shared-memory budget.
+  J and num_stages: 64 positions in the deepest ring (up to 4) that fits the
+  shared-memory budget; when no ring of 64 fits (float32 K/V at D = 256), the largest
+  staged J of ``SMALL_CHUNKS`` that does, again with its deepest ring.
   num_splits: enough programs for two waves of an H100/H200 when the batch is small,
   never more than half the chunks one item can have (the longest sequence's, or with a
   sliding window the window's plus one page).
   """
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   q_tile = 1 if rows_per_seq == 1 else max(1, ROW_TILE // group)
-  tiling = MosaicTiling(q_tile=q_tile, chunk_size=CHUNK_TILE, num_splits=1, num_stages=1)
-  copies = tiling.copies_per_chunk(block_size)
-  for stages in range(MAX_STAGES, 0, -1):
-    candidate = dataclasses.replace(tiling, num_stages=stages)
-    if (stages * copies <= MAX_BARRIERS
-        and candidate.shared_memory_bytes(group=group, block_size=block_size,
-                                          head_dim=head_dim, plan=plan)
-        <= SHARED_MEMORY_BUDGET):
-      tiling = candidate
+  chunks = (CHUNK_TILE, *sorted(SMALL_CHUNKS, reverse=True)) if plan.staged else (CHUNK_TILE,)
+  tiling = None
+  for chunk in chunks:
+    if chunk % block_size and block_size % chunk:
+      continue
+    for stages in range(MAX_STAGES, 0, -1):
+      candidate = MosaicTiling(q_tile=q_tile, chunk_size=chunk, num_splits=1,
+                               num_stages=stages)
+      if (stages * candidate.copies_per_chunk(block_size) <= MAX_BARRIERS
+          and candidate.shared_memory_bytes(group=group, block_size=block_size,
+                                            head_dim=head_dim, plan=plan)
+          <= SHARED_MEMORY_BUDGET):
+        tiling = candidate
+        break
+    if tiling is not None:
       break
+  if tiling is None:  # nothing fits: check_shapes names the budget
+    tiling = MosaicTiling(q_tile=q_tile, chunk_size=CHUNK_TILE, num_splits=1, num_stages=1)
   chunk = tiling.chunk_size
   reach = blocks_per_seq * block_size
   if sliding_window is not None:

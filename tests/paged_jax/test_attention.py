@@ -226,20 +226,26 @@ def test_auto_without_triton_takes_mosaic_only_on_hopper(without_triton, compute
 
 def test_auto_on_hopper_without_triton_passes_over_mosaic_only_where_it_refuses(
     without_triton):
-  # Mosaic GPU refuses float32 at D = 256 (shared memory): XLA there, with no Triton;
-  # bfloat16 at the same head dim fits: Mosaic.
+  # Mosaic GPU refuses a head dim that is not a multiple of 64 (D = 96): XLA there, with
+  # no Triton. float32 at D = 256 fits (chunks of J = 16): Mosaic, as bfloat16 there.
   from paged_jax.pallas_kernels import mosaic_gpu
   _on_gpu(without_triton, "9.0")
   q_lens, kv_lens = cases.mixed_lengths(8)
-  case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, head_dim=256, dtype=jnp.float32)
-  q, k_pages, v_pages, _, _, tables, _, _ = case.jax_args()
-  args = dict(q=q, cache=KVCache(k_pages=k_pages, v_pages=v_pages), block_tables=tables)
-  assert "shared memory" in mosaic_gpu.unsupported_reason(q, k_pages, tables)
-  assert _auto_for(args) == "xla"
-  bf16 = dict(q=q.astype(jnp.bfloat16),
-              cache=KVCache(k_pages=k_pages.astype(jnp.bfloat16),
-                            v_pages=v_pages.astype(jnp.bfloat16)), block_tables=tables)
-  assert _auto_for(bf16) == "pallas_mosaic_gpu"
+
+  def args_for(head_dim, dtype):
+    case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, head_dim=head_dim,
+                           dtype=jnp.float32)
+    q, k_pages, v_pages, _, _, tables, _, _ = case.jax_args()
+    return dict(q=q.astype(dtype), cache=KVCache(k_pages=k_pages.astype(dtype),
+                                                 v_pages=v_pages.astype(dtype)),
+                block_tables=tables)
+
+  d96 = args_for(96, jnp.bfloat16)
+  assert "head_dim D=96" in mosaic_gpu.unsupported_reason(
+      d96["q"], d96["cache"].k_pages, d96["block_tables"])
+  assert _auto_for(d96) == "xla"
+  for dtype in (jnp.float32, jnp.bfloat16):
+    assert _auto_for(args_for(256, dtype)) == "pallas_mosaic_gpu"
 
 
 def test_compute_capability_is_read_defensively():

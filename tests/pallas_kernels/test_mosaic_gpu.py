@@ -166,19 +166,28 @@ def test_hand_computed_sink_takes_half_the_mass_across_splits():
 
 # A covering default subset: the staged path (bf16 storage bits, with every variant and a
 # split ring), the float32 path (three bf16 pieces per operand) and the direct path (bf16
-# pages read by the dots where they land), GQA 1/4/8, head dims 64/128/256.
+# pages read by the dots where they land), GQA 1/4/8, head dims 64/128/256; float32 at
+# D = 256 (its default chunk is J = 16, staged through transposed tiles) and the small
+# chunks at other shapes: J = 16 over pages of 8 (two copies a chunk) in a ring of 3, J =
+# 32 as part of a page of 64 over storage bits.
 FAST_CASES = (
     # (dtype, storage, G, D, Z, variant, tiling)
     ("bfloat16", True, 4, 64, 16, "all",
      MosaicTiling(q_tile=4, chunk_size=64, num_splits=2, num_stages=2)),
     ("float32", False, 1, 128, 32, "window_sinks", None),
     ("bfloat16", False, 8, 256, 64, None, None),
+    ("float32", False, 2, 256, 16, "all", None),
+    ("float32", False, 1, 64, 8, "window_sinks",
+     MosaicTiling(q_tile=1, chunk_size=16, num_splits=2, num_stages=3)),
+    ("bfloat16", True, 4, 128, 64, "all",
+     MosaicTiling(q_tile=8, chunk_size=32, num_splits=1, num_stages=2)),
 )
 
 
 def _fast_id(params):
   dtype, storage, group, head_dim, block_size, variant, tiling = params
-  split = "" if tiling is None else f"-Q{tiling.q_tile}X{tiling.num_splits}"
+  split = "" if tiling is None else (f"-Q{tiling.q_tile}X{tiling.num_splits}"
+                                     f"J{tiling.chunk_size}")
   bits = "-bits" if storage else ""
   return f"{dtype}{bits}-G{group}-D{head_dim}-Z{block_size}-{variant}{split}"
 
@@ -209,10 +218,9 @@ def test_no_live_rows_is_zero():
 
 # dtype / storage x GQA x head dim, each pair of those with every block size once (the
 # block size cycles): 36 cases cover every (dtype, G, D), (dtype, Z), (G, Z) and (D, Z)
-# pair. float32 above D = 128 is refused (shared memory, see below): D = 128 stands in.
+# pair (float32 at D = 256 takes chunks of J = 16, see below).
 FULL_GRID = tuple(
-    (dtype, storage, group, head_dim if not (dtype == "float32" and head_dim == 256) else 128,
-     (8, 16, 64)[(i + j + k) % 3])
+    (dtype, storage, group, head_dim, (8, 16, 64)[(i + j + k) % 3])
     for k, (dtype, storage) in enumerate((("float32", False), ("bfloat16", True),
                                           ("bfloat16", False), ("float16", True)))
     for i, group in enumerate((1, 4, 8)) for j, head_dim in enumerate((64, 128, 256)))
@@ -495,6 +503,16 @@ def test_quantized_window_cap_sinks_split_k():
                    tiling=MosaicTiling(q_tile=4, chunk_size=64, num_splits=2, num_stages=2))
 
 
+@needs_interpret
+def test_quantized_small_chunks():
+  # float8 pages with float32 queries in chunks of J = 16 over pages of 32 (each chunk a
+  # part of one page with its scales), window, cap and sinks on: the small-chunk staging
+  # (transposed tiles) with scales, in one run.
+  case = _case(42, dtype=jnp.float32, group=2, head_dim=64, block_size=32)
+  _check_quantized(case, jnp.float8_e4m3fn, _named_variant(case, "all"), q_dtype=jnp.float32,
+                   tiling=MosaicTiling(q_tile=8, chunk_size=16, num_splits=2, num_stages=3))
+
+
 _ACCURACY_CASE = attention_cases.quant_accuracy_case()
 # Issue 20's bounds: max abs error / max abs output against the unquantised float32 K/V.
 _ACCURACY_BOUND = {"int8": 1.5e-2, "float8_e4m3fn": 6e-2}
@@ -727,14 +745,47 @@ def test_tiling_rejects_bad_fields(kwargs, field):
     MosaicTiling(**kwargs)
 
 
-def test_float32_at_head_dim_256_is_refused_naming_the_budget():
-  # Three bf16 pieces of Q (3 * 64 * 256 * 2 = 96 KiB), one float32 ring stage of K and V
-  # (2 * 64 * 256 * 4 = 128 KiB) and the staged pieces: over 227 KiB.
+def test_float32_at_head_dim_256_takes_small_chunks():
+  # Three bf16 pieces of Q (3 * 64 * 256 * 2 = 96 KiB) and one float32 ring stage of K and
+  # V at J = 64 (2 * 64 * 256 * 4 = 128 KiB) leave no room for the staged pieces: refused,
+  # naming the budget. J = 32 with one stage: 96 + 64 + 2 * 3 * 32 * 256 * 2 (96) = 256 KiB,
+  # still over. J = 16: 96 + 2 stages * 32 + 48 = 208 KiB (+ 4 of slack) fits: the default.
   plan = mosaic_gpu.operand_plan(jnp.float32, jnp.float32)
   assert plan.pieces == 3 and plan.staged
-  with pytest.raises(ValueError, match="shared memory"):
-    MosaicTiling(q_tile=1, chunk_size=64, num_splits=1, num_stages=1).check_shapes(
-        group=1, block_size=16, head_dim=256, plan=plan)
+  shapes = dict(group=1, block_size=16, head_dim=256, plan=plan)
+  for chunk in (64, 32):
+    with pytest.raises(ValueError, match="shared memory"):
+      MosaicTiling(q_tile=1, chunk_size=chunk, num_splits=1, num_stages=1).check_shapes(
+          **shapes)
+  tiling = tiling_lib.default_tiling(num_tokens=8, num_seq_rows=8, num_kv_heads=4,
+                                     blocks_per_seq=64, **shapes)
+  assert (tiling.chunk_size, tiling.num_stages) == (16, 2)
+  assert tiling.shared_memory_bytes(**shapes) == (96 + 64 + 48 + 4) * 1024
+  tiling.check_shapes(**shapes)
+  # A page of 8 positions (two copies a chunk) and a page of 128 (a 16-position part):
+  # the same J.
+  for block_size in (8, 128):
+    shapes["block_size"] = block_size
+    assert tiling_lib.default_tiling(num_tokens=8, num_seq_rows=8, num_kv_heads=4,
+                                     blocks_per_seq=64, **shapes).chunk_size == 16
+
+
+def test_small_chunks_need_staged_operands():
+  # J < 64 only where K/V go through registers (the dots read a direct page at J = 64
+  # granularity), and only 16 or 32.
+  direct = mosaic_gpu.operand_plan(jnp.bfloat16, jnp.bfloat16)
+  assert not direct.staged
+  with pytest.raises(ValueError, match="chunk_size J=32 below 64 needs staged"):
+    MosaicTiling(q_tile=1, chunk_size=32, num_splits=1).check_shapes(
+        group=4, block_size=16, head_dim=128, plan=direct)
+  # bf16 defaults stay at J = 64 at every head dim.
+  for head_dim in (64, 128, 256):
+    assert tiling_lib.default_tiling(
+        num_tokens=1, num_seq_rows=1, num_kv_heads=8, group=4, block_size=16,
+        head_dim=head_dim, blocks_per_seq=64, plan=direct).chunk_size == 64
+  for chunk in (8, 48, 96):
+    with pytest.raises(ValueError, match=f"chunk_size={chunk} must be a multiple of 64"):
+      MosaicTiling(q_tile=1, chunk_size=chunk, num_splits=1)
 
 
 def test_operand_plans():
@@ -765,8 +816,6 @@ def test_default_tiling_is_valid_and_fits(num_tokens, num_seq_rows, group, block
   q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
   kv_dtype = jnp.bfloat16 if dtype == jnp.uint16 else None
   plan = mosaic_gpu.operand_plan(q_dtype, dtype, kv_dtype=kv_dtype)
-  if plan.pieces == 3 and head_dim == 256:
-    return  # refused, see above
   tiling = tiling_lib.default_tiling(
       num_tokens=num_tokens, num_seq_rows=num_seq_rows, num_kv_heads=8, group=group,
       block_size=block_size, head_dim=head_dim, blocks_per_seq=blocks, plan=plan)
@@ -795,8 +844,9 @@ def test_unsupported_reason_names_what_does_not_fit():
   assert ok is None
   assert "head_dim D=96" in mosaic_gpu.unsupported_reason(
       s((4, 8, 96), jnp.bfloat16), s((2, 8, 64, 16, 96), jnp.bfloat16), tables)
-  assert "shared memory" in mosaic_gpu.unsupported_reason(
-      s((4, 8, 256), jnp.float32), s((2, 8, 64, 16, 256), jnp.float32), tables)
+  # float32 at D = 256 fits in chunks of J = 16 (test_float32_at_head_dim_256_takes_...).
+  assert mosaic_gpu.unsupported_reason(
+      s((4, 8, 256), jnp.float32), s((2, 8, 64, 16, 256), jnp.float32), tables) is None
   assert "block_size Z=12" in mosaic_gpu.unsupported_reason(
       s((4, 8, 64), jnp.bfloat16), s((2, 8, 64, 12, 64), jnp.bfloat16), tables)
   for kv_dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
@@ -950,6 +1000,25 @@ def test_lowers_for_cuda_at_model_shapes(model, variant):
   _assert_one_mosaic_kernel(text, jnp.uint16, model[4], model[3])
 
 
+@pytest.mark.parametrize("pages_dtype", [jnp.float32, jnp.uint16], ids=["f32", "bits"])
+def test_float32_at_head_dim_256_lowers_for_cuda(pages_dtype):
+  # Gemma-3's D = 256 with float32 queries, over float32 pages and over bf16 storage bits:
+  # the default chunk is J = 16 (the staged tiles go through registers transposed, the V
+  # operand swizzled by 32 bytes), every variant on; Mosaic GPU's lowering checks the
+  # layouts, the wgmma shapes and the shared memory.
+  name, H, K, D, Z = MODEL_SHAPES[1]
+  s = jax.ShapeDtypeStruct
+  pages = s((2, K, 256, Z, D), pages_dtype)
+  kv_dtype = jnp.bfloat16 if pages_dtype == jnp.uint16 else None
+  tiling = mosaic_gpu.default_tiling_for(s((96, H, D), jnp.float32), pages,
+                                         s((8, 64), jnp.int32), kv_dtype=kv_dtype)
+  assert tiling.chunk_size == 16
+  assert mosaic_gpu.operand_plan(jnp.float32, pages_dtype, kv_dtype=kv_dtype).pieces == 3
+  text = _lower(name, H, K, D, Z, T=96, S=8, pages_dtype=pages_dtype, q_dtype=jnp.float32,
+                variant=LOWERING_VARIANTS["all"])
+  _assert_one_mosaic_kernel(text, pages_dtype, Z, D)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("model", [
     MODEL_SHAPES[0], *(pytest.param(m, marks=pytest.mark.slow) for m in MODEL_SHAPES[1:])],
@@ -1008,8 +1077,6 @@ def test_quantized_lowers_for_cuda_float32_compute(kv_dtype, q_dtype):
 def test_lowers_for_cuda_full(model, case):
   T, S, pages_dtype, q_dtype, Z = case
   name, H, K, D, _ = model
-  if q_dtype == jnp.float32 and D == 256:
-    pytest.skip("float32 at D = 256 is refused (shared memory)")
   for variant in LOWERING_VARIANTS.values():
     text = _lower(name, H, K, D, Z, T=T, S=S, pages_dtype=pages_dtype, q_dtype=q_dtype,
                   variant=variant)
