@@ -37,6 +37,9 @@ class GpuTiling:
       form the M rows of one dot, padded to a power of two >= 16.
     pages_per_chunk: R, pages loaded per inner-loop step (J = R * Z KV positions); a power
       of two with J >= 16.
+    page_split: 1, or with R = 1 the parts a page is read in, one per step (J = Z /
+      page_split, a power of two >= 16): for a page whose K and V alone exceed the shared
+      memory of one step (float32 at D = 256 with Z = 128).
     num_splits: split-K factor: each work item's KV range is cut into this many contiguous
       pieces handled by separate programs and merged by log-sum-exp.
     num_warps: Triton warps per program (a power of two, at most 32).
@@ -48,9 +51,11 @@ class GpuTiling:
   num_splits: int
   num_warps: int = 4
   num_stages: int = 2
+  page_split: int = 1
 
   def __post_init__(self):
-    for name in ("q_tile", "pages_per_chunk", "num_splits", "num_warps", "num_stages"):
+    for name in ("q_tile", "pages_per_chunk", "num_splits", "num_warps", "num_stages",
+                 "page_split"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -58,6 +63,15 @@ class GpuTiling:
       raise ValueError(f"pages_per_chunk={self.pages_per_chunk} must be a power of two")
     if not _is_pow2(self.num_warps) or self.num_warps > 32:
       raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 32")
+    if not _is_pow2(self.page_split):
+      raise ValueError(f"page_split={self.page_split} must be a power of two")
+    if self.page_split > 1 and self.pages_per_chunk > 1:
+      raise ValueError(f"page_split={self.page_split} reads a page in parts: "
+                       f"pages_per_chunk={self.pages_per_chunk} must be 1")
+
+  def chunk_size(self, block_size: int) -> int:
+    """J, the KV positions of one inner-loop step: R * Z, or Z / page_split."""
+    return self.pages_per_chunk * block_size // self.page_split
 
   def shared_memory_bytes(self, *, group: int, block_size: int, head_dim: int,
                           itemsize: int) -> int:
@@ -73,7 +87,7 @@ class GpuTiling:
     buffers, the scratch can reuse the loop's buffers after it).
     """
     rows = packed_rows(self.q_tile, group)
-    chunk = self.pages_per_chunk * block_size
+    chunk = self.chunk_size(block_size)
     kv_tiles = self.num_stages * 2 * chunk * head_dim * itemsize
     operands = rows * head_dim * itemsize + rows * chunk * itemsize
     scratch = rows * head_dim * 4
@@ -91,11 +105,11 @@ class GpuTiling:
     if not _is_pow2(head_dim) or head_dim < MIN_DOT_SIZE:
       raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a power of two >= "
                        f"{MIN_DOT_SIZE} for the Triton backend")
-    chunk = self.pages_per_chunk * block_size
-    if chunk < MIN_DOT_SIZE:
-      raise ValueError(f"pages_per_chunk={self.pages_per_chunk} gives J = R * Z = {chunk} "
-                       f"KV positions per step; must be >= {MIN_DOT_SIZE} (block_size "
-                       f"{block_size})")
+    chunk = self.chunk_size(block_size)
+    if chunk < MIN_DOT_SIZE or self.page_split > block_size:
+      raise ValueError(f"pages_per_chunk={self.pages_per_chunk}, page_split="
+                       f"{self.page_split} give J = {chunk} KV positions per step; must be "
+                       f">= {MIN_DOT_SIZE} (block_size {block_size})")
     rows = packed_rows(self.q_tile, group)
     if rows * head_dim > 256 * 256:
       raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "
@@ -104,18 +118,12 @@ class GpuTiling:
                                       itemsize=itemsize)
     if needed > SHARED_MEMORY_BUDGET:
       budget = SHARED_MEMORY_BUDGET // 1024
-      if self.pages_per_chunk == 1 and self.num_stages == 1 and rows == MIN_DOT_SIZE:
-        raise ValueError(
-            f"block_size Z={block_size} (k_pages.shape[3]) is too large for head dim "
-            f"{head_dim} in a {itemsize}-byte compute dtype: one page of K and V needs "
-            f"~{needed // 1024} KiB of shared memory per program, over the {budget} KiB "
-            "budget (a chunk is at least one page)")
       raise ValueError(
           f"tiling needs ~{needed // 1024} KiB of shared memory per program (head dim "
           f"{head_dim}, {itemsize}-byte compute dtype), over the {budget} KiB budget: "
-          f"lower pages_per_chunk={self.pages_per_chunk} (J = "
-          f"{self.pages_per_chunk * block_size} positions), num_stages={self.num_stages} or "
-          f"q_tile={self.q_tile} (M = {rows} rows)")
+          f"lower pages_per_chunk={self.pages_per_chunk} or raise page_split="
+          f"{self.page_split} (J = {chunk} positions), lower num_stages={self.num_stages} "
+          f"or q_tile={self.q_tile} (M = {rows} rows)")
 
 
 def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, group: int,
@@ -131,7 +139,8 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   never more than the chunks one item can have: the longest sequence's, or with a sliding
   window the window's plus the tile's.
   The result fits ``SHARED_MEMORY_BUDGET`` for the compute dtype's ``itemsize``: if the
-  first choice does not, Q, then R, then the pipeline stages shrink until it does.
+  first choice does not, Q, then R, then the pipeline stages shrink until it does, and
+  last a page is read in parts (``page_split``; J down to 16).
   """
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   if rows_per_seq == 1:
@@ -156,12 +165,14 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
       tiling = dataclasses.replace(tiling, pages_per_chunk=tiling.pages_per_chunk // 2)
     elif tiling.num_stages > 1:
       tiling = dataclasses.replace(tiling, num_stages=tiling.num_stages - 1)
+    elif tiling.chunk_size(block_size) >= 2 * MIN_DOT_SIZE:
+      tiling = dataclasses.replace(tiling, page_split=tiling.page_split * 2)
     else:
       break  # the smallest tiling; check_shapes reports it
   rows = packed_rows(tiling.q_tile, group)
   num_warps = 8 if rows * head_dim >= 64 * 128 else 4
-  chunk = tiling.pages_per_chunk * block_size
-  max_chunks = -(-blocks_per_seq // tiling.pages_per_chunk)
+  chunk = tiling.chunk_size(block_size)
+  max_chunks = -(-blocks_per_seq * block_size // chunk)
   if sliding_window is not None:
     # An item reads from the page holding its first query's window start to its last
     # query: at most window + Q - 1 positions, starting anywhere in a page.

@@ -2,10 +2,11 @@
 
 One program per (work item w, KV head k, split x). The program holds the item's M packed
 query rows of KV head k (Q query rows times G heads), walks its share of the item's KV
-range ``[begin, horizon)`` R pages (J = R * Z positions) at a time through the block
-table, and keeps an online softmax in float32. ``begin`` is 0, or with a sliding window the
-start of the page holding the item's first query's window start, so pages wholly before
-the window are never loaded. Split x of an item covers chunks ``[x * c, min((x + 1) * c,
+range ``[begin, horizon)`` J positions at a time (R whole pages, J = R * Z; or with
+``page_split`` a part of one page, J = Z / page_split) through the block table, and keeps
+an online softmax in float32. ``begin`` is 0, or with a sliding window the start of the
+page holding the item's first query's window start, so pages wholly before the window are
+never loaded. Split x of an item covers chunks ``[x * c, min((x + 1) * c,
 n))`` with ``n = cdiv(horizon - begin, J)`` and ``c = cdiv(n, X)``, so a long decode
 sequence is spread over X programs (flash-decoding) and a short one leaves the extra
 programs empty. Each program writes its normalised partial output and its log-sum-exp; the
@@ -66,14 +67,13 @@ def _kernel(
     out_ref,        # f32[M, D] (block of [X, W, K, M, D]) normalised partial output
     lse_ref,        # f32[M] (block of [X, W, K, M]) log-sum-exp, -inf where nothing seen
     pages_ref,      # i32[M] (block of [X, W, K, M]) pages loaded (count_pages), or None
-    *, sm_scale: float, pages_per_chunk: int, num_splits: int, compute_dtype,
+    *, sm_scale: float, chunk: int, num_splits: int, compute_dtype,
     sliding_window: int | None, soft_cap: float | None, kv_dtype):
   # ``compute_dtype``: the operands of the V dot (and of q . k unless quantised); q
   # arrives in its QK dtype.
   item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_blocks, block_size, head_dim = k_pages_ref.shape[2:]
   rows = q_ref.shape[0]
-  chunk = pages_per_chunk * block_size
 
   layer = layer_ref[0]
   seq = seq_ref[item]
@@ -117,8 +117,8 @@ def _kernel(
     # (all their positions before its first query's window) are never touched.
     pos_J = begin + c * chunk + jnp.arange(chunk, dtype=jnp.int32)
     in_range_J = pos_J < horizon
-    # The table is padded by R entries, so this load is in bounds; each entry is read
-    # once per row of its page (from cache).
+    # The table is padded by R entries (R >= 1 and J <= R * Z), so this load is in
+    # bounds; each entry is read once per row of its page (from cache).
     page_ids_J = plgpu.load(tables_ref.at[seq, pos_J // block_size])
     # A position past the horizon is never dereferenced: its page id is replaced and its
     # lanes masked, so garbage table entries (NO_BLOCK, other sequences' blocks) and the
@@ -131,7 +131,8 @@ def _kernel(
     k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD, qk_dtype)
     v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD, compute_dtype)
     if pages_ref is not None:
-      # A page is loaded iff its first slot is (the chunk is page-aligned).
+      # A page is loaded iff its first slot is (the chunk is page-aligned, or a part of
+      # one page: each page's first slot falls in exactly one chunk).
       pages += jnp.sum((read_J & (offset_J == 0)).astype(jnp.int32))
 
     scores_MJ = plgpu.dot(q_MD, k_JD, trans_b=True, precision=lax.Precision.HIGHEST)
@@ -217,7 +218,7 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
   # of another dtype are cast after loading.
   compute_dtype = jnp.float32 if quantized else q_WKMD.dtype
   full_kernel = functools.partial(_kernel, sm_scale=sm_scale,
-                                  pages_per_chunk=tiling.pages_per_chunk,
+                                  chunk=tiling.chunk_size(k_pages_LKNZD.shape[3]),
                                   num_splits=num_splits, compute_dtype=compute_dtype,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
                                   kv_dtype=kv_dtype)

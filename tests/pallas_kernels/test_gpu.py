@@ -342,6 +342,8 @@ def test_through_paged_attention_entry_point():
     (dict(q_tile=1, pages_per_chunk=2, num_splits=1.5), "num_splits"),
     (dict(q_tile=1, pages_per_chunk=2, num_splits=1, num_warps=6), "num_warps"),
     (dict(q_tile=1, pages_per_chunk=2, num_splits=1, num_stages=0), "num_stages"),
+    (dict(q_tile=1, pages_per_chunk=1, num_splits=1, page_split=3), "page_split"),
+    (dict(q_tile=1, pages_per_chunk=2, num_splits=1, page_split=2), "page_split"),
 ])
 def test_tiling_rejects_bad_fields(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -394,6 +396,7 @@ LOWERING_GRID = [
     ("d128_z8_f32", 8, 8, 8, 8, 128, 8, jnp.float32),
     ("d64_z32_gqa6", 16, 2, 12, 2, 64, 32, jnp.bfloat16),
     ("d128_z64_long", 1, 1, 32, 8, 128, 64, jnp.bfloat16),
+    ("d256_z128_f32_page_parts", 16, 4, 8, 4, 256, 128, jnp.float32),
 ]
 
 
@@ -733,17 +736,50 @@ def test_tiling_over_the_shared_memory_budget_is_refused():
   tiling.check_shapes(group=1, block_size=16, head_dim=64, itemsize=2)  # fits there
 
 
-def test_page_too_large_for_float32_at_head_dim_256():
-  # A chunk is at least one page: Z = 128, D = 256, f32 needs 2 * 128 * 256 * 4 = 256 KiB
-  # for one page of K and V. The smallest tiling is refused, naming the block size; the
-  # bf16 default (128 KiB of K/V with one stage) fits.
+def test_float32_at_head_dim_256_reads_pages_of_128_in_parts():
+  # Z = 128, D = 256, f32: one page of K and V alone needs 2 * 128 * 256 * 4 = 256 KiB, over
+  # 227. The default reads it in two parts (page_split = 2, J = 64, one stage: 128 KiB of
+  # K/V + q, probabilities and scratch ~ 161 KiB); a user tiling of whole pages is refused,
+  # naming the knobs. bf16 keeps whole pages (one stage of 128 KiB fits).
   kwargs = dict(num_tokens=64, num_seq_rows=4, num_kv_heads=4, group=1, block_size=128,
                 head_dim=256, blocks_per_seq=16)
-  with pytest.raises(ValueError, match="block_size Z=128"):
-    tiling_lib.default_tiling(**kwargs, itemsize=4).check_shapes(
-        group=1, block_size=128, head_dim=256, itemsize=4)
-  tiling_lib.default_tiling(**kwargs, itemsize=2).check_shapes(
-      group=1, block_size=128, head_dim=256, itemsize=2)
+  shapes = dict(group=1, block_size=128, head_dim=256)
+  tiling = tiling_lib.default_tiling(**kwargs, itemsize=4)
+  assert (tiling.page_split, tiling.chunk_size(128), tiling.num_stages) == (2, 64, 1)
+  tiling.check_shapes(**shapes, itemsize=4)
+  whole = dataclasses.replace(tiling, page_split=1)
+  with pytest.raises(ValueError, match="shared memory.*page_split=1"):
+    whole.check_shapes(**shapes, itemsize=4)
+  bf16 = tiling_lib.default_tiling(**kwargs, itemsize=2)
+  assert bf16.page_split == 1
+  bf16.check_shapes(**shapes, itemsize=2)
+
+
+def test_float32_at_head_dim_256_with_pages_of_128_matches():
+  # The default above, run: a decode at 300 positions (3 pages, 6 parts), a 5-row chunked
+  # prefill at 140 and a full prefill of 20, every unused slot NaN.
+  case = make_case(26, seqs=((1, 300), (5, 140), (20, 20)), block_size=128, head_dim=256,
+                   num_kv_heads=1, group=2, padding_seqs=1)
+  tiling = gpu.default_tiling_for(case["q"], case["k_pages"], case["block_tables"])
+  assert tiling.page_split == 2
+  check_close(run_gpu(case), case)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_page_parts_match_and_load_each_page_once(window):
+  # page_split = 4 (J = 16 of Z = 64), 3 splits, Q = 4: chunks and splits end inside
+  # pages. The kernel's page counter (a page counts when its first slot is loaded) still
+  # equals the pages each item's window overlaps, and the output matches.
+  case = attention_cases.make_case(27, q_lens=[1, 13, 1], kv_lens=[200, 120, 77],
+                                   num_kv_heads=2, head_dim=16, block_size=64)
+  tiling = GpuTiling(q_tile=4, pages_per_chunk=1, num_splits=3, page_split=4)
+  pages_WK, _, live_W = gpu.loaded_pages(*case.jax_args(), sm_scale=0.25,
+                                         sliding_window=window, tiling=tiling)
+  pages_WK, live_W = np.asarray(pages_WK), np.asarray(live_W)
+  assert sorted(pages_WK[live_W, 0].tolist()) == _expected_pages(case, q_tile=4,
+                                                                  window=window)
+  variant = {} if window is None else dict(sliding_window=window)
+  _check_variant(case, variant, tiling=tiling)
 
 
 def test_window_caps_the_default_splits():
