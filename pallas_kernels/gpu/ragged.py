@@ -111,6 +111,10 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   q_WKMD, qpos_WM = work_items.pack_queries(
       q_THD, items, num_kv_heads=num_kv_heads, rows=rows,
       dtype=_qk_dtype(q_THD, k_pages_LKNZD, kv_dtype))
+  # The kernel's tiles are D' = tile_head_dim(D) wide: zero q columns past D, and the
+  # outputs' columns past D (zero too) are cut after the merge.
+  tile_dim = tiling_lib.tile_head_dim(head_dim)
+  q_WKMD = jnp.pad(q_WKMD, ((0, 0), (0, 0), (0, 0), (0, tile_dim - head_dim)))
   sinks_KM = None
   if sinks is not None:
     sinks_KM = work_items.pack_sinks(sinks, num_kv_heads=num_kv_heads,
@@ -131,7 +135,7 @@ def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tabl
   if count_pages:
     return jnp.sum(outs[2], axis=0), items.seq_W, horizon_W > 0
   out_XWKMD, lse_XWKM = outs
-  out_WKMD = work_items.combine_splits(out_XWKMD, lse_XWKM)
+  out_WKMD = work_items.combine_splits(out_XWKMD, lse_XWKM)[..., :head_dim]
   out_THD = work_items.unpack_outputs(out_WKMD, items, num_tokens=num_tokens,
                                       num_q_heads=num_q_heads)
   return out_THD.astype(q_THD.dtype)
@@ -153,7 +157,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   Args:
     q_THD: [T, H, D] queries; sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``.
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (``pallas_kernels.layout``);
-      Z and D powers of two, D up to 256.
+      Z a power of two, D up to 256 (tiles of a power of two >= D, lanes past D masked).
     layer: int or traced i32[] scalar: the layer read, indexed inside the kernel.
     kv_lens_S: i32[S]; block_tables_SP: i32[S, P]; cu_q_lens: i32[S + 1];
     num_seqs: i32[] live sequences.

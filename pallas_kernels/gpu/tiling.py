@@ -10,6 +10,7 @@ MIN_DOT_SIZE = 16
 # 132 SMs). A constant, not a device query: the kernel reads no environment.
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 64
+MAX_HEAD_DIM = 256
 # Shared memory one program may use on an H100/H200: 228 KiB per SM, of which one block can
 # opt into 227 KiB. A constant, checked against an estimate (``shared_memory_bytes``).
 SHARED_MEMORY_BUDGET = 227 * 1024
@@ -21,6 +22,13 @@ def _is_pow2(x: int) -> bool:
 
 def next_pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
+
+
+def tile_head_dim(head_dim: int) -> int:
+  """D', the head dim of the kernel's tiles: D rounded up to a power of two >= 16 (Triton
+  block shapes are powers of two; the lanes past D are masked off, Phi-3's D = 96 runs in
+  tiles of 128)."""
+  return max(MIN_DOT_SIZE, next_pow2(head_dim))
 
 
 def packed_rows(q_tile: int, group: int) -> int:
@@ -88,6 +96,7 @@ class GpuTiling:
     """
     rows = packed_rows(self.q_tile, group)
     chunk = self.chunk_size(block_size)
+    head_dim = tile_head_dim(head_dim)
     kv_tiles = self.num_stages * 2 * chunk * head_dim * itemsize
     operands = rows * head_dim * itemsize + rows * chunk * itemsize
     scratch = rows * head_dim * 4
@@ -102,18 +111,19 @@ class GpuTiling:
     if not _is_pow2(block_size):
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a power of "
                        "two for the Triton backend")
-    if not _is_pow2(head_dim) or head_dim < MIN_DOT_SIZE:
-      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a power of two >= "
-                       f"{MIN_DOT_SIZE} for the Triton backend")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be in [1, {MAX_HEAD_DIM}] "
+                       "for the Triton backend")
     chunk = self.chunk_size(block_size)
     if chunk < MIN_DOT_SIZE or self.page_split > block_size:
       raise ValueError(f"pages_per_chunk={self.pages_per_chunk}, page_split="
                        f"{self.page_split} give J = {chunk} KV positions per step; must be "
                        f">= {MIN_DOT_SIZE} (block_size {block_size})")
     rows = packed_rows(self.q_tile, group)
-    if rows * head_dim > 256 * 256:
+    if rows * tile_head_dim(head_dim) > 256 * 256:
       raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "
-                       f"head dim {head_dim}; M * D must be <= {256 * 256}")
+                       f"head dim {head_dim} (tiles of {tile_head_dim(head_dim)}); M * D "
+                       f"must be <= {256 * 256}")
     needed = self.shared_memory_bytes(group=group, block_size=block_size, head_dim=head_dim,
                                       itemsize=itemsize)
     if needed > SHARED_MEMORY_BUDGET:
@@ -149,7 +159,7 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
     q_min = max(1, MIN_DOT_SIZE // group)
     q_max = max(q_min, 64 // group)
     q_tile = min(q_max, max(q_min, 1 << (rows_per_seq.bit_length() - 1)))
-  target_chunk = 64 if head_dim <= 128 else 32
+  target_chunk = 64 if tile_head_dim(head_dim) <= 128 else 32
   min_pages = next_pow2(-(-MIN_DOT_SIZE // block_size))  # J >= 16
   pages_per_chunk = max(min_pages, target_chunk // block_size)
   pages_per_chunk = max(min_pages, min(pages_per_chunk, next_pow2(blocks_per_seq)))
@@ -170,7 +180,7 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
     else:
       break  # the smallest tiling; check_shapes reports it
   rows = packed_rows(tiling.q_tile, group)
-  num_warps = 8 if rows * head_dim >= 64 * 128 else 4
+  num_warps = 8 if rows * tile_head_dim(head_dim) >= 64 * 128 else 4
   chunk = tiling.chunk_size(block_size)
   max_chunks = -(-blocks_per_seq * block_size // chunk)
   if sliding_window is not None:

@@ -73,7 +73,9 @@ def _kernel(
   # arrives in its QK dtype.
   item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_blocks, block_size, head_dim = k_pages_ref.shape[2:]
-  rows = q_ref.shape[0]
+  # The tiles' D: a power of two (Triton's block shapes), D or more; the q columns past
+  # D are zero and the K/V lanes past it are never loaded (read as 0).
+  rows, tile_dim = q_ref.shape
 
   layer = layer_ref[0]
   seq = seq_ref[item]
@@ -89,7 +91,9 @@ def _kernel(
   q_MD = q_ref[...].astype(qk_dtype)
   qpos_M = qpos_ref[...]
 
-  dim_1D = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+  dim_1D = jnp.arange(tile_dim, dtype=jnp.int32)[None, :]
+  in_dim_1D = dim_1D < head_dim
+  dim_1D = jnp.minimum(dim_1D, head_dim - 1)  # lanes past D: an in-bounds, masked address
   zero = 0 if jnp.issubdtype(k_pages_ref.dtype, jnp.integer) else 0.0
 
   def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD, dtype):
@@ -127,7 +131,7 @@ def _kernel(
     read_J = in_range_J & (page_ids_J >= 0) & (page_ids_J < num_blocks)
     page_ids_J = jnp.where(read_J, page_ids_J, 0)
     offset_J = pos_J % block_size
-    valid_JD = jnp.broadcast_to(read_J[:, None], (chunk, head_dim))
+    valid_JD = read_J[:, None] & in_dim_1D
     k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD, qk_dtype)
     v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD, compute_dtype)
     if pages_ref is not None:
@@ -170,7 +174,7 @@ def _kernel(
     first = split == 0
     max_M = jnp.where(first, jnp.maximum(sink_M, _MAX_FLOOR), max_M)
     sum_M = jnp.where(first, jnp.exp(sink_M - max_M), sum_M)
-  init = (max_M, sum_M, jnp.zeros((rows, head_dim), jnp.float32), jnp.int32(0))
+  init = (max_M, sum_M, jnp.zeros((rows, tile_dim), jnp.float32), jnp.int32(0))
   max_M, sum_M, acc_MD, pages = lax.fori_loop(chunk_begin, chunk_end, body, init)
   seen_M = sum_M > 0.0
   safe_sum_M = jnp.where(seen_M, sum_M, 1.0)
@@ -188,8 +192,9 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
   """Partial attention of every (item, KV head, split); see the module docstring.
 
   Args:
-    q_WKMD: [W, K, M, D] packed queries (M a power of two >= 16), in the compute dtype,
-      or for a quantised pool in the dtype of q . k_bits (q's own if 16-bit, else float32).
+    q_WKMD: [W, K, M, D'] packed queries (M a power of two >= 16), in the compute dtype,
+      or for a quantised pool in the dtype of q . k_bits (q's own if 16-bit, else float32);
+      D' = ``tiling.tile_head_dim(D)``, the columns past the pages' D zero.
     qpos_WM: i32[W, M] query position of each packed row; -1 for padding rows.
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (storage bits if ``kv_dtype``).
     layer: i32[] layer index.
@@ -204,10 +209,10 @@ def split_attention(q_WKMD, qpos_WM, k_pages_LKNZD, v_pages_LKNZD, layer, seq_W,
       benchmarks; interpret mode).
 
   Returns:
-    ``(out_XWKMD, lse_XWKM)`` float32, X = ``tiling.num_splits``; with ``count_pages``
-    also ``pages_XWK`` i32.
+    ``(out_XWKMD, lse_XWKM)`` float32, X = ``tiling.num_splits``, D' columns (those
+    past D zero); with ``count_pages`` also ``pages_XWK`` i32.
   """
-  num_items, num_kv_heads, rows, head_dim = q_WKMD.shape
+  num_items, num_kv_heads, rows, head_dim = q_WKMD.shape  # head_dim: D', the tiles' D
   num_splits = tiling.num_splits
   has_sinks = sinks_KM is not None
   quantized = k_scales_LKNZ is not None

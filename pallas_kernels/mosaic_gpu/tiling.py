@@ -11,7 +11,9 @@ Shapes the Hopper primitives impose (checked in ``check_shapes``):
   program's shared memory: the kernel then converts each [J, D] tile as its transpose
   [D, J] (D rows) and gives the V operand a J * 2-byte swizzle (a wgmma's K comes in
   swizzle-wide groups).
-- D is a multiple of 64 up to 256; Z a multiple of 8 (a copy lands on whole 8-row tiles
+- D is a multiple of 16 up to 256 (a row of a bfloat16 operand is a whole number of
+  32-byte swizzle groups, the smallest Mosaic GPU swizzle; the dots take K = D in groups of
+  the swizzle's width), of 32 for one-byte pages (their rows as stored); Z a multiple of 8 (a copy lands on whole 8-row tiles
   of shared memory) up to 128 that divides J or that J divides. A chunk is copied in units
   of min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
 """
@@ -26,6 +28,9 @@ SMALL_CHUNKS = (16, 32)  # J below CHUNK_TILE, for staged plans (see the module 
 OUT_ROW_TILE = 8      # rows of the partial outputs written back (a shared-memory tile)
 LSE_TILE = 32         # entries of the log-sum-exp rows written back (128 bytes of f32)
 MAX_HEAD_DIM = 256
+# Granularity of D: 16 two-byte elements fill the smallest swizzle (32 bytes); one-byte
+# pages need twice as many.
+HEAD_DIM_TILE = 16
 MAX_STAGES = 4
 # One barrier per (stage, page) for K+V; Mosaic GPU tracks the phases of one barrier
 # array in a 32-bit mask.
@@ -155,9 +160,11 @@ class MosaicTiling:
   def check_shapes(self, *, group: int, block_size: int, head_dim: int,
                    plan: OperandPlan) -> None:
     """Shape-dependent checks; raises ``ValueError`` naming the field or dimension."""
-    if head_dim % 64 or head_dim > MAX_HEAD_DIM:
-      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a multiple of 64 up to "
-                       f"{MAX_HEAD_DIM} for the Mosaic GPU kernel")
+    dim_tile = HEAD_DIM_TILE * max(1, 2 // plan.storage_itemsize)
+    if head_dim % dim_tile or head_dim > MAX_HEAD_DIM:
+      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a multiple of {dim_tile} "
+                       f"up to {MAX_HEAD_DIM} for the Mosaic GPU kernel "
+                       f"({plan.storage_itemsize}-byte pages)")
     if block_size % 8 or block_size > 128:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a multiple "
                        "of 8 up to 128 for the Mosaic GPU kernel")
@@ -167,6 +174,10 @@ class MosaicTiling:
                        f"(float32, storage bits or quantised pages); these pages "
                        f"({plan.storage_itemsize}-byte, read by the dots as they land) "
                        f"need a multiple of {CHUNK_TILE}")
+    if chunk < CHUNK_TILE and head_dim % ROW_TILE:
+      raise ValueError(f"chunk_size J={chunk} below {CHUNK_TILE} stages each [J, D] tile as "
+                       f"its transpose, whose D={head_dim} rows must be a multiple of "
+                       f"{ROW_TILE}")
     if chunk % block_size and block_size % chunk:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) and chunk_size="
                        f"{chunk} must divide one another")
@@ -213,15 +224,17 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   Q: 1 for a decode batch (one row per sequence); otherwise enough rows to fill M = 64
   (64 // G, at least 1).
   J and num_stages: 64 positions in the deepest ring (up to 4) that fits the
-  shared-memory budget; when no ring of 64 fits (float32 K/V at D = 256), the largest
-  staged J of ``SMALL_CHUNKS`` that does, again with its deepest ring.
+  shared-memory budget; when no ring of 64 fits (float32 K/V at D = 192 or 256), the
+  largest staged J of ``SMALL_CHUNKS`` that does, again with its deepest ring (D a
+  multiple of 64: ``check_shapes``).
   num_splits: enough programs for two waves of an H100/H200 when the batch is small,
   never more than half the chunks one item can have (the longest sequence's, or with a
   sliding window the window's plus one page).
   """
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   q_tile = 1 if rows_per_seq == 1 else max(1, ROW_TILE // group)
-  chunks = (CHUNK_TILE, *sorted(SMALL_CHUNKS, reverse=True)) if plan.staged else (CHUNK_TILE,)
+  small = plan.staged and head_dim % ROW_TILE == 0
+  chunks = (CHUNK_TILE, *sorted(SMALL_CHUNKS, reverse=True)) if small else (CHUNK_TILE,)
   tiling = None
   for chunk in chunks:
     if chunk % block_size and block_size % chunk:

@@ -521,9 +521,9 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
   validation.static_validate_variants(num_q_heads, sliding_window=sliding_window,
                                      soft_cap=soft_cap, sinks=sinks)
-  if head_dim % 64 != 0 or head_dim > 256:
-    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be 64, 128, 192 or 256 "
-                     "(a multiple of 64, at most 256)")
+  if head_dim % 8 != 0 or head_dim > 256:
+    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be a multiple of 8 up to 256 "
+                     "(a page row is one full-width block: 64, 80, 96, 128 and 256 all fit)")
   if block_size % 8 != 0:
     raise ValueError(f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8 "
                      "(the sublane tile)")

@@ -226,8 +226,8 @@ def test_auto_without_triton_takes_mosaic_only_on_hopper(without_triton, compute
 
 def test_auto_on_hopper_without_triton_passes_over_mosaic_only_where_it_refuses(
     without_triton):
-  # Mosaic GPU refuses a head dim that is not a multiple of 64 (D = 96): XLA there, with
-  # no Triton. float32 at D = 256 fits (chunks of J = 16): Mosaic, as bfloat16 there.
+  # Mosaic GPU refuses a head dim that is not a multiple of 16 (D = 72): XLA there, with
+  # no Triton. Phi-3's D = 96 and float32 at D = 256 (chunks of J = 16) fit: Mosaic.
   from paged_jax.pallas_kernels import mosaic_gpu
   _on_gpu(without_triton, "9.0")
   q_lens, kv_lens = cases.mixed_lengths(8)
@@ -240,10 +240,11 @@ def test_auto_on_hopper_without_triton_passes_over_mosaic_only_where_it_refuses(
                                                  v_pages=v_pages.astype(dtype)),
                 block_tables=tables)
 
-  d96 = args_for(96, jnp.bfloat16)
-  assert "head_dim D=96" in mosaic_gpu.unsupported_reason(
-      d96["q"], d96["cache"].k_pages, d96["block_tables"])
-  assert _auto_for(d96) == "xla"
+  d72 = args_for(72, jnp.bfloat16)
+  assert "head_dim D=72" in mosaic_gpu.unsupported_reason(
+      d72["q"], d72["cache"].k_pages, d72["block_tables"])
+  assert _auto_for(d72) == "xla"
+  assert _auto_for(args_for(96, jnp.bfloat16)) == "pallas_mosaic_gpu"
   for dtype in (jnp.float32, jnp.bfloat16):
     assert _auto_for(args_for(256, dtype)) == "pallas_mosaic_gpu"
 

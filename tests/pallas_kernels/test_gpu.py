@@ -222,6 +222,9 @@ FAST_GRID = (
     (jnp.float32, 8, 1, 64), (jnp.float32, 16, 4, 128), (jnp.float32, 32, 8, 64),
     (jnp.bfloat16, 8, 4, 64), (jnp.bfloat16, 16, 8, 64), (jnp.bfloat16, 32, 1, 128),
     (jnp.float16, 8, 8, 128), (jnp.float16, 16, 1, 64), (jnp.float16, 32, 4, 64),
+    # Head dims that are not powers of two (Phi-3's 96, Phi-2's 80): tiles of 128, the
+    # lanes past D masked off.
+    (jnp.float32, 16, 2, 96), (jnp.bfloat16, 8, 1, 80),
 )
 FULL_GRID = tuple(itertools.product((jnp.float32, jnp.bfloat16, jnp.float16), (8, 16, 32),
                                     (1, 4, 8), (64, 128)))
@@ -250,7 +253,8 @@ def test_matches_reference_full_grid(params):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, block_size, head_dim", [
-    (jnp.bfloat16, 64, 256), (jnp.float32, 128, 64), (jnp.float16, 8, 256)])
+    (jnp.bfloat16, 64, 256), (jnp.float32, 128, 64), (jnp.float16, 8, 256),
+    (jnp.float32, 16, 192), (jnp.bfloat16, 32, 40), (jnp.float32, 8, 100)])
 def test_large_head_dim_and_blocks(dtype, block_size, head_dim):
   case = make_case(8, dtype=dtype, block_size=block_size, group=2, head_dim=head_dim,
                    seqs=((1, 150), (40, 200), (0, 3), (3, 3)))
@@ -356,8 +360,9 @@ def test_tiling_shape_checks():
     tiling.check_shapes(group=1, block_size=8, head_dim=64)  # J = 8 < 16
   with pytest.raises(ValueError, match="block_size"):
     tiling.check_shapes(group=1, block_size=12, head_dim=64)
-  with pytest.raises(ValueError, match="head_dim"):
-    tiling.check_shapes(group=1, block_size=16, head_dim=96)
+  with pytest.raises(ValueError, match="head_dim D=320"):
+    tiling.check_shapes(group=1, block_size=16, head_dim=320)
+  tiling.check_shapes(group=1, block_size=16, head_dim=96)  # in tiles of 128
   with pytest.raises(ValueError, match="q_tile"):
     GpuTiling(q_tile=512, pages_per_chunk=1, num_splits=1).check_shapes(
         group=8, block_size=16, head_dim=128)
@@ -397,6 +402,7 @@ LOWERING_GRID = [
     ("d64_z32_gqa6", 16, 2, 12, 2, 64, 32, jnp.bfloat16),
     ("d128_z64_long", 1, 1, 32, 8, 128, 64, jnp.bfloat16),
     ("d256_z128_f32_page_parts", 16, 4, 8, 4, 256, 128, jnp.float32),
+    ("phi3_d96", 16, 4, 32, 32, 96, 16, jnp.bfloat16),
 ]
 
 

@@ -181,6 +181,7 @@ FAST_CASES = (
      MosaicTiling(q_tile=1, chunk_size=16, num_splits=2, num_stages=3)),
     ("bfloat16", True, 4, 128, 64, "all",
      MosaicTiling(q_tile=8, chunk_size=32, num_splits=1, num_stages=2)),
+    ("bfloat16", True, 4, 96, 16, "all", None),  # Phi-3's D = 96: 64-byte swizzles
 )
 
 
@@ -234,6 +235,23 @@ def test_matches_reference_full_grid(params):
   case = _case(7 + group + head_dim, dtype=jnp.dtype(dtype), group=group,
                head_dim=head_dim, block_size=block_size, num_kv_heads=2)
   _check(case, storage=storage)
+
+
+# Head dims that are multiples of 16 but not of 64 (two-byte rows of 32 or 64 bytes: the
+# smaller swizzles), and D = 192 in float32 (chunks of 32, its tiles transposed).
+BETWEEN_DIMS = (("float32", False, 16, 8), ("bfloat16", True, 48, 16),
+                ("float32", False, 80, 32), ("bfloat16", False, 112, 16),
+                ("float16", True, 160, 64), ("float32", False, 192, 16))
+
+
+@needs_interpret
+@pytest.mark.slow
+@pytest.mark.parametrize("params", BETWEEN_DIMS, ids=lambda p: "-".join(map(str, p)))
+def test_head_dims_between_the_powers(params):
+  dtype, storage, head_dim, block_size = params
+  case = _case(11 + head_dim, dtype=jnp.dtype(dtype), group=2, head_dim=head_dim,
+               block_size=block_size)
+  _check(case, _named_variant(case, "all"), storage=storage)
 
 
 @needs_interpret
@@ -842,8 +860,17 @@ def test_unsupported_reason_names_what_does_not_fit():
                                      s((2, 8, 64, 16, 128), jnp.uint16), tables,
                                      kv_dtype=jnp.bfloat16)
   assert ok is None
-  assert "head_dim D=96" in mosaic_gpu.unsupported_reason(
-      s((4, 8, 96), jnp.bfloat16), s((2, 8, 64, 16, 96), jnp.bfloat16), tables)
+  assert mosaic_gpu.unsupported_reason(
+      s((4, 8, 96), jnp.bfloat16), s((2, 8, 64, 16, 96), jnp.bfloat16), tables) is None
+  assert "head_dim D=72 (q.shape[2]) must be a multiple of 16" in mosaic_gpu.unsupported_reason(
+      s((4, 8, 72), jnp.bfloat16), s((2, 8, 64, 16, 72), jnp.bfloat16), tables)
+  assert "head_dim D=80 (q.shape[2]) must be a multiple of 32" in mosaic_gpu.unsupported_reason(
+      s((4, 8, 80), jnp.bfloat16), s((2, 8, 64, 16, 80), jnp.int8), tables,
+      kv_dtype=jnp.int8)
+  # float32 between 128 and 256 but not a multiple of 64: no chunk of 64 fits, and the
+  # small chunks' transposed tiles need D rows in multiples of 64.
+  assert "shared memory" in mosaic_gpu.unsupported_reason(
+      s((4, 8, 160), jnp.float32), s((2, 8, 64, 16, 160), jnp.float32), tables)
   # float32 at D = 256 fits in chunks of J = 16 (test_float32_at_head_dim_256_takes_...).
   assert mosaic_gpu.unsupported_reason(
       s((4, 8, 256), jnp.float32), s((2, 8, 64, 16, 256), jnp.float32), tables) is None
@@ -907,6 +934,7 @@ MODEL_SHAPES = [
     ("llama3_8b", 32, 8, 128, 16),
     ("gemma3", 8, 4, 256, 16),
     ("gpt_oss", 64, 8, 64, 16),
+    ("phi3_mini", 32, 32, 96, 16),
 ]
 LOWERING_VARIANTS = {
     "plain": {},

@@ -139,6 +139,7 @@ _QUICK_GRID = [
     (jnp.float32, 8, 1, 64), (jnp.bfloat16, 8, 4, 128), (jnp.float32, 8, 8, 128),
     (jnp.bfloat16, 16, 1, 128), (jnp.float32, 16, 4, 64), (jnp.bfloat16, 16, 8, 64),
     (jnp.float32, 32, 1, 128), (jnp.bfloat16, 32, 4, 64), (jnp.float32, 32, 8, 64),
+    (jnp.bfloat16, 16, 2, 96), (jnp.float32, 8, 1, 80),  # Phi-3's and Phi-2's head dims
 ]
 _FULL_GRID = [c for c in itertools.product((jnp.float32, jnp.bfloat16), (8, 16, 32), (1, 4, 8),
                                            (64, 128)) if c not in _QUICK_GRID]
@@ -884,7 +885,7 @@ def test_tiling_rejects_vmem_overflow():
     _run(case, tiling=tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=4096))
 
 
-@pytest.mark.parametrize("head_dim,block_size,match", [(96, 8, "head_dim"),
+@pytest.mark.parametrize("head_dim,block_size,match", [(100, 8, "head_dim"),
                                                        (320, 8, "head_dim"),
                                                        (64, 12, "block_size")])
 def test_rejects_unsupported_shapes(head_dim, block_size, match):
@@ -914,6 +915,7 @@ _EXPORT_GRID = [
     (64, 8, 8, 1, 64, 32, jnp.float32), (64, 8, 8, 2, 64, 16, jnp.bfloat16),
     (64, 8, 8, 4, 256, 16, jnp.bfloat16), (64, 8, 4, 2, 256, 32, jnp.float32),
     (64, 8, 8, 2, 128, 64, jnp.bfloat16),  # block size 64
+    (64, 8, 32, 32, 96, 16, jnp.bfloat16), (64, 8, 8, 2, 80, 16, jnp.float32),  # Phi-3, -2
 ]
 
 
