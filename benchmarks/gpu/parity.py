@@ -57,6 +57,8 @@ CASES = (
     ("bf16 all", jnp.bfloat16, jnp.bfloat16, 32, 8, 128, ALL),
     ("bf16 all D256 G2", jnp.bfloat16, jnp.bfloat16, 8, 4, 256, ALL),
     ("f32 all D256 G2", jnp.float32, jnp.float32, 8, 4, 256, ALL),
+    ("bf16 all D96", jnp.bfloat16, jnp.bfloat16, 16, 8, 96, ALL),
+    ("f32 D80", jnp.float32, jnp.float32, 16, 8, 80, {}),
     ("bf16 all D64 MQA", jnp.bfloat16, jnp.bfloat16, 8, 1, 64, ALL),
     ("f16", jnp.float16, jnp.float16, 32, 8, 128, {}),
     ("int8", jnp.int8, jnp.bfloat16, 32, 8, 128, {}),
