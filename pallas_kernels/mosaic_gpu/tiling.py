@@ -199,12 +199,15 @@ class MosaicTiling:
     needed = self.shared_memory_bytes(group=group, block_size=block_size,
                                       head_dim=head_dim, plan=plan)
     if needed > SHARED_MEMORY_BUDGET:
+      hint = (f"lower num_stages={self.num_stages}, chunk_size={self.chunk_size} or "
+              f"q_tile={self.q_tile}")
+      if self.num_stages == 1 and chunk == CHUNK_TILE and head_dim % ROW_TILE:
+        hint = (f"no tiling fits (chunks below {CHUNK_TILE} positions need D a multiple "
+                f"of {ROW_TILE}); use bfloat16 / float16 K/V or another impl")
       raise ValueError(
           f"tiling needs ~{needed // 1024} KiB of shared memory per program (head dim "
           f"{head_dim}, {plan.storage_itemsize}-byte pages, {plan.pieces} operand "
-          f"piece(s)), over the {SHARED_MEMORY_BUDGET // 1024} KiB budget: lower "
-          f"num_stages={self.num_stages}, chunk_size={self.chunk_size} or "
-          f"q_tile={self.q_tile}")
+          f"piece(s)), over the {SHARED_MEMORY_BUDGET // 1024} KiB budget: {hint}")
 
 
 def num_work_items(num_tokens: int, num_seq_rows: int, q_tile: int) -> int:

@@ -869,7 +869,7 @@ def test_unsupported_reason_names_what_does_not_fit():
       kv_dtype=jnp.int8)
   # float32 between 128 and 256 but not a multiple of 64: no chunk of 64 fits, and the
   # small chunks' transposed tiles need D rows in multiples of 64.
-  assert "shared memory" in mosaic_gpu.unsupported_reason(
+  assert "no tiling fits" in mosaic_gpu.unsupported_reason(
       s((4, 8, 160), jnp.float32), s((2, 8, 64, 16, 160), jnp.float32), tables)
   # float32 at D = 256 fits in chunks of J = 16 (test_float32_at_head_dim_256_takes_...).
   assert mosaic_gpu.unsupported_reason(
