@@ -45,3 +45,23 @@ def test_kv_quant_engine_quick():
   errs = [rows[d]["logit_err_mean"] for d in ("bfloat16", "int8", "float8_e4m3fn")]
   assert 0 < errs[0] < errs[1] < errs[2] < 0.1, errs
 
+
+
+def test_kv_quant_accuracy_quick():
+  # One seed, the reference and the XLA path: every per-token error within issue 20's
+  # bound, the XLA path equal to the reference on the same quantised cache, and int8 with
+  # one scale per tensor worse than per token (the negative control).
+  from benchmarks import kv_quant_accuracy
+  out = kv_quant_accuracy.main(["--quick", "--no-pallas"])
+  results = out["results"]
+  for dtype, bound in kv_quant_accuracy.BOUND.items():
+    for impl in ("reference", "xla"):
+      (all_heads, worst_head), = results[dtype, "per token and head", impl]
+      assert 0 < all_heads <= bound and all_heads <= worst_head, (dtype, impl)
+    (reference, _), = results[dtype, "per token and head", "reference"]
+    (xla, _), = results[dtype, "per token and head", "xla"]
+    assert abs(xla - reference) < 1e-4 * reference, dtype
+  (per_token, _), = results["int8", "per token and head", "xla"]
+  (per_tensor, _), = results["int8", "per tensor", "xla"]
+  assert per_tensor > 2 * per_token
+  assert len(out["sweep"]) == len(kv_quant_accuracy.DTYPES) * len(kv_quant_accuracy.K_GAINS)
