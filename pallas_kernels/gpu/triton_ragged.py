@@ -92,8 +92,10 @@ def _kernel(
   qpos_M = qpos_ref[...]
 
   dim_1D = jnp.arange(tile_dim, dtype=jnp.int32)[None, :]
-  in_dim_1D = dim_1D < head_dim
-  dim_1D = jnp.minimum(dim_1D, head_dim - 1)  # lanes past D: an in-bounds, masked address
+  padded = tile_dim > head_dim
+  if padded:
+    in_dim_1D = dim_1D < head_dim
+    dim_1D = jnp.minimum(dim_1D, head_dim - 1)  # lanes past D: in-bounds, masked addresses
   zero = 0 if jnp.issubdtype(k_pages_ref.dtype, jnp.integer) else 0.0
 
   def load_chunk(pages_ref, page_ids_J, offset_J, valid_JD, dtype):
@@ -131,7 +133,10 @@ def _kernel(
     read_J = in_range_J & (page_ids_J >= 0) & (page_ids_J < num_blocks)
     page_ids_J = jnp.where(read_J, page_ids_J, 0)
     offset_J = pos_J % block_size
-    valid_JD = read_J[:, None] & in_dim_1D
+    if padded:
+      valid_JD = read_J[:, None] & in_dim_1D
+    else:
+      valid_JD = jnp.broadcast_to(read_J[:, None], (chunk, tile_dim))
     k_JD = load_chunk(k_pages_ref, page_ids_J, offset_J, valid_JD, qk_dtype)
     v_JD = load_chunk(v_pages_ref, page_ids_J, offset_J, valid_JD, compute_dtype)
     if pages_ref is not None:
