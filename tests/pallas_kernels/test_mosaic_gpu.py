@@ -743,7 +743,7 @@ def test_arguments_are_validated(kwargs, name):
 
 
 @pytest.mark.parametrize("head_dim, block_size, match", [
-    (32, 16, "head_dim D=32"), (320, 16, "head_dim D=320"), (64, 12, "block_size Z=12"),
+    (40, 16, "head_dim D=40"), (320, 16, "head_dim D=320"), (64, 12, "block_size Z=12"),
     (64, 256, "block_size Z=256")])
 def test_shapes_outside_the_kernel_are_refused(head_dim, block_size, match):
   with pytest.raises(ValueError, match=match):
