@@ -47,6 +47,7 @@ def test_kv_quant_engine_quick():
 
 
 
+@pytest.mark.slow
 def test_kv_quant_accuracy_quick():
   # One seed, the reference and the XLA path: every per-token error within issue 20's
   # bound, the XLA path equal to the reference on the same quantised cache, and int8 with

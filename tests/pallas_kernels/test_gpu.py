@@ -771,7 +771,7 @@ def test_float32_at_head_dim_256_with_pages_of_128_matches():
   check_close(run_gpu(case), case)
 
 
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 20])
 def test_page_parts_match_and_load_each_page_once(window):
   # page_split = 4 (J = 16 of Z = 64), 3 splits, Q = 4: chunks and splits end inside
   # pages. The kernel's page counter (a page counts when its first slot is loaded) still
