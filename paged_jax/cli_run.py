@@ -207,7 +207,7 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
       ("KV utilisation", f"{stats['kv_utilization']:.1%} (tokens stored / slots of blocks "
                          "in use, mean over steps)"),
       ("preemptions", f"{stats['preemptions']}"),
-      ("prefix hit rate", f"{stats['prefix_hit_rate']:.1%}"),
+      ("prefix hit rate", f"{stats['prefix_hit_rate']:.1%}" + _prefix_caching_note(stats)),
       ("engine steps", f"{stats['steps']} in {stats['device_calls']} device calls"),
       ("host syncs", f"{stats['host_syncs']}"),
       ("host syncs per token", f"{stats['host_syncs_per_token']:.3f}"),
@@ -215,6 +215,15 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   rows += [("note", n) for n in notes]
   width = max(len(k) for k, _ in rows)
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _prefix_caching_note(stats) -> str:
+  """Why the hit rate is 0 by construction, when it is: prefix caching is off."""
+  if stats.get("prefix_caching", True):
+    return ""
+  if tuple(stats.get("kv_group_windows", (None,))) != (None,):
+    return " (prefix caching off: sliding-window layers give blocks back)"
+  return " (prefix caching off)"
 
 
 def _pool_dtype(name: str) -> str:

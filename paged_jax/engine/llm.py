@@ -73,7 +73,9 @@ class LLM:
     enable_prefix_caching: share the K/V of full blocks whose token prefix matches
       (``paged_jax.engine.device``, "Prefix cache"): a request whose prompt starts with
       cached blocks skips their prefill; ``stats["prefix_hit_rate"]`` counts the prompt
-      tokens found cached. ``generate(..., cache_salt=...)`` keeps tenants apart.
+      tokens found cached. ``generate(..., cache_salt=...)`` keeps tenants apart. Off
+      where sliding-window groups give blocks back (``free_outside_window``);
+      ``stats["prefix_caching"]`` says whether it is on.
     prefix_hash_fn: the block hash of the prefix cache (default
       ``allocator.chain_hashes``); any function of that signature, e.g. a degenerate one in a
       test: a hit is confirmed by the stored tokens, so a bad hash costs hits, not outputs.
@@ -366,6 +368,7 @@ class LLM:
         num_blocks=self.spec.num_blocks, num_free_blocks=free,
         kv_cache_dtype=jnp.dtype(self.spec.dtype).name, block_size=self.spec.block_size,
         kv_pool_bytes=self.spec.total_bytes, kv_group_windows=self.kv_groups.windows,
+        prefix_caching=self.enable_prefix_caching,
         host_syncs=h["host_syncs"],
         host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
         peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,

@@ -78,6 +78,7 @@ def test_all_sliding_model_generates_200_tokens_in_12_blocks(tmp_path):
                             token_buckets=(prompt_len,), steps_per_call=50,
                             free_outside_window=True, scrub_on_release=True)
   assert llm.kv_groups.windows == (window,) and llm.max_model_len == 256
+  assert llm.stats["prefix_caching"] is False  # the allocator's rule, said in the stats
   out, = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
   assert len(out.token_ids) == max_tokens and llm.stats["preemptions"] == 0
   assert llm.stats["peak_blocks_in_use"] <= 12
