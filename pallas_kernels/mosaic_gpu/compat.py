@@ -26,6 +26,7 @@ REQUIRED_NAMES = (
     "kernel", "SMEM", "Barrier", "ACC", "TilingTransform", "SwizzleTransform", "Layout",
     "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem", "barrier_wait",
     "commit_smem", "wgmma", "transpose_ref", "layout_cast", "find_swizzle",
+    "broadcasted_iota", "load",
 )
 
 
