@@ -13,9 +13,10 @@ Shapes the Hopper primitives impose (checked in ``check_shapes``):
   swizzle-wide groups).
 - D is a multiple of 16 up to 256 (a row of a bfloat16 operand is a whole number of
   32-byte swizzle groups, the smallest Mosaic GPU swizzle; the dots take K = D in groups of
-  the swizzle's width), of 32 for one-byte pages (their rows as stored); Z a multiple of 8 (a copy lands on whole 8-row tiles
-  of shared memory) up to 128 that divides J or that J divides. A chunk is copied in units
-  of min(Z, J) positions: J / Z whole pages, or (Z > J) part of one page.
+  the swizzle's width), of 32 for one-byte pages (their rows as stored).
+- Z is a multiple of 8 (a copy lands on whole 8-row tiles of shared memory) up to 128 that
+  divides J or that J divides. A chunk is copied in units of min(Z, J) positions: J / Z
+  whole pages, or (Z > J) part of one page.
 """
 
 from __future__ import annotations
