@@ -21,7 +21,8 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   (``layout.from_storage``), float32 split into three bfloat16 pieces, and V rows that
   must not count zeroed (a chunk of J < 64 positions, ``tiling.SMALL_CHUNKS``, goes
   through registers as its transpose: the wgmma register layout spans 64 rows, and the
-  transposed tile has D rows). Direct path (pages already in the 16-bit compute dtype): the
+  transposed tile has D rows; one-byte pages whose rows are no whole number of 32-byte
+  swizzle groups land in an unswizzled ring). Direct path (pages already in the 16-bit compute dtype): the
   dots read the TMA buffers, and only a chunk holding rows that must not count (the
   item's last chunk, or a skipped page) has those V rows zeroed in place first: 0 * NaN
   would poison the P V dot.
@@ -135,6 +136,13 @@ class _Primitives:
     if self.interpret:
       return lax.broadcasted_iota(jnp.int32, shape, dimension)
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=layout_)
+
+  def load_plain(self, ref):
+    """A tile of an unswizzled, untiled buffer (a ring of one-byte rows that are no whole
+    number of 32-byte swizzle groups), in the wgmma register layout."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
   def load_transposed(self, ref):
     """A [J, D] shared-memory tile as its transpose [D, J] in registers: the wgmma layout
@@ -381,7 +389,7 @@ def _kernel(*refs, cfg: KernelConfig):
     if chunk < tiling_lib.CHUNK_TILE:
       stage_transposed(raw_ref, op_ref, c, info, zero_invalid_rows=zero_invalid_rows)
       return
-    values_JD = operand_values(raw_ref[...])
+    values_JD = operand_values(prims.load_plain(raw_ref) if plain_ring else raw_ref[...])
     if zero_invalid_rows:
       _, valid_J = valid_positions(c, info, row_layout)
       valid_JD = lax.broadcast_in_dim(valid_J, values_JD.shape, [0])
@@ -520,10 +528,16 @@ def _kernel(*refs, cfg: KernelConfig):
 
   storage_dtype = k_pages_ref.dtype
   ring_shape = (num_stages, chunk, head_dim)
+  # One-byte rows that are no whole number of 32-byte swizzle groups (D = 48, 80, 112)
+  # cannot be swizzled: that ring is a plain buffer, read only by the staging (the pages of
+  # a quantised pool are always staged).
+  plain_ring = head_dim * jnp.dtype(storage_dtype).itemsize % 32 != 0
+  assert cfg.plan.staged or not plain_ring
+  ring_buf = plgpu.SMEM if plain_ring else _smem_tile
   scratch = [
       _smem_tile((pieces, rows, head_dim), mma_dtype),
-      _smem_tile(ring_shape, storage_dtype),
-      _smem_tile(ring_shape, storage_dtype),
+      ring_buf(ring_shape, storage_dtype),
+      ring_buf(ring_shape, storage_dtype),
   ]
   if cfg.plan.staged:
     # The V operand's rows (J) are the K of the update's wgmma, which takes K in groups

@@ -216,7 +216,7 @@ def ragged_paged_attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     q_THD: [T, H, D] queries (float16, bfloat16 or float32); sequence i owns rows
       ``cu_q_lens[i]:cu_q_lens[i + 1]``.
     k_pages_LKNZD, v_pages_LKNZD: [L, K, N, Z, D] pages (``pallas_kernels.layout``);
-      D a multiple of 16 up to 256 (of 32 for one-byte pages), Z a multiple of 8 up to
+      D a multiple of 16 up to 256, Z a multiple of 8 up to
       128.
     layer: int or traced i32[] scalar: the layer read, indexed inside the kernel.
     kv_lens_S: i32[S]; block_tables_SP: i32[S, P]; cu_q_lens: i32[S + 1];

@@ -13,7 +13,9 @@ Shapes the Hopper primitives impose (checked in ``check_shapes``):
   swizzle-wide groups).
 - D is a multiple of 16 up to 256 (a row of a bfloat16 operand is a whole number of
   32-byte swizzle groups, the smallest Mosaic GPU swizzle; the dots take K = D in groups of
-  the swizzle's width), of 32 for one-byte pages (their rows as stored).
+  the swizzle's width). One-byte pages whose rows are not a whole number of 32-byte groups
+  (D = 48, 80, 112) land in an unswizzled ring and are loaded from it in the wgmma layout
+  (only the staging reads the ring of a quantised pool).
 - Z is a multiple of 8 (a copy lands on whole 8-row tiles of shared memory) up to 128 that
   divides J or that J divides. A chunk is copied in units of min(Z, J) positions: J / Z
   whole pages, or (Z > J) part of one page.
@@ -29,8 +31,7 @@ SMALL_CHUNKS = (16, 32)  # J below CHUNK_TILE, for staged plans (see the module 
 OUT_ROW_TILE = 8      # rows of the partial outputs written back (a shared-memory tile)
 LSE_TILE = 32         # entries of the log-sum-exp rows written back (128 bytes of f32)
 MAX_HEAD_DIM = 256
-# Granularity of D: 16 two-byte elements fill the smallest swizzle (32 bytes); one-byte
-# pages need twice as many.
+# Granularity of D: 16 two-byte elements fill the smallest swizzle (32 bytes).
 HEAD_DIM_TILE = 16
 MAX_STAGES = 4
 # One barrier per (stage, page) for K+V; Mosaic GPU tracks the phases of one barrier
@@ -161,11 +162,9 @@ class MosaicTiling:
   def check_shapes(self, *, group: int, block_size: int, head_dim: int,
                    plan: OperandPlan) -> None:
     """Shape-dependent checks; raises ``ValueError`` naming the field or dimension."""
-    dim_tile = HEAD_DIM_TILE * max(1, 2 // plan.storage_itemsize)
-    if head_dim % dim_tile or head_dim > MAX_HEAD_DIM:
-      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a multiple of {dim_tile} "
-                       f"up to {MAX_HEAD_DIM} for the Mosaic GPU kernel "
-                       f"({plan.storage_itemsize}-byte pages)")
+    if head_dim % HEAD_DIM_TILE or head_dim > MAX_HEAD_DIM:
+      raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be a multiple of "
+                       f"{HEAD_DIM_TILE} up to {MAX_HEAD_DIM} for the Mosaic GPU kernel")
     if block_size % 8 or block_size > 128:
       raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a multiple "
                        "of 8 up to 128 for the Mosaic GPU kernel")

@@ -532,6 +532,14 @@ def test_quantized_small_chunks():
                    tiling=MosaicTiling(q_tile=8, chunk_size=16, num_splits=2, num_stages=3))
 
 
+@needs_interpret
+def test_quantized_rows_not_a_whole_swizzle():
+  # int8 at Phi-2's D = 80: 80-byte rows are no whole number of 32-byte swizzle groups, so
+  # the pages land in an unswizzled ring, read in the wgmma layout; every variant on.
+  case = _case(44, dtype=jnp.float32, group=2, head_dim=80, block_size=16)
+  _check_quantized(case, jnp.int8, _named_variant(case, "all"), q_dtype=jnp.bfloat16)
+
+
 _ACCURACY_CASE = attention_cases.quant_accuracy_case()
 # Issue 20's bounds: max abs error / max abs output against the unquantised float32 K/V.
 _ACCURACY_BOUND = {"int8": 1.5e-2, "float8_e4m3fn": 6e-2}
@@ -865,9 +873,9 @@ def test_unsupported_reason_names_what_does_not_fit():
       s((4, 8, 96), jnp.bfloat16), s((2, 8, 64, 16, 96), jnp.bfloat16), tables) is None
   assert "head_dim D=72 (q.shape[2]) must be a multiple of 16" in mosaic_gpu.unsupported_reason(
       s((4, 8, 72), jnp.bfloat16), s((2, 8, 64, 16, 72), jnp.bfloat16), tables)
-  assert "head_dim D=80 (q.shape[2]) must be a multiple of 32" in mosaic_gpu.unsupported_reason(
+  assert mosaic_gpu.unsupported_reason(  # 80-byte rows: an unswizzled ring
       s((4, 8, 80), jnp.bfloat16), s((2, 8, 64, 16, 80), jnp.int8), tables,
-      kv_dtype=jnp.int8)
+      kv_dtype=jnp.int8) is None
   # float32 between 128 and 256 but not a multiple of 64: no chunk of 64 fits, and the
   # small chunks' transposed tiles need D rows in multiples of 64.
   assert "no tiling fits" in mosaic_gpu.unsupported_reason(
@@ -1032,6 +1040,21 @@ def test_lowers_for_cuda_at_phi3_head_dim():
   # Phi-3-mini: 32 heads of D = 96 (64-byte swizzles), bf16 storage bits, every variant.
   text = _lower("phi3_mini", 32, 32, 96, 16, T=96, S=8, variant=LOWERING_VARIANTS["all"])
   _assert_one_mosaic_kernel(text, jnp.uint16, 16, 96)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_lowers_for_cuda_at_phi2_head_dim(kv_dtype):
+  # Phi-2: D = 80, one-byte pages (80-byte rows: the unswizzled ring), a mixed batch.
+  kv_dtype = jnp.dtype(kv_dtype)
+  pages = jax.ShapeDtypeStruct((2, 32, 256, 16, 80), layout.storage_dtype(kv_dtype))
+  scales = jax.ShapeDtypeStruct(layout.scales_shape(2, 32, 256, 16), jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = [jax.ShapeDtypeStruct((96, 32, 80), jnp.bfloat16), pages, pages, i32(), i32(8),
+          i32(8, 64), i32(9), i32(), scales, scales]
+  f = lambda *a: mosaic_gpu.ragged_paged_attention(
+      *a[:8], k_scales=a[8], v_scales=a[9], sm_scale=80 ** -0.5, kv_dtype=kv_dtype)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("@mosaic_gpu") == 1 and "triton" not in text
 
 
 @pytest.mark.parametrize("pages_dtype", [jnp.float32, jnp.uint16], ids=["f32", "bits"])
