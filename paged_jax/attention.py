@@ -105,8 +105,9 @@ def resolve_impl(impl: str) -> str:
   where the installed JAX still has that backend, else "pallas_mosaic_gpu" when the device
   is Hopper (CUDA compute capability 9.x: the kernel uses wgmma and TMA) and JAX has Mosaic
   GPU; elsewhere, or when none is there, "xla". (Inside ``paged_attention`` "auto" also
-  passes over a GPU kernel that refuses the shapes, e.g. the Mosaic GPU kernel at a head
-  dim that is not a multiple of 16.)"""
+  passes over a kernel that refuses the shapes, e.g. pages of 12 tokens on a GPU, or a
+  head dim that is not a multiple of 8 on a TPU: every kernel package says why in its
+  ``unsupported_reason``.)"""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   return _first_on_backend() if impl == "auto" else impl

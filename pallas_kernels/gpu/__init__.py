@@ -5,8 +5,9 @@ Triton-lowered kernel lives in ``triton_ragged`` and the backend is chosen in ``
 """
 
 from paged_jax.pallas_kernels.gpu.ragged import (DEFAULT_BACKEND, default_tiling_for,
-                                                 loaded_pages, ragged_paged_attention)
+                                                 loaded_pages, ragged_paged_attention,
+                                                 unsupported_reason)
 from paged_jax.pallas_kernels.gpu.tiling import GpuTiling, default_tiling
 
 __all__ = ["DEFAULT_BACKEND", "GpuTiling", "default_tiling", "default_tiling_for",
-           "loaded_pages", "ragged_paged_attention"]
+           "loaded_pages", "ragged_paged_attention", "unsupported_reason"]

@@ -74,6 +74,26 @@ def default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
       blocks_per_seq=blocks_per_seq, itemsize=itemsize, sliding_window=sliding_window)
 
 
+def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
+                       sliding_window: int | None = None) -> str | None:
+  """Why this kernel cannot take arguments of these shapes and dtypes, or None if it can
+  (with its default tiling): what an "auto" choice asks before picking it. Static: only
+  shapes and dtypes are read."""
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  num_q_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
+  if dims["K"] < 1 or num_q_heads % dims["K"]:
+    return f"q heads H={num_q_heads} must be a multiple of K={dims['K']}"
+  itemsize = jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD, kv_dtype)).itemsize
+  try:
+    tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
+                                sliding_window=sliding_window)
+    tiling.check_shapes(group=num_q_heads // dims["K"], block_size=dims["Z"],
+                        head_dim=head_dim, itemsize=itemsize)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
                cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, sinks, kv_dtype,
                k_scales, v_scales, tiling, interpret, backend, count_pages):

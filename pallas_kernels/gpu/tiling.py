@@ -108,9 +108,7 @@ class GpuTiling:
 
     ``itemsize``: bytes per element of the compute dtype (the shared-memory estimate).
     """
-    if not _is_pow2(block_size):
-      raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a power of "
-                       "two for the Triton backend")
+    _check_block_size(block_size)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
       raise ValueError(f"head_dim D={head_dim} (q.shape[2]) must be in [1, {MAX_HEAD_DIM}] "
                        "for the Triton backend")
@@ -136,6 +134,12 @@ class GpuTiling:
           f"or q_tile={self.q_tile} (M = {rows} rows)")
 
 
+def _check_block_size(block_size: int) -> None:
+  if not _is_pow2(block_size):
+    raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) must be a power of "
+                     "two for the Triton backend")
+
+
 def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, group: int,
                    block_size: int, head_dim: int, blocks_per_seq: int, itemsize: int = 4,
                    sliding_window: int | None = None) -> GpuTiling:
@@ -152,6 +156,7 @@ def default_tiling(*, num_tokens: int, num_seq_rows: int, num_kv_heads: int, gro
   first choice does not, Q, then R, then the pipeline stages shrink until it does, and
   last a page is read in parts (``page_split``; J down to 16).
   """
+  _check_block_size(block_size)  # before any tiling is built from it
   rows_per_seq = max(1, num_tokens // max(1, num_seq_rows))
   if rows_per_seq == 1:
     q_tile = 1  # decode: one item per row, M padded to 16 anyway, no empty items

@@ -535,6 +535,33 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                quantized=layout.is_quantized(kv_dtype))
 
 
+def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
+                       sliding_window: int | None = None) -> str | None:
+  """Why this kernel cannot take arguments of these shapes and dtypes, or None if it can
+  (with its default tiling): what an "auto" choice asks before picking it. Static: only
+  shapes and dtypes are read."""
+  del sliding_window  # the default tiling does not depend on it
+  num_tokens, num_q_heads, head_dim = q_THD.shape
+  _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    return f"q heads H={num_q_heads} must be a multiple of K={num_kv_heads}"
+  if head_dim % 8 != 0 or head_dim > 256:
+    return f"head_dim={head_dim} (q.shape[2]) must be a multiple of 8 up to 256"
+  if block_size % 8 != 0:
+    return f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8"
+  num_seq_rows, blocks_per_seq = block_tables_SP.shape
+  tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
+                          blocks_per_seq)
+  try:
+    tiling.check(group=num_q_heads // num_kv_heads, block_size=block_size,
+                 head_dim=head_dim, q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
+                 kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize,
+                 quantized=layout.is_quantized(kv_dtype))
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def _interpret_params(interpret):
   if interpret is True:
     return pltpu.InterpretParams()

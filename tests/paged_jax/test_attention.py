@@ -249,6 +249,36 @@ def test_auto_on_hopper_without_triton_passes_over_mosaic_only_where_it_refuses(
     assert _auto_for(args_for(256, dtype)) == "pallas_mosaic_gpu"
 
 
+def _args_of_shape(head_dim, block_size, dtype=jnp.float32):
+  q_lens, kv_lens = cases.mixed_lengths(block_size)
+  case = cases.make_case(0, q_lens=q_lens, kv_lens=kv_lens, head_dim=head_dim,
+                         block_size=block_size, dtype=jnp.float32)
+  q, k_pages, v_pages, _, _, tables, _, _ = case.jax_args()
+  return dict(q=q.astype(dtype), cache=KVCache(k_pages=k_pages.astype(dtype),
+                                               v_pages=v_pages.astype(dtype)),
+              block_tables=tables)
+
+
+def test_auto_passes_over_triton_and_tpu_kernels_that_refuse_the_shapes(monkeypatch):
+  # "auto" never picks a kernel that would raise on the shapes: pages of 12 tokens are no
+  # power of two (Triton) nor a multiple of 8 (Mosaic GPU, TPU), D = 100 no multiple of 8
+  # (TPU): the XLA path there; pages of 16 and D = 96 take the kernels.
+  from paged_jax import attention
+  from paged_jax.pallas_kernels import gpu, tpu
+  _on_gpu(monkeypatch, "9.0")
+  z12 = _args_of_shape(64, 12)
+  assert "block_size Z=12" in gpu.unsupported_reason(z12["q"], z12["cache"].k_pages,
+                                                     z12["block_tables"])
+  assert _auto_for(z12) == "xla"
+  assert _auto_for(_args_of_shape(96, 16)) == "pallas_gpu"
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
+  d100 = _args_of_shape(100, 16)
+  assert "head_dim=100" in tpu.unsupported_reason(d100["q"], d100["cache"].k_pages,
+                                                  d100["block_tables"])
+  assert _auto_for(d100) == "xla" and _auto_for(z12) == "xla"
+  assert _auto_for(_args_of_shape(96, 16, jnp.bfloat16)) == "pallas_tpu"
+
+
 def test_compute_capability_is_read_defensively():
   from paged_jax import attention
   cc = attention._compute_capability
