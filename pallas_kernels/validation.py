@@ -133,6 +133,22 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
       raise ValueError(f"sinks.dtype={dtype} must be float32")
 
 
+def refusal_reason(q_THD, k_pages_LKNZD, check_shapes) -> str | None:
+  """Why a kernel refuses these shapes, or None: what its ``unsupported_reason`` (asked by
+  an "auto" choice) returns. H must be a multiple of K; then ``check_shapes(group)`` (the
+  kernel's own checks of its default tiling, G = H / K) raises ``ValueError`` with the
+  reason, or returns."""
+  num_q_heads = q_THD.shape[1]
+  num_kv_heads = layout.unpack_pages_shape(k_pages_LKNZD.shape)["K"]
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    return f"q heads H={num_q_heads} must be a multiple of K={num_kv_heads}"
+  try:
+    check_shapes(num_q_heads // num_kv_heads)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def canonical_variants(sliding_window=None, soft_cap=None):
   """``(sliding_window, soft_cap)`` as hashable static Python values (int, float) after
   ``static_validate_variants`` accepted them: a numpy int or an int cap is one jit key."""

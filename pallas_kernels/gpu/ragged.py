@@ -79,19 +79,16 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   """Why this kernel cannot take arguments of these shapes and dtypes, or None if it can
   (with its default tiling): what an "auto" choice asks before picking it. Static: only
   shapes and dtypes are read."""
-  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
-  num_q_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
-  if dims["K"] < 1 or num_q_heads % dims["K"]:
-    return f"q heads H={num_q_heads} must be a multiple of K={dims['K']}"
-  itemsize = jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD, kv_dtype)).itemsize
-  try:
+  def check_shapes(group):
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
-    tiling.check_shapes(group=num_q_heads // dims["K"], block_size=dims["Z"],
-                        head_dim=head_dim, itemsize=itemsize)
-  except ValueError as e:
-    return str(e)
-  return None
+    block_size = layout.unpack_pages_shape(k_pages_LKNZD.shape)["Z"]
+    tiling.check_shapes(group=group, block_size=block_size,
+                        head_dim=q_THD.shape[2],
+                        itemsize=jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD,
+                                                          kv_dtype)).itemsize)
+
+  return validation.refusal_reason(q_THD, k_pages_LKNZD, check_shapes)
 
 
 def _attention(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block_tables_SP,

@@ -95,19 +95,16 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
     return f"jax {jax.__version__} lacks Mosaic GPU pieces: {', '.join(compat.missing_names())}"
   if not jnp.issubdtype(q_THD.dtype, jnp.floating) or jnp.dtype(q_THD.dtype).itemsize < 2:
     return f"q.dtype={q_THD.dtype} must be float16, bfloat16 or float32"
-  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
-  num_q_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
-  if dims["K"] < 1 or num_q_heads % dims["K"]:
-    return f"q heads H={num_q_heads} must be a multiple of K={dims['K']}"
-  plan = operand_plan(q_THD.dtype, k_pages_LKNZD.dtype, kv_dtype=kv_dtype)
-  try:
+  def check_shapes(group):
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
-    tiling.check_shapes(group=num_q_heads // dims["K"], block_size=dims["Z"],
-                        head_dim=head_dim, plan=plan)
-  except ValueError as e:
-    return str(e)
-  return None
+    block_size = layout.unpack_pages_shape(k_pages_LKNZD.shape)["Z"]
+    tiling.check_shapes(group=group, block_size=block_size,
+                        head_dim=q_THD.shape[2],
+                        plan=operand_plan(q_THD.dtype, k_pages_LKNZD.dtype,
+                                          kv_dtype=kv_dtype))
+
+  return validation.refusal_reason(q_THD, k_pages_LKNZD, check_shapes)
 
 
 _STATICS = ("sm_scale", "sliding_window", "soft_cap", "kv_dtype", "tiling", "interpret")

@@ -509,6 +509,15 @@ def _ragged_kernel(
   out_MD_ref[...] = jnp.where(owned_M1, out_MD, kept_MD).astype(out_MD_ref.dtype)
 
 
+def _check_head_dim_and_block_size(head_dim: int, block_size: int) -> None:
+  if head_dim % 8 != 0 or head_dim > 256:
+    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be a multiple of 8 up to 256 "
+                     "(a page row is one full-width block: 64, 80, 96, 128 and 256 all fit)")
+  if block_size % 8 != 0:
+    raise ValueError(f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8 "
+                     "(the sublane tile)")
+
+
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, tiling: TpuTiling,
                            sliding_window: int | None = None, soft_cap: float | None = None,
@@ -521,12 +530,7 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
   validation.static_validate_variants(num_q_heads, sliding_window=sliding_window,
                                      soft_cap=soft_cap, sinks=sinks)
-  if head_dim % 8 != 0 or head_dim > 256:
-    raise ValueError(f"head_dim={head_dim} (q.shape[2]) must be a multiple of 8 up to 256 "
-                     "(a page row is one full-width block: 64, 80, 96, 128 and 256 all fit)")
-  if block_size % 8 != 0:
-    raise ValueError(f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8 "
-                     "(the sublane tile)")
+  _check_head_dim_and_block_size(head_dim, block_size)
   if not isinstance(tiling, TpuTiling):
     raise ValueError(f"tiling={tiling!r} must be a TpuTiling or None")
   tiling.check(group=num_q_heads // num_kv_heads, block_size=block_size, head_dim=head_dim,
@@ -543,23 +547,18 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   del sliding_window  # the default tiling does not depend on it
   num_tokens, num_q_heads, head_dim = q_THD.shape
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
-  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-    return f"q heads H={num_q_heads} must be a multiple of K={num_kv_heads}"
-  if head_dim % 8 != 0 or head_dim > 256:
-    return f"head_dim={head_dim} (q.shape[2]) must be a multiple of 8 up to 256"
-  if block_size % 8 != 0:
-    return f"block_size={block_size} (k_pages.shape[3]) must be a multiple of 8"
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
-  tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
-                          blocks_per_seq)
-  try:
-    tiling.check(group=num_q_heads // num_kv_heads, block_size=block_size,
-                 head_dim=head_dim, q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
+
+  def check_shapes(group):
+    _check_head_dim_and_block_size(head_dim, block_size)
+    tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
+                            blocks_per_seq)
+    tiling.check(group=group, block_size=block_size, head_dim=head_dim,
+                 q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
                  kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize,
                  quantized=layout.is_quantized(kv_dtype))
-  except ValueError as e:
-    return str(e)
-  return None
+
+  return validation.refusal_reason(q_THD, k_pages_LKNZD, check_shapes)
 
 
 def _interpret_params(interpret):
