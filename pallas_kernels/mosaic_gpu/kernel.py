@@ -22,10 +22,10 @@ KV range ``[begin, horizon)`` one chunk of J positions at a time:
   must not count zeroed (a chunk of J < 64 positions, ``tiling.SMALL_CHUNKS``, goes
   through registers as its transpose: the wgmma register layout spans 64 rows, and the
   transposed tile has D rows; one-byte pages whose rows are no whole number of 32-byte
-  swizzle groups land in an unswizzled ring). Direct path (pages already in the 16-bit compute dtype): the
-  dots read the TMA buffers, and only a chunk holding rows that must not count (the
-  item's last chunk, or a skipped page) has those V rows zeroed in place first: 0 * NaN
-  would poison the P V dot.
+  swizzle groups land in an unswizzled ring). Direct path (pages already in the 16-bit
+  compute dtype): the dots read the TMA buffers, and only a chunk holding rows that must
+  not count (the item's last chunk, or a skipped page) has those V rows zeroed in place
+  first: 0 * NaN would poison the P V dot.
 - Quantised pages (int8, float8_e4m3fn, float8_e5m2; ``OperandPlan.scaled``): the stored
   values are staged as they are, converted to bfloat16 (exact), and each position's
   float32 scale multiplies its column after the dots: ``s_j = (q . k_j) * k_scale_j`` and
@@ -350,12 +350,17 @@ def _kernel(*refs, cfg: KernelConfig):
   def valid_positions(c, info, vector_layout):
     """bool[J] (in ``vector_layout``): positions of chunk c that may count: before the
     horizon, on a page that was read."""
-    pos_J = begin + c * chunk + prims.iota((chunk,), 0, vector_layout)
-    valid_J = pos_J < horizon
-    copy_J = lax.div(prims.iota((chunk,), 0, vector_layout), unit)
+    return valid_at(c, info, prims.iota((chunk,), 0, vector_layout))
+
+  def valid_at(c, info, within):
+    """``(pos, valid)`` for offsets ``within`` chunk c (an int array of any shape and
+    layout): the KV positions, and whether each may count (``valid_positions``)."""
+    pos = begin + c * chunk + within
+    valid = pos < horizon
+    copy = lax.div(within, unit)
     for r, (read, _, _) in enumerate(info):
-      valid_J = valid_J & ((copy_J != r) | read)
-    return pos_J, valid_J
+      valid = valid & ((copy != r) | read)
+    return pos, valid
 
   def operand_values(raw):
     """A tile as loaded (pages as stored) as operand values: storage bits bitcast back
@@ -400,14 +405,11 @@ def _kernel(*refs, cfg: KernelConfig):
   def stage_transposed(raw_ref, op_ref, c, info, *, zero_invalid_rows):
     """``stage`` for chunks of J < 64 positions (``tiling.SMALL_CHUNKS``): the tile goes
     through registers as its transpose [D, J], and the positions that must not count are
-    the columns ``valid_positions`` would give, from a [D, J] iota of positions."""
+    its columns (``valid_at`` of a [D, J] iota of offsets)."""
     transposed = plgpu.Layout.WGMMA_TRANSPOSED
     values_DJ = operand_values(prims.load_transposed(raw_ref))
     if zero_invalid_rows:
-      within_DJ = prims.iota(values_DJ.shape, 1, transposed)
-      valid_DJ = begin + c * chunk + within_DJ < horizon
-      for r, (read, _, _) in enumerate(info):
-        valid_DJ = valid_DJ & ((lax.div(within_DJ, unit) != r) | read)
+      _, valid_DJ = valid_at(c, info, prims.iota(values_DJ.shape, 1, transposed))
       values_DJ = jnp.where(valid_DJ, values_DJ, jnp.zeros_like(values_DJ))
     for i, piece in enumerate(split_pieces(values_DJ, len(op_ref), mma_dtype)):
       prims.store_transposed(op_ref[i], piece)
