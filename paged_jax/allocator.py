@@ -35,11 +35,13 @@ later and reads from ``seq_len - W + 1``; the blocks wholly before that become
 ``NO_BLOCK`` in its row. Its row is therefore one contiguous run of blocks ending at the
 last logical block, and the partial last block is always inside it. Forks share the run
 and copy the partial tail in every group; preemption and release drop every group's
-blocks. Prefix caching (below) serves only the single full group: with several groups or
-a sliding one ``lookup`` finds nothing, ``attach`` takes nothing and ``register``
-registers nothing. (The rule is the simplest correct one: a cached prefix would have to
-keep, for every sliding group, the blocks its windows reach, and a hit would need every
-group's chain; neither is built.)
+blocks. Prefix caching (below) follows one chain per prefix, in the *anchor* group (the
+first full-attention group); every other group registers its block of each level beside
+the anchor's (a sibling link) and a hit of k blocks needs, in each of them, the blocks
+the query at ``k * Z`` reads: all k in a full group, those from ``_keep_from_gS`` on in a
+sliding one (their earlier blocks are not needed, and may long be evicted). With no full
+group (every layer slides) there is no anchor: ``lookup`` finds nothing, ``attach`` takes
+nothing and ``register`` registers nothing.
 
 Free structure. There is no free list or stack: a block is free iff its ``ref_counts`` is 0,
 and free blocks are handed out in the order of the key ``(last_used, block id)``: least
@@ -59,6 +61,14 @@ recomputing it (``lookup`` + ``attach``). Extra state, per block:
     salt_N           i32[N]     cache salt of the registering sequence (tenants never mix)
     generation_N     i32[N]     bumped each time the block is handed out fresh
     block_tokens_NZ  i32[N, Z]  the token ids the registered block holds
+    group_N          i32[N]     KV group of the registered block
+
+With KV groups the anchor's blocks form the chains above; a registered block of another
+group g has the anchor's block of its level as ``parent_N`` (and that block's generation
+as ``parent_gen_N``) and a hash of its own, the anchor's key mixed with g
+(``_group_key``). It is confirmed by its group, depth, salt and tokens and by that sibling
+link to the confirmed anchor block: the anchor's chain vouches for the whole prefix, the
+link for the block having been computed from it.
 
 The hash table is the registered (``block_hash_N``, block) pairs, scattered into buckets by
 a mix of the hash (``_candidates``: no sort, O(N + S * P) per lookup), and every query block
@@ -138,6 +148,7 @@ class AllocatorState:
   salt_N: jax.Array  # i32[N]
   generation_N: jax.Array  # i32[N]
   block_tokens_NZ: jax.Array  # i32[N, Z]
+  group_N: jax.Array  # i32[N]
   block_size: int = dataclasses.field(metadata=dict(static=True))
   # KV groups (module docstring): the sliding window of each group, None for full attention.
   windows: tuple = dataclasses.field(default=(None,), metadata=dict(static=True))
@@ -198,9 +209,22 @@ def _pack(state: AllocatorState, tables_gSP: jax.Array) -> jax.Array:
   return tables_gSP[0] if state.block_tables.ndim == 2 else tables_gSP
 
 
+def _anchor(state: AllocatorState):
+  """Static: the group whose chains prefix hits follow (module docstring), the first
+  full-attention group; None when every group slides (prefix caching is then off)."""
+  return next((g for g, w in enumerate(state.windows) if w is None), None)
+
+
 def _prefix_caching(state: AllocatorState) -> bool:
-  """Static: prefix caching serves only a state whose one group attends to everything."""
-  return state.windows == (None,)
+  """Static: prefix caching needs a full-attention group to anchor its chains."""
+  return _anchor(state) is not None
+
+
+def _group_key(key: jax.Array, state: AllocatorState, g: int) -> jax.Array:
+  """The hash of group g's block of a level: the anchor's key itself, or mixed with g."""
+  if g == _anchor(state):
+    return key
+  return _fmix32(key ^ jnp.uint32((0x9E3779B9 * (g + 1)) & 0xFFFFFFFF))
 
 
 def _keep_from_gS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
@@ -345,6 +369,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
       salt_N=jnp.zeros(num_blocks, jnp.int32),
       generation_N=jnp.zeros(num_blocks, jnp.int32),
       block_tokens_NZ=jnp.zeros((num_blocks, block_size), jnp.int32),
+      group_N=jnp.zeros(num_blocks, jnp.int32),
       block_size=block_size,
       windows=windows,
   )
@@ -683,43 +708,70 @@ def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
 _BUCKET_MIXES = (0, 0x7FEB352D)  # two bucket functions of one key: fewer lost hits
 
 
-def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
-                salt_S: jax.Array) -> jax.Array:
-  """i32[S, P]: the registered block proposed for each key, from a table built without a sort.
+def _bucket(h: jax.Array, *, mix: int, size: int) -> jax.Array:
+  return (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(size - 1)).astype(jnp.int32)
 
-  The registered blocks are scattered into B >= 2N buckets (a power of two) by a mix of
-  their hash; each bucket keeps its highest and its lowest block id, under two bucket
-  functions: up to four blocks per key, in O(N + S * P * Z) (no sort of the pool). Proposed
-  is the first of them that holds this block's tokens (hash, salt and depth agreeing) and
-  hangs off such a block one level up (a root at level 0), so that a stale entry (its parent
+
+def _bucket_tables(state: AllocatorState) -> list:
+  """The hash table of the registered blocks, built without a sort: B >= 2N buckets (a
+  power of two), filled by a mix of each block's hash under each of two bucket functions;
+  per function ``(bucket, max_B, min_B)``: the function and each bucket's highest and
+  lowest block id (-1 / N where it holds none). O(N)."""
+  n = state.num_blocks
+  size = 1 << max(1, (2 * n - 1).bit_length())
+  reg_N = state.depth_N >= 0
+  ids_N = jnp.arange(n, dtype=jnp.int32)
+  tables = []
+  for mix in _BUCKET_MIXES:
+    bucket = functools.partial(_bucket, mix=mix, size=size)
+    dest_N = jnp.where(reg_N, bucket(state.block_hash_N), size)  # size: dropped
+    tables.append((bucket, jnp.full(size, -1, jnp.int32).at[dest_N].max(ids_N, mode="drop"),
+                   jnp.full(size, n, jnp.int32).at[dest_N].min(ids_N, mode="drop")))
+  return tables
+
+
+def _proposals(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
+               salt_S: jax.Array, group: int) -> list:
+  """The (up to four) blocks the tables propose for each key of ``group``, as pairs
+  ``(cand_SP, holds_SP)``: the block (NO_BLOCK where none) and whether it holds this
+  level's content (hash, salt, depth, group and tokens agreeing). O(S * P * Z)."""
+  n, p = state.num_blocks, key_SP.shape[1]
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  out = []
+  for bucket, max_B, min_B in tables:
+    q_SP = bucket(key_SP)
+    for table_B in (max_B, min_B):
+      c_SP = table_B[q_SP]
+      inside_SP = (c_SP >= 0) & (c_SP < n)
+      cc_SP = jnp.clip(c_SP, 0, n - 1)
+      out.append((jnp.where(inside_SP, c_SP, NO_BLOCK),
+                  inside_SP & (state.block_hash_N[cc_SP] == key_SP)
+                  & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
+                  & (state.group_N[cc_SP] == group)
+                  & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)))
+  return out
+
+
+def _candidates(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
+                salt_S: jax.Array) -> jax.Array:
+  """i32[S, P]: the anchor-group block proposed for each key (``_bucket_tables``).
+
+  Each bucket keeps two blocks under each of two bucket functions: up to four per key.
+  Proposed is the first of them that holds this block's content (``_proposals``) and hangs
+  off such a block one level up (a root at level 0), so that a stale entry (its parent
   evicted since) does not hide a live one with the same key. NO_BLOCK when none does. A key
   loses its block only when three registered blocks share its bucket under both functions: a
   lost hit, never a wrong one (``_walk`` confirms every hit)."""
   n, p = state.num_blocks, key_SP.shape[1]
-  b = 1 << max(1, (2 * n - 1).bit_length())
-  reg_N = state.depth_N >= 0
-  ids_N = jnp.arange(n, dtype=jnp.int32)
   j_P = jnp.arange(p, dtype=jnp.int32)
-  cands, holds = [], []
-  for mix in _BUCKET_MIXES:
-    bucket = lambda h: (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(b - 1)).astype(jnp.int32)
-    dest_N = jnp.where(reg_N, bucket(state.block_hash_N), b)  # b: dropped
-    q_SP = bucket(key_SP)
-    for table_B in (jnp.full(b, -1, jnp.int32).at[dest_N].max(ids_N, mode="drop"),
-                    jnp.full(b, n, jnp.int32).at[dest_N].min(ids_N, mode="drop")):
-      c_SP = table_B[q_SP]
-      cc_SP = jnp.clip(c_SP, 0, n - 1)
-      cands.append(jnp.where((c_SP >= 0) & (c_SP < n), c_SP, NO_BLOCK))
-      holds.append((c_SP >= 0) & (c_SP < n) & (state.block_hash_N[cc_SP] == key_SP)
-                   & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
-                   & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))
+  proposed = _proposals(state, tables, tokens_SPZ, key_SP, salt_S, _anchor(state))
   shift = lambda x_SP, fill: jnp.concatenate(
       [jnp.full((x_SP.shape[0], 1), fill, x_SP.dtype), x_SP[:, :-1]], axis=1)
   pick_SP = jnp.full(key_SP.shape, NO_BLOCK, jnp.int32)
-  for c_SP, h_SP in zip(cands, holds):
+  for c_SP, h_SP in proposed:
     cc_SP = jnp.clip(c_SP, 0, n - 1)
     linked_SP = (j_P == 0) & (state.parent_N[cc_SP] == NO_BLOCK)
-    for up_SP, up_holds_SP in zip(cands, holds):  # the candidates one level up
+    for up_SP, up_holds_SP in proposed:  # the candidates one level up
       up_SP, up_holds_SP = shift(up_SP, NO_BLOCK), shift(up_holds_SP, False)
       linked_SP |= (up_holds_SP & (state.parent_N[cc_SP] == up_SP)
                     & (state.parent_gen_N[cc_SP]
@@ -728,8 +780,8 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   return pick_SP
 
 
-def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
-  """Match every sequence's blocks ``j < limit_S`` against the registered ones.
+def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn, tables):
+  """Match every sequence's blocks ``j < limit_S`` against the anchor group's registered ones.
 
   Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes
   (``_candidates``), the confirmed leading run of levels (bool) and its length.
@@ -740,15 +792,66 @@ def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   if key_SP.shape != (s, p):
     raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]={(s, p)}")
   key_SP = key_SP.astype(jnp.uint32)
-  cand_SP = _candidates(state, tokens_SPZ, key_SP, salt_S)
+  cand_SP = _candidates(state, tables, tokens_SPZ, key_SP, salt_S)
   cc_SP = jnp.clip(cand_SP, 0, n - 1)
   j_P = jnp.arange(p, dtype=jnp.int32)
   ok_SP = ((cand_SP != NO_BLOCK) & (state.depth_N[cc_SP] >= 0)
            & (state.block_hash_N[cc_SP] == key_SP) & (state.salt_N[cc_SP] == salt_S[:, None])
+           & (state.group_N[cc_SP] == _anchor(state))
            & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)
            & _chained_SP(state, cc_SP) & (j_P < limit_S[:, None]))
   hit_SP = jnp.cumprod(ok_SP.astype(jnp.int32), axis=1).astype(jnp.bool_)
   return key_SP, cc_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
+
+
+def _beside_SP(state: AllocatorState, b_SP: jax.Array, anchor_SP: jax.Array,
+               group: int) -> jax.Array:
+  """bool[S, P]: block ``b_SP[s, j]`` is registered in ``group`` at depth j beside the anchor
+  block ``anchor_SP[s, j]`` as that block is now (same generation). Both ids are checked
+  against ``[0, N)``."""
+  n, p = state.num_blocks, b_SP.shape[1]
+  bc_SP, ac_SP = jnp.clip(b_SP, 0, n - 1), jnp.clip(anchor_SP, 0, n - 1)
+  return ((b_SP >= 0) & (b_SP < n) & (anchor_SP >= 0) & (anchor_SP < n)
+          & (state.depth_N[bc_SP] == jnp.arange(p, dtype=jnp.int32))
+          & (state.group_N[bc_SP] == group) & (state.parent_N[bc_SP] == anchor_SP)
+          & (state.parent_gen_N[bc_SP] == state.generation_N[ac_SP]))
+
+
+def _hit_span_gSP(state: AllocatorState, k_S: jax.Array) -> jax.Array:
+  """bool[g, S, P]: the blocks a hit of ``k_S`` levels gives each group, those a query at
+  ``k * Z`` reads: levels ``[0, k)`` in a full group, ``[_keep_from_gS, k)`` in a sliding one."""
+  j_P = jnp.arange(state.max_blocks_per_seq, dtype=jnp.int32)
+  keep_gS = _keep_from_gS(state, k_S * state.block_size)
+  return (j_P >= keep_gS[..., None]) & (j_P < k_S[:, None])
+
+
+def _group_hits(state: AllocatorState, tables: list, tokens_SPZ, key_SP, salt_S,
+                anchor_SP, num_hit_S):
+  """The hit of every sequence across the groups: ``(blocks_gSP, k_S)``, k the longest run
+  of anchor levels (``anchor_SP``, ``num_hit_S`` of them) that every other group can serve
+  (``_hit_span_gSP``) with blocks confirmed beside the anchor's (``_beside_SP``)."""
+  s, p, z = state.max_seqs, state.max_blocks_per_seq, state.block_size
+  anchor = _anchor(state)
+  k_K = jnp.arange(p + 1, dtype=jnp.int32)
+  keep_gK = _keep_from_gS(state, k_K * z)  # the first level a hit of k levels needs
+  good_SK = k_K <= num_hit_S[:, None]
+  rows = []
+  for g in range(state.num_groups):
+    if g == anchor:
+      rows.append(anchor_SP)
+      continue
+    pick_SP = jnp.full((s, p), NO_BLOCK, jnp.int32)
+    for c_SP, holds_SP in _proposals(state, tables, tokens_SPZ, _group_key(key_SP, state, g),
+                                     salt_S, g):
+      good_SP = holds_SP & _beside_SP(state, c_SP, anchor_SP, g)
+      pick_SP = jnp.where((pick_SP == NO_BLOCK) & good_SP, c_SP, pick_SP)
+    rows.append(pick_SP)
+    # Misses among the levels below k, for every k: a hit of k needs none in [keep, k).
+    miss_SK = jnp.concatenate([jnp.zeros((s, 1), jnp.int32),
+                               jnp.cumsum(pick_SP == NO_BLOCK, axis=1, dtype=jnp.int32)], axis=1)
+    good_SK &= miss_SK == miss_SK[:, keep_gK[g]]
+  k_S = jnp.max(jnp.where(good_SK, k_K, 0), axis=1)
+  return jnp.where(_hit_span_gSP(state, k_S), jnp.stack(rows), NO_BLOCK), k_S
 
 
 def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
@@ -764,52 +867,75 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
     hash_fn: the block hash (``chain_hashes``'s signature).
 
   Returns:
-    ``(blocks_SP, num_hit_S)``: the matched blocks (``NO_BLOCK`` past ``num_hit_S``), ready
-    for ``attach``.
+    ``(blocks, num_hit_S)``: the matched blocks in the layout of ``block_tables`` (i32[S, P],
+    or i32[g, S, P] with groups: each group's blocks of the hit, ``_hit_span_gSP``;
+    ``NO_BLOCK`` elsewhere), ready for ``attach``. With groups a hit is as long as every
+    group can serve: the anchor's chain cut where another group misses a block it needs.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   limit_S = _check_vector("num_tokens", num_tokens, state.max_seqs, "int") // state.block_size
-  if not _prefix_caching(state):  # groups: nothing is ever registered (module docstring)
-    return (jnp.full((state.max_seqs, state.max_blocks_per_seq), NO_BLOCK, jnp.int32),
+  salt_S = _salt(state, salt)
+  if not _prefix_caching(state):  # every group slides: nothing is ever registered
+    return (jnp.full(state.block_tables.shape, NO_BLOCK, jnp.int32),
             jnp.zeros(state.max_seqs, jnp.int32))
-  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, _salt(state, salt), limit_S,
-                                        hash_fn)
-  return jnp.where(hit_SP, cand_SP, NO_BLOCK), num_hit_S
+  tables = _bucket_tables(state)
+  key_SP, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn,
+                                             tables)
+  anchor_SP = jnp.where(hit_SP, cand_SP, NO_BLOCK)
+  if state.num_groups == 1:
+    return anchor_SP, num_hit_S
+  return _group_hits(state, tables, tokens_SPZ, key_SP, salt_S, anchor_SP, num_hit_S)
 
 
 def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
-  """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks
-  ``blocks[s, :k]`` (i32[S, P], e.g. from ``lookup``) as its first k blocks: ``seq_lens``
-  becomes ``k * Z``, each block's ref count + 1 (a cached free block is revived: 0 -> 1,
-  ``num_free`` - 1) and its ``last_used`` the clock (a hit refreshes its LRU stamp).
+  """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks of a hit of k
+  levels (``blocks`` in the layout of ``block_tables``, e.g. from ``lookup``): its first k
+  blocks (with groups, each group's blocks of ``_hit_span_gSP``; other entries are not
+  read). ``seq_lens`` becomes ``k * Z``, each block's ref count + 1 (a cached free block is
+  revived: 0 -> 1, ``num_free`` - 1) and its ``last_used`` the clock (a hit refreshes its LRU
+  stamp).
 
   Returns ``(state, ok_S)``. A sequence is refused (ok False, nothing changes for it) unless
   it is empty (seq_len 0, no block), ``k <= P`` and its blocks form one registered chain
-  (depths 0..k-1, each linked to the previous one, one salt). ``k == 0`` is always ok.
+  (depths 0..k-1, each linked to the previous one, one salt), with groups in the anchor
+  group, and every other group's blocks sit beside the chain's (``_beside_SP``, same salt).
+  ``k == 0`` is always ok.
   """
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
-  b_SP = jnp.asarray(blocks)
-  if b_SP.shape != (s, p):
-    raise ValueError(f"blocks.shape={tuple(b_SP.shape)} must be [S, P]={(s, p)}")
-  if not jnp.issubdtype(b_SP.dtype, jnp.integer):
-    raise ValueError(f"blocks.dtype={b_SP.dtype} must be an integer dtype")
-  b_SP = b_SP.astype(jnp.int32)
+  b = jnp.asarray(blocks)
+  if b.shape != state.block_tables.shape:
+    layout = "[S, P]" if state.block_tables.ndim == 2 else "[g, S, P]"
+    raise ValueError(f"blocks.shape={tuple(b.shape)} must be {layout}="
+                     f"{tuple(state.block_tables.shape)}")
+  if not jnp.issubdtype(b.dtype, jnp.integer):
+    raise ValueError(f"blocks.dtype={b.dtype} must be an integer dtype")
+  b_gSP = b.astype(jnp.int32)[None] if b.ndim == 2 else b.astype(jnp.int32)
   k_S = _check_vector("num_blocks", num_blocks, s, "int")
-  if not _prefix_caching(state):  # groups: no registered chain to attach
+  if not _prefix_caching(state):  # every group slides: no registered chain to attach
     return dataclasses.replace(state, clock=state.clock + 1), k_S == 0
-  use_SP = jnp.arange(p, dtype=jnp.int32) < k_S[:, None]
-  bc_SP = jnp.clip(b_SP, 0, n - 1)
-  chain_SP = ((b_SP >= 0) & (b_SP < n) & _chained_SP(state, b_SP)
-              & (state.salt_N[bc_SP] == state.salt_N[bc_SP[:, :1]]))
-  empty_S = (state.seq_lens == 0) & (state.block_tables[:, 0] == NO_BLOCK)
+  anchor = _anchor(state)
+  a_SP = b_gSP[anchor]
+  bc_gSP = jnp.clip(b_gSP, 0, n - 1)
+  salt_S = state.salt_N[jnp.clip(a_SP[:, 0], 0, n - 1)]
+  ok_g = []
+  for g in range(state.num_groups):
+    same_salt_SP = state.salt_N[bc_gSP[g]] == salt_S[:, None]
+    if g == anchor:
+      ok_g.append((a_SP >= 0) & (a_SP < n) & _chained_SP(state, a_SP) & same_salt_SP
+                  & (state.group_N[bc_gSP[g]] == anchor))
+    else:
+      ok_g.append(_beside_SP(state, b_gSP[g], a_SP, g) & same_salt_SP)
+  use_gSP = _hit_span_gSP(state, k_S)
+  t_gSP = _tables_gSP(state)
+  empty_S = (state.seq_lens == 0) & ~jnp.any(t_gSP != NO_BLOCK, axis=(0, 2))
   grant_S = ((k_S > 0) & (k_S <= p) & empty_S
-             & jnp.all(jnp.where(use_SP, chain_SP, True), axis=1))
-  give_SP = grant_S[:, None] & use_SP
-  count_N = _count_N(b_SP, give_SP, n)
+             & jnp.all(jnp.where(use_gSP, jnp.stack(ok_g), True), axis=(0, 2)))
+  give_gSP = grant_S[:, None] & use_gSP
+  count_N = _count_N(b_gSP, give_gSP, n)
   revived_N = (state.ref_counts == 0) & (count_N > 0)
   new_state = dataclasses.replace(
       state,
-      block_tables=jnp.where(give_SP, b_SP, state.block_tables),
+      block_tables=_pack(state, jnp.where(give_gSP, b_gSP, t_gSP)),
       seq_lens=jnp.where(grant_S, k_S * z, state.seq_lens),
       ref_counts=state.ref_counts + count_N,
       num_free=state.num_free - jnp.sum(revived_N, dtype=jnp.int32),
@@ -832,16 +958,20 @@ def register(state: AllocatorState, tokens, salt=None, *,
   bucket table built, so the common case (a sequence extending its own registered chain)
   costs no O(N) pass. When several sequences would register the same block (same tokens after the same
   parent, same salt) in one call, only the first in slot order does (so a prefix has one
-  entry; the others find it next time). Changes nothing else.
+  entry; the others find it next time). With groups the chains are the anchor group's, and
+  every other group registers its block of each level the anchor registers now, beside it
+  (the block the sequence holds there, if its window still does). Changes nothing else.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
-  if not _prefix_caching(state):  # groups: registers nothing (module docstring)
+  if not _prefix_caching(state):  # every group slides: registers nothing (module docstring)
     return dataclasses.replace(state, clock=state.clock + 1)
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
+  anchor = _anchor(state)
   full_S = state.seq_lens // z
   j_P = jnp.arange(p, dtype=jnp.int32)
-  b_SP = state.block_tables
+  t_gSP = _tables_gSP(state)
+  b_SP = t_gSP[anchor]
   bc_SP = jnp.clip(b_SP, 0, n - 1)
   full_SP = j_P < full_S[:, None]
   own_reg_SP = (b_SP != NO_BLOCK) & (state.depth_N[bc_SP] >= 0) & full_SP
@@ -861,7 +991,8 @@ def register(state: AllocatorState, tokens, salt=None, *,
   def match_then_extend(state):
     """The same after walking the cache: sequences with nothing registered hang off the
     prefix the cache matches (skipping what it holds), up to their next registered block."""
-    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
+    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn,
+                                      _bucket_tables(state))
     walked_S = after_S == 0
     stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | ~full_SP)
     stop_S = jnp.where(jnp.any(stop_SP, axis=1), jnp.argmax(stop_SP, axis=1), p)
@@ -888,28 +1019,53 @@ def register(state: AllocatorState, tokens, salt=None, *,
     dup_S = jnp.any(same_SS & earlier_SS, axis=1)
     new_SP = ((has_new_S & ~dup_S)[:, None] & (j_P >= first_S[:, None])
               & (j_P < stop_S[:, None]))
-    # A block held by several sequences (forks) is registered once, by its first holder.
-    flat_SP = jnp.arange(s * p, dtype=jnp.int32).reshape(s, p)
-    first_N = jnp.full(n, s * p, jnp.int32).at[jnp.where(new_SP, b_SP, n)].min(
-        flat_SP, mode="drop")
-    new_SP &= first_N[bc_SP] == flat_SP
+    new_SP &= _first_holder(b_SP, new_SP, n)  # a block held by forks is registered once
     parent_SP = jnp.where(j_P == first_S[:, None], first_parent_S[:, None], own_prev_SP)
     parent_gen_SP = jnp.where(parent_SP >= 0,
                               state.generation_N[jnp.clip(parent_SP, 0, n - 1)], 0)
-    dest_SP = jnp.where(new_SP, b_SP, n)  # n: dropped by the scatters
-    put = lambda field, value: field.at[dest_SP].set(value, mode="drop")
+    dest_gSP = [jnp.where(new_SP, b_SP, n)]  # n: dropped by the scatters
+    key_gSP, parent_gSP, parent_gen_gSP = [key_SP], [parent_SP], [parent_gen_SP]
+    group_g = [anchor]
+    if state.num_groups > 1:
+      # Every other group: its block of each level the anchor registers now (by anyone).
+      now_N = jnp.zeros(n, jnp.bool_).at[dest_gSP[0]].set(True, mode="drop")
+      others = [g for g in range(state.num_groups) if g != anchor]
+      o_oSP = t_gSP[jnp.asarray(others)]
+      new_oSP = ((o_oSP != NO_BLOCK) & (b_SP != NO_BLOCK) & now_N[bc_SP] & full_SP
+                 & (state.depth_N[jnp.clip(o_oSP, 0, n - 1)] < 0))
+      new_oSP &= _first_holder(o_oSP, new_oSP, n)
+      for i, g in enumerate(others):
+        dest_gSP.append(jnp.where(new_oSP[i], o_oSP[i], n))
+        key_gSP.append(_group_key(key_SP, state, g))
+        parent_gSP.append(b_SP)
+        parent_gen_gSP.append(state.generation_N[bc_SP])
+        group_g.append(g)
+    dest = jnp.stack(dest_gSP)
+    x = len(group_g)
+    put = lambda field, value: field.at[dest].set(
+        jnp.broadcast_to(value, dest.shape + field.shape[1:]), mode="drop")
     return dataclasses.replace(
         state,
-        block_hash_N=put(state.block_hash_N, key_SP),
-        depth_N=put(state.depth_N, jnp.broadcast_to(j_P, (s, p))),
-        parent_N=put(state.parent_N, parent_SP),
-        parent_gen_N=put(state.parent_gen_N, parent_gen_SP),
-        salt_N=put(state.salt_N, jnp.broadcast_to(salt_S[:, None], (s, p))),
+        block_hash_N=put(state.block_hash_N, jnp.stack(key_gSP)),
+        depth_N=put(state.depth_N, j_P),
+        parent_N=put(state.parent_N, jnp.stack(parent_gSP)),
+        parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSP)),
+        salt_N=put(state.salt_N, salt_S[:, None]),
         block_tokens_NZ=put(state.block_tokens_NZ, tokens_SPZ),
+        group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32).reshape(x, 1, 1)),
     )
 
   state = jax.lax.cond(jnp.any(pending_S), write, lambda state: state, state)
   return dataclasses.replace(state, clock=state.clock + 1)
+
+
+def _first_holder(b_XP: jax.Array, mask_XP: jax.Array, num_blocks: int) -> jax.Array:
+  """bool (``b``'s shape): the entry is the first (row-major) with ``mask`` True naming its
+  block, so that a block several rows hold (forks) is registered once."""
+  flat = jnp.arange(b_XP.size, dtype=jnp.int32).reshape(b_XP.shape)
+  first_N = jnp.full(num_blocks, b_XP.size, jnp.int32).at[
+      jnp.where(mask_XP, b_XP, num_blocks)].min(flat, mode="drop")
+  return first_N[jnp.clip(b_XP, 0, num_blocks - 1)] == flat
 
 
 def cached_N(state: AllocatorState) -> jax.Array:
@@ -1041,25 +1197,39 @@ def validate(state: AllocatorState) -> None:
   if bad.size:
     b = bad[0]
     raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1 (not registered) or in [0, P={p})")
+  group_N = np.asarray(state.group_N)
+  if group_N.shape != (n,):
+    raise ValueError(f"group_N.shape={group_N.shape} must be {(n,)}")
   reg_N = depth_N >= 0
-  if windows != (None,) and reg_N.any():
+  anchor = _anchor(state)
+  if anchor is None and reg_N.any():
     b = np.flatnonzero(reg_N)[0]
-    raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1: a state with KV groups "
-                     f"windows={windows} registers nothing")
-  tables_SP, real_SP = tables_gSP[0], tables_gSP[0] != NO_BLOCK
-  bad = np.flatnonzero(reg_N & ((depth_N == 0) != (parent_N == NO_BLOCK)))
+    raise ValueError(f"depth_N[{b}]={depth_N[b]} must be -1: with every group sliding "
+                     f"(windows={windows}) nothing is registered")
+  bad = np.flatnonzero(reg_N & ((group_N < 0) | (group_N >= len(windows))))
+  if bad.size:
+    b = bad[0]
+    raise ValueError(f"group_N[{b}]={group_N[b]} must be in [0, {len(windows)})")
+  # The anchor's chains: only a root has no parent. Other groups: a sibling in the pool.
+  in_anchor_N = group_N == anchor
+  bad = np.flatnonzero(reg_N & in_anchor_N & ((depth_N == 0) != (parent_N == NO_BLOCK)))
   if bad.size:
     b = bad[0]
     raise ValueError(f"parent_N[{b}]={parent_N[b]} with depth_N[{b}]={depth_N[b]}: only a "
                      f"depth-0 block has parent NO_BLOCK")
-  bad = np.flatnonzero(reg_N & (depth_N > 0) & ((parent_N < 0) | (parent_N >= n)))
+  bad = np.flatnonzero(reg_N & ((depth_N > 0) | ~in_anchor_N)
+                       & ((parent_N < 0) | (parent_N >= n)))
   if bad.size:
     b = bad[0]
     raise ValueError(f"parent_N[{b}]={parent_N[b]} must be in [0, num_blocks={n})")
   full_SP = np.arange(p)[None, :] < (len_S // z)[:, None]
-  held = np.argwhere(real_SP)
-  for i, j in held:
-    b = tables_SP[i, j]
-    if reg_N[b] and (depth_N[b] != j or not full_SP[i, j]):
-      raise ValueError(f"registered block {b} (depth_N={depth_N[b]}) is held by sequence {i} "
-                       f"at logical block {j}, which must be full and at that depth")
+  for g, tables_SP in enumerate(tables_gSP):
+    for i, j in np.argwhere(tables_SP != NO_BLOCK):
+      b = tables_SP[i, j]
+      if reg_N[b] and (depth_N[b] != j or not full_SP[i, j] or group_N[b] != g):
+        raise ValueError(f"registered block {b} (depth_N={depth_N[b]}"
+                         + (f", group_N={group_N[b]}" if grouped else "")
+                         + f") is held by sequence {i} at logical block {j}"
+                         + (f" of group {g}" if grouped else "")
+                         + ", which must be full and at that depth"
+                         + (" and group" if grouped else ""))

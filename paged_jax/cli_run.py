@@ -221,8 +221,8 @@ def _prefix_caching_note(stats) -> str:
   """Why the hit rate is 0 by construction, when it is: prefix caching is off."""
   if stats.get("prefix_caching", True):
     return ""
-  if tuple(stats.get("kv_group_windows", (None,))) != (None,):
-    return " (prefix caching off: sliding-window layers give blocks back)"
+  if None not in tuple(stats.get("kv_group_windows", (None,))):
+    return " (prefix caching off: every layer has a sliding window)"
   return " (prefix caching off)"
 
 

@@ -7,7 +7,8 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
 
 0. Prefix cache (``enable_prefix_caching``). Every running sequence with no KV yet looks up
    the longest cached prefix of its history (``allocator.lookup``: full blocks only, and
-   never the last token, so its logits are computed); when admitted it attaches those
+   never the last token, so its logits are computed; with KV groups, only as far as every
+   group holds the blocks its layers read there); when admitted it attaches those
    blocks (``allocator.attach``) and prefills only the rest. After the forward, the blocks
    it filled are registered (``allocator.register``). Lookups are confined to the request's
    ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
@@ -85,8 +86,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
         jnp.any(empty_S),
         lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
                                  st.salt_S, hash_fn=hash_fn),
-        lambda: (jnp.full((num_slots, alloc.max_blocks_per_seq), allocator.NO_BLOCK,
-                          jnp.int32),
+        lambda: (jnp.full(alloc.block_tables.shape, allocator.NO_BLOCK, jnp.int32),
                  jnp.zeros(num_slots, jnp.int32)))
   else:
     hit_S = jnp.zeros(num_slots, jnp.int32)
@@ -126,8 +126,9 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
   new_S = (cached_S == 0) & (q_S > 0)
   if prefix_caching:  # reviving a cached free block takes it from the free count as well
-    revive_S = jnp.sum((hit_SP >= 0) & (alloc.ref_counts[jnp.maximum(hit_SP, 0)] == 0),
-                       axis=1, dtype=jnp.int32)
+    hit_gSP = hit_SP.reshape((-1,) + hit_SP.shape[-2:])  # every group's blocks of the hit
+    revive_S = jnp.sum((hit_gSP >= 0) & (alloc.ref_counts[jnp.maximum(hit_gSP, 0)] == 0),
+                       axis=(0, 2), dtype=jnp.int32)
     demand_S = demand_S + jnp.where(new_S, revive_S, 0)
   new_demand_o = jnp.where(new_S, demand_S, 0)[order_S]
   admit_o = new_S[order_S] & (jnp.cumsum(new_demand_o) <= free_left)

@@ -73,8 +73,10 @@ class LLM:
     enable_prefix_caching: share the K/V of full blocks whose token prefix matches
       (``paged_jax.engine.device``, "Prefix cache"): a request whose prompt starts with
       cached blocks skips their prefill; ``stats["prefix_hit_rate"]`` counts the prompt
-      tokens found cached. ``generate(..., cache_salt=...)`` keeps tenants apart. Off
-      where sliding-window groups give blocks back (``free_outside_window``);
+      tokens found cached. ``generate(..., cache_salt=...)`` keeps tenants apart. With
+      sliding-window groups that give blocks back (``free_outside_window``) a hit also
+      needs, in each sliding group, the cached blocks its window reads at the hit's end;
+      off when every layer slides (no full-attention group to anchor a prefix);
       ``stats["prefix_caching"]`` says whether it is on.
     prefix_hash_fn: the block hash of the prefix cache (default
       ``allocator.chain_hashes``); any function of that signature, e.g. a degenerate one in a
@@ -140,8 +142,9 @@ class LLM:
     # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
     self.kv_groups = KVGroups.from_layer_windows(
         layer_windows_of(config), free_outside_window=bool(free_outside_window))
-    # The allocator's rule: prefix caching serves one full group only.
-    self.enable_prefix_caching = bool(enable_prefix_caching) and self.kv_groups.windows == (None,)
+    # The allocator's rule: a prefix's chain is anchored in a full-attention group.
+    self.enable_prefix_caching = (bool(enable_prefix_caching)
+                                  and None in self.kv_groups.windows)
     self.scrub_on_release = bool(scrub_on_release)
     self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
                                 shards)

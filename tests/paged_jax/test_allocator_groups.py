@@ -94,16 +94,130 @@ def test_fork_copies_the_tail_in_every_group():
   A.validate(s)
 
 
-def test_prefix_caching_is_off_with_groups():
-  s = A.init(16, 4, 2, 4, windows=(None, 4))
+_register = jax.jit(A.register)
+_lookup = jax.jit(A.lookup)
+_attach = jax.jit(A.attach)
+
+
+def test_prefix_caching_is_off_when_every_group_slides():
+  s = A.init(16, 4, 2, 4, windows=(4, 8))
   s, _ = _append(s, i32(8, 0))
   toks = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
-  s = A.register(s, toks)
-  assert int(jnp.sum(s.depth_N >= 0)) == 0
-  blocks, hits = A.lookup(s, toks, i32(8, 8))
-  assert hits.tolist() == [0, 0] and (np.asarray(blocks) == NB).all()
-  s2, ok = A.attach(s, blocks, i32(0, 2))
+  s = _register(s, toks)
+  assert int(jnp.sum(s.depth_N >= 0)) == 0  # no full group to anchor a chain
+  blocks, hits = _lookup(s, toks, i32(8, 8))
+  assert blocks.shape == (2, 2, 4) and hits.tolist() == [0, 0] and (np.asarray(blocks) == NB).all()
+  s2, ok = _attach(s, blocks, i32(0, 2))
   assert ok.tolist() == [True, False] and int(s2.seq_lens[1]) == 0
+  A.validate(s2)
+
+
+def _hybrid_cached_prefix():
+  """(state, tokens): groups (sliding 4, full, sliding 4) with Z = 4; sequence 0 wrote 16
+  tokens in two steps, registering after each, then ended. Its sliding groups gave level 0
+  back at length 8 (a query at 8 reads from 5): cached, still registered."""
+  s = A.init(32, 4, 3, 6, windows=(4, None, 4))
+  toks = jnp.zeros((3, 24), jnp.int32).at[0, :16].set(jnp.arange(100, 116))
+  s, _ = _append(s, i32(8, 0, 0))
+  s = _register(s, toks)
+  s, _ = _append(s, i32(8, 0, 0))
+  s = _register(s, toks)
+  A.validate(s)
+  return s, toks
+
+
+def test_hybrid_prefix_hit_takes_each_group_the_blocks_its_window_reads():
+  s, toks = _hybrid_cached_prefix()
+  t = np.asarray(s.block_tables)  # [g, S, P]
+  assert (t[0, 0, :4] == [NB, t[0, 0, 1], t[0, 0, 2], t[0, 0, 3]]).all()
+  assert (np.asarray(s.depth_N)[t[1, 0, :4]] == [0, 1, 2, 3]).all()
+  for g in (0, 2):  # beside the anchor (group 1), in their own group
+    b = t[g, 0, 1:4]
+    assert (np.asarray(s.parent_N)[b] == t[1, 0, 1:4]).all()
+    assert (np.asarray(s.group_N)[b] == g).all() and (np.asarray(s.depth_N)[b] == [1, 2, 3]).all()
+  level0 = [int(b) for b in np.flatnonzero((np.asarray(s.depth_N) == 0))]
+  assert len(level0) == 3  # the anchor's and both slid-out sliding blocks: cached
+  s = _release(s, jnp.asarray([True, False, False]))
+  A.validate(s)
+  assert int(A.num_cached(s)) == 12
+
+  # A prompt of 15 tokens: 3 full levels (the last token is computed). A query at 12 reads
+  # from 9: the sliding groups need level 2 only.
+  rows = toks.at[1, :16].set(toks[0, :16])
+  blocks, hit = _lookup(s, rows, i32(0, 15, 0))
+  b = np.asarray(blocks)
+  assert hit.tolist() == [0, 3, 0]
+  assert b[1, 1, :3].tolist() == t[1, 0, :3].tolist()
+  assert b[0, 1].tolist() == [NB, NB, t[0, 0, 2], NB, NB, NB]
+  assert b[2, 1].tolist() == [NB, NB, t[2, 0, 2], NB, NB, NB]
+  s2, ok = _attach(s, blocks, hit)
+  assert ok.tolist() == [True, True, True] and int(s2.seq_lens[1]) == 12
+  assert int(s2.num_free) == int(s.num_free) - 5  # revived: 3 anchor blocks, 2 sliding
+  A.validate(s2)
+
+  # The whole 16 tokens may match: the sliding groups then need level 3 (a query at 16
+  # reads from 13).
+  blocks, hit = _lookup(s, rows, i32(0, 16, 0))
+  assert hit.tolist() == [0, 4, 0]
+  assert np.asarray(blocks)[0, 1].tolist() == [NB, NB, NB, t[0, 0, 3], NB, NB]
+
+
+def _evicted(s, block):
+  """``s`` with ``block`` evicted as a fresh hand-out would (unregistered, new generation)."""
+  import dataclasses
+  return dataclasses.replace(s, depth_N=s.depth_N.at[block].set(-1),
+                             generation_N=s.generation_N.at[block].add(1))
+
+
+def test_hybrid_hit_stops_where_a_group_lost_a_block_it_needs():
+  s, toks = _hybrid_cached_prefix()
+  t = np.asarray(s.block_tables)
+  s = _release(s, jnp.asarray([True, False, False]))
+  rows = toks.at[1, :16].set(toks[0, :16])
+  # Sliding group 2 lost level 3: a hit of 4 levels needs it, one of 3 needs level 2 only.
+  blocks, hit = _lookup(_evicted(s, t[2, 0, 3]), rows, i32(0, 16, 0))
+  assert hit.tolist() == [0, 3, 0]
+  assert np.asarray(blocks)[2, 1].tolist() == [NB, NB, t[2, 0, 2], NB, NB, NB]
+  # Group 0 lost level 2 as well, which a hit of 3 levels needs; one of 2 levels needs
+  # level 1 only (a query at 8 reads from 5), which both sliding groups still hold.
+  s2 = _evicted(_evicted(s, t[2, 0, 3]), t[0, 0, 2])
+  blocks, hit = _lookup(s2, rows, i32(0, 16, 0))
+  assert hit.tolist() == [0, 2, 0]
+  assert np.asarray(blocks)[1, 1, :2].tolist() == t[1, 0, :2].tolist()
+  # The anchor lost level 1: its chain, hence every hit, ends at 1 level; a query at 4
+  # reads from 1, so the sliding groups need level 0, given back (cached) at length 8.
+  blocks, hit = _lookup(_evicted(s, t[1, 0, 1]), rows, i32(0, 16, 0))
+  assert hit.tolist() == [0, 1, 0]
+  level0 = np.asarray(blocks)[:, 1, 0]
+  assert level0[1] == t[1, 0, 0] and (level0 >= 0).all()
+  # The anchor's level-3 block evicted and registered again (same place in the chain, a new
+  # generation): the sliding blocks registered beside it before no longer confirm.
+  import dataclasses
+  s3 = dataclasses.replace(s, generation_N=s.generation_N.at[t[1, 0, 3]].add(1))
+  blocks, hit = _lookup(s3, rows, i32(0, 16, 0))
+  assert hit.tolist() == [0, 3, 0]
+
+
+def test_hybrid_attach_refuses_blocks_not_beside_the_chain():
+  s, toks = _hybrid_cached_prefix()
+  s = _release(s, jnp.asarray([True, False, False]))
+  rows = toks.at[1, :16].set(toks[0, :16])
+  blocks, hit = _lookup(s, rows, i32(0, 15, 0))
+  b = np.asarray(blocks)
+  bad = b.copy(); bad[0, 1, 2] = b[2, 1, 2]  # group 2's block in group 0's row
+  s2, ok = _attach(s, jnp.asarray(bad), hit)
+  assert ok.tolist() == [True, False, True] and int(s2.seq_lens[1]) == 0
+  bad = b.copy(); bad[0, 1, 2] = b[1, 1, 1]  # beside level 1's anchor block, not level 2's
+  _, ok = _attach(s, jnp.asarray(bad), hit)
+  assert ok.tolist() == [True, False, True]
+  bad = b.copy(); bad[2, 1, 2] = NB  # a block the window needs is missing
+  _, ok = _attach(s, jnp.asarray(bad), hit)
+  assert ok.tolist() == [True, False, True]
+  with pytest.raises(ValueError, match=r"blocks.shape=\(3, 6\) must be \[g, S, P\]"):
+    A.attach(s, blocks[1], hit)
+  # A salted lookup finds nothing registered under salt 0.
+  _, hit = _lookup(s, rows, i32(0, 15, 0), i32(0, 7, 0))
+  assert hit.tolist() == [0, 0, 0]
 
 
 def test_validate_catches_group_corruption():
@@ -137,20 +251,30 @@ S, P, Z, N = 4, 8, 4, 20
 
 
 class GroupsMachine(RuleBasedStateMachine):
-  """Random schedules on a (full, sliding) or all-sliding state. A host copy of the pool
-  holds, at every slot, the token each group wrote there; blocks that come free are
-  poisoned (-1). After every op: ``validate``, and every position that a query still to
-  come can read (all of them in a full group, the window of position ``seq_len`` in a
-  sliding one) is read through the state's slots and must hold the sequence's own token."""
+  """Random schedules on a (full, sliding), (sliding, full, sliding) or all-sliding state,
+  prefix caching included. A host copy of the pool holds, at every slot, what each group
+  wrote there: an id of the whole prefix up to that token (K/V depend on all of it); blocks
+  nobody may read any more (free and not cached) are poisoned (-1). After every op:
+  ``validate``, and every position that a query still to come can read (all of them in a
+  full group, the window of position ``seq_len`` in a sliding one) is read through the
+  state's slots and must hold the sequence's own prefix: a prefix hit that attached a block
+  of another prefix, another group or a stale generation fails here."""
 
-  @initialize(windows=st.sampled_from([(None, 6), (5,)]))
+  @initialize(windows=st.sampled_from([(None, 6), (5,), (6, None, 6)]))
   def init(self, windows):
     self.windows = windows
     self.g = len(windows)
     self.state = A.init(N, Z, S, P, windows=windows)
     self.pool = np.full(N * Z, -1, np.int64)
     self.tokens = [[] for _ in range(S)]
+    self.history = []  # token lists registered once: prompts of later lookups
+    self.prefix_ids = {}
     self.next_token = 1
+
+  def _content(self, tokens, i, g):
+    """What group g writes at position i of a sequence of ``tokens``."""
+    key = tuple(tokens[:i + 1])
+    return self.prefix_ids.setdefault(key, len(self.prefix_ids) + 1) * self.g + g
 
   def _slots_gX(self, seq, pos):
     out = np.asarray(_slots(self.state, jnp.asarray(seq, jnp.int32),
@@ -158,11 +282,12 @@ class GroupsMachine(RuleBasedStateMachine):
     return out[None] if self.g == 1 else out
 
   def _poison_free(self):
-    free_N = np.asarray(self.state.ref_counts) == 0
+    free_N = ((np.asarray(self.state.ref_counts) == 0)
+              & (np.asarray(self.state.depth_N) < 0))  # cached blocks keep their K/V
     self.pool.reshape(N, Z)[free_N] = -1
 
-  @rule(n=st.lists(st.integers(0, 9), min_size=S, max_size=S))
-  def append(self, n):
+  @rule(n=st.lists(st.integers(0, 9), min_size=S, max_size=S), then_register=st.booleans())
+  def append(self, n, then_register):
     before = np.asarray(self.state.seq_lens)
     t_before = np.asarray(self.state.block_tables)
     self.state, ok = _append(self.state, jnp.asarray(n, jnp.int32))
@@ -186,8 +311,10 @@ class GroupsMachine(RuleBasedStateMachine):
         slots_gX = self._slots_gX([s] * len(pos), pos)
         assert (slots_gX >= 0).all(), "a new token has no slot"
         for g in range(self.g):
-          self.pool[slots_gX[g]] = np.asarray(new) * self.g + g
+          self.pool[slots_gX[g]] = [self._content(self.tokens[s], i, g) for i in pos]
     hypothesis.event("append refused some", str(not ok.all()))
+    if then_register:  # as the engine does after each forward
+      self.register()
 
   @rule(mask=st.lists(st.booleans(), min_size=S, max_size=S))
   def release(self, mask):
@@ -234,8 +361,44 @@ class GroupsMachine(RuleBasedStateMachine):
         first = 0 if w is None else max(0, lens[s] - w + 1)
         got = slots_gX[g][first:]
         assert (got >= 0).all(), f"seq {s} group {g} lost a block its window needs"
-        want = np.asarray(self.tokens[s][first:]) * self.g + g
+        want = [self._content(self.tokens[s], i, g) for i in range(first, lens[s])]
         np.testing.assert_array_equal(self.pool[got], want)
+
+  def _token_rows(self, rows):
+    out = np.zeros((S, P * Z), np.int32)
+    for i, r in enumerate(rows):
+      out[i, :len(r)] = r
+    return jnp.asarray(out)
+
+  @rule()
+  def register(self):
+    self.state = _register(self.state, self._token_rows(self.tokens))
+    for t in self.tokens:
+      if len(t) >= Z:
+        self.history = (self.history + [list(t)])[-12:]
+
+  @rule(src=st.integers(0, 11), cut=st.integers(1, P * Z), extra=st.integers(0, 5),
+        dst=st.integers(0, S - 1))
+  def lookup_attach(self, src, cut, extra, dst):
+    if not self.history:
+      return
+    if self.tokens[dst]:  # a new request takes a slot that its last sequence left
+      self.release([i == dst for i in range(S)])
+    prompt = self.history[src % len(self.history)][:cut]
+    prompt += list(range(self.next_token, self.next_token + extra))[:P * Z - len(prompt)]
+    self.next_token += extra
+    rows = [[] for _ in range(S)]
+    rows[dst] = prompt
+    num = np.zeros(S, np.int32)
+    num[dst] = len(prompt) - 1  # the last token is computed
+    blocks, hit = _lookup(self.state, self._token_rows(rows), jnp.asarray(num))
+    self.state, ok = _attach(self.state, blocks, hit)
+    k = int(hit[dst])
+    assert bool(ok[dst]), "attach refused what lookup found"
+    self.tokens[dst] = prompt[:k * Z]
+    if self.windows == (5,):
+      assert k == 0  # no full group: prefix caching is off
+    hypothesis.event("prefix hit", str(k > 0))
 
   @rule()
   def slide(self):

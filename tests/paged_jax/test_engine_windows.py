@@ -223,3 +223,34 @@ def test_xla_prefill_tiles_skip_blocks_given_back_behind_the_window():
   got = paged_attention(q, cache, 0, *common, jnp.asarray(given_back[None], jnp.int32), *rest,
                         sliding_window=64, impl="xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_hybrid_model_prefix_hits_reuse_every_groups_blocks():
+  # Gemma-3-like (5 sliding layers, window 16, to 1 full), blocks of 4 tokens, groups on
+  # (a KV budget). Three prompts share 40 tokens; the first runs alone and registers its
+  # blocks. Each later prompt hits the 10 shared levels: the full group's 10 blocks and, in
+  # each sliding group, levels 6..9 (a query at 40 reads from 25), of which the first
+  # request had given back 6..8 before it ended (cached, not freed). Scrubbing zeroes every block nobody may
+  # read, so a hit on a wrong or stale block changes the tokens.
+  window, z = 16, 4
+  config = helpers.tiny_config("gemma3_text", num_hidden_layers=6, sliding_window=window,
+                               max_position_embeddings=128)
+  model = models.init_random(config, seed=1, impl="xla")
+  rng = np.random.default_rng(11)
+  shared = [int(t) for t in rng.integers(3, helpers.VOCAB, 40)]
+  prompts = [shared + [int(t) for t in rng.integers(3, helpers.VOCAB, 5)] for _ in range(3)]
+  params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+  common = dict(block_size=z, max_seqs=2, max_tokens_per_step=16, token_buckets=(16,),
+                steps_per_call=16, kv_budget_bytes=200 * 2 * 2 * 16 * 4 * z)
+  llm = LLM(model, config, scrub_on_release=True, **common)
+  assert llm.kv_groups.slides and llm.stats["prefix_caching"] is True
+  first = llm.generate(prompts[:1], params)
+  rest = llm.generate(prompts[1:], params)
+  assert llm.stats["cached_prompt_tokens"] == 2 * 40, llm.stats
+  allocator.validate(llm.allocator_state)
+  ref = LLM(model, config, enable_prefix_caching=False, **common)
+  want = ref.generate(prompts, params)
+  for got, exp in zip(first + rest, want):
+    assert list(got.token_ids) == list(exp.token_ids)
+    # Log-probs too: a window missing one key moves them long before it moves a token.
+    np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=2e-5)

@@ -131,9 +131,12 @@ def test_run_report_names_a_quantised_pool():
   assert "int8 with a float32 scale per token and KV head, 3.0 MiB" in report
   assert "compile time" in report and "no leak" in report
   assert "prefix caching off" not in report
-  stats.update(prefix_caching=False, kv_group_windows=(16, None))
+  stats.update(prefix_caching=False, kv_group_windows=(16,))
   report = cli_run.format_report(stats, title="t", compile_s=2.0)
-  assert "0.0% (prefix caching off: sliding-window layers give blocks back)" in report
+  assert "0.0% (prefix caching off: every layer has a sliding window)" in report
+  stats.update(kv_group_windows=(16, None))  # turned off by the user
+  report = cli_run.format_report(stats, title="t", compile_s=2.0)
+  assert "0.0% (prefix caching off)" in report
 
 
 def test_run_int8_pool_end_to_end(capsys):
