@@ -15,7 +15,14 @@ empty cache; the step is compiled once beforehand and shared), the cache on and 
 alternate, and the median of the repeats is reported. Speedup = requests/s with the cache on
 over off, measured side by side in one run.
 
+``--hybrid``: the same workloads on a hybrid model with KV groups: the tiny Llama at 6
+layers in Gemma 3's pattern (5 sliding layers of window 64 to 1 full), its pool sized by
+``kv_budget_bytes`` to 512 blocks of all 6 layers, so the sliding layers give blocks back
+(``free_outside_window``) and a hit needs each sliding group's blocks of the window at
+its end.
+
     python benchmarks/prefix_cache.py            # full; writes prefix_cache_RESULTS_section.md
+    python benchmarks/prefix_cache.py --hybrid   # the hybrid model; prints, never writes
     python benchmarks/prefix_cache.py --quick    # seconds; never writes
 """
 
@@ -61,7 +68,8 @@ QUICK_WORKLOADS = (PrefixWorkload("quick (40-token prefix)", 40, 6, 8, 0.5, 16, 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
   block_size: int = 16
-  num_blocks: int = 512
+  num_blocks: int | None = 512
+  kv_budget_bytes: int | None = None
   max_seqs: int = 16
   max_tokens_per_step: int = 512
   steps_per_call: int = 32
@@ -91,6 +99,8 @@ def serve_once(model, config, opts: EngineOptions, prompts, params, *, caching: 
   """One timed run on a fresh engine: (requests/s, generated tokens/s, hit rate, outputs)."""
   from paged_jax import LLM
   llm = LLM(model, config, enable_prefix_caching=caching, **dataclasses.asdict(opts))
+  if opts.kv_budget_bytes is not None:  # --hybrid: the sliding groups give blocks back
+    assert llm.kv_groups.slides and llm.stats["prefix_caching"] == caching
   start = time.perf_counter()
   outs = llm.generate(prompts, params)
   wall = time.perf_counter() - start
@@ -104,13 +114,24 @@ def main(argv=None) -> list[dict]:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small workload, seconds; no files")
   parser.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+  parser.add_argument("--hybrid", action="store_true",
+                      help="a 6-layer model of 5 sliding layers (window 64) to 1 full, KV groups")
   args = parser.parse_args(argv)
   from paged_jax.models import ModelConfig, init_random
+  from paged_jax.models.config import FULL, SLIDING
   from paged_jax.cli_run import TINY_LLAMA
-  config = ModelConfig(**TINY_LLAMA)
-  model = init_random(config, seed=0)
   workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
   opts = QUICK_ENGINE if args.quick else EngineOptions()
+  if args.hybrid:
+    config = ModelConfig(**{**TINY_LLAMA, "num_layers": 6, "sliding_window": 64,
+                            "layer_types": (SLIDING,) * 5 + (FULL,)})
+    token_layer_bytes = 2 * config.num_kv_heads * config.head_dim * 4  # K and V, float32
+    opts = dataclasses.replace(
+        opts, num_blocks=None,
+        kv_budget_bytes=opts.num_blocks * opts.block_size * config.num_layers * token_layer_bytes)
+  else:
+    config = ModelConfig(**TINY_LLAMA)
+  model = init_random(config, seed=0)
   repeats = args.repeats or (1 if args.quick else 3)
   rows = []
   for w in workloads:
@@ -143,7 +164,7 @@ def main(argv=None) -> list[dict]:
                  f"{r['speedup']:.2f}x | {'yes' if r['outputs_equal'] else 'NO'} |")
   table = "\n".join(lines)
   print(table)
-  if not args.quick:
+  if not args.quick and not args.hybrid:
     machine = (f"{platform.machine()} CPU, {os.cpu_count()} cores visible (shared), jax "
                f"{jax.__version__}, backend {jax.default_backend()}")
     RESULTS_PATH.write_text(
