@@ -66,9 +66,12 @@ recomputing it (``lookup`` + ``attach``). Extra state, per block:
 With KV groups the anchor's blocks form the chains above; a registered block of another
 group g has the anchor's block of its level as ``parent_N`` (and that block's generation
 as ``parent_gen_N``) and a hash of its own, the anchor's key mixed with g
-(``_group_key``). It is confirmed by its group, depth, salt and tokens and by that sibling
-link to the confirmed anchor block: the anchor's chain vouches for the whole prefix, the
-link for the block having been computed from it.
+(``_group_key``). It is confirmed by its group, depth and salt and by that sibling link
+to the confirmed anchor block: the anchor's chain (tokens and links) vouches for the whole
+prefix, and the link, with an unchanged generation, for the block having been written
+from that prefix by a sequence holding the anchor block when it was registered, so its
+tokens need no second comparison (a lookup costs O(S * P) per extra group, not
+O(S * P * Z)).
 
 The hash table is the registered (``block_hash_N``, block) pairs, scattered into buckets by
 a mix of the hash (``_candidates``: no sort, O(N + S * P) per lookup), and every query block
@@ -730,11 +733,12 @@ def _bucket_tables(state: AllocatorState) -> list:
   return tables
 
 
-def _proposals(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
+def _proposals(state: AllocatorState, tables: list, tokens_SPZ, key_SP: jax.Array,
                salt_S: jax.Array, group: int) -> list:
   """The (up to four) blocks the tables propose for each key of ``group``, as pairs
   ``(cand_SP, holds_SP)``: the block (NO_BLOCK where none) and whether it holds this
-  level's content (hash, salt, depth, group and tokens agreeing). O(S * P * Z)."""
+  level's content: hash, salt, depth, group and, unless ``tokens_SPZ`` is None, tokens
+  agreeing (O(S * P * Z); O(S * P) without the tokens)."""
   n, p = state.num_blocks, key_SP.shape[1]
   j_P = jnp.arange(p, dtype=jnp.int32)
   out = []
@@ -748,7 +752,8 @@ def _proposals(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_S
                   inside_SP & (state.block_hash_N[cc_SP] == key_SP)
                   & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
                   & (state.group_N[cc_SP] == group)
-                  & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)))
+                  & (True if tokens_SPZ is None else
+                     jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))))
   return out
 
 
@@ -825,8 +830,7 @@ def _hit_span_gSP(state: AllocatorState, k_S: jax.Array) -> jax.Array:
   return (j_P >= keep_gS[..., None]) & (j_P < k_S[:, None])
 
 
-def _group_hits(state: AllocatorState, tables: list, tokens_SPZ, key_SP, salt_S,
-                anchor_SP, num_hit_S):
+def _group_hits(state: AllocatorState, tables: list, key_SP, salt_S, anchor_SP, num_hit_S):
   """The hit of every sequence across the groups: ``(blocks_gSP, k_S)``, k the longest run
   of anchor levels (``anchor_SP``, ``num_hit_S`` of them) that every other group can serve
   (``_hit_span_gSP``) with blocks confirmed beside the anchor's (``_beside_SP``)."""
@@ -841,7 +845,8 @@ def _group_hits(state: AllocatorState, tables: list, tokens_SPZ, key_SP, salt_S,
       rows.append(anchor_SP)
       continue
     pick_SP = jnp.full((s, p), NO_BLOCK, jnp.int32)
-    for c_SP, holds_SP in _proposals(state, tables, tokens_SPZ, _group_key(key_SP, state, g),
+    # The anchor's chain confirmed the tokens; the sibling link vouches for the rest.
+    for c_SP, holds_SP in _proposals(state, tables, None, _group_key(key_SP, state, g),
                                      salt_S, g):
       good_SP = holds_SP & _beside_SP(state, c_SP, anchor_SP, g)
       pick_SP = jnp.where((pick_SP == NO_BLOCK) & good_SP, c_SP, pick_SP)
@@ -884,7 +889,7 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   anchor_SP = jnp.where(hit_SP, cand_SP, NO_BLOCK)
   if state.num_groups == 1:
     return anchor_SP, num_hit_S
-  return _group_hits(state, tables, tokens_SPZ, key_SP, salt_S, anchor_SP, num_hit_S)
+  return _group_hits(state, tables, key_SP, salt_S, anchor_SP, num_hit_S)
 
 
 def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
