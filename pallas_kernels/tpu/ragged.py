@@ -36,7 +36,8 @@ Attention variants (design.md, "Contract, second wave"):
   (its query head); the running max starts at it and the denominator at 1.
 - ``kv_dtype``: the pages hold storage bits (``layout.storage_dtype``); the VMEM buffers
   keep those bits and each loaded tile is bitcast back as a value (``layout.from_storage``).
-- Head dims 64 to 256; ``TpuTiling.check`` holds the tiling to the VMEM budget, and the
+- Head dims that are multiples of 8, up to 256; ``TpuTiling.check`` holds the tiling to
+  the VMEM budget (counting each array's last dim in whole 128-lane tiles), and the
   default tiling fits it at D = 256 for block sizes 8 to 128, bfloat16 and float32, and
   one-byte quantised K/V with their scale buffers.
 
@@ -125,13 +126,18 @@ class TpuTiling:
     rows = _padded_rows(self.q_tile * group, q_itemsize)
     chunk_len = self.pages_per_chunk * block_size
     lanes = 128  # an [M, 1] array occupies M rows of full 128-lane tiles
-    kv_buffers = 2 * 2 * chunk_len * head_dim * kv_itemsize       # K and V, two slots
-    q_out_blocks = 2 * 2 * rows * head_dim * q_itemsize           # pipelined in and out
+    # The last dim of a VMEM array fills whole 128-lane tiles (D = 64, 80 or 96 takes 128
+    # lanes, as does a chunk of 64 positions), its rows whole sublane tiles.
+    width = _round_up(head_dim, lanes)
+    chunk_lanes = _round_up(chunk_len, lanes)
+    kv_rows = _padded_rows(chunk_len, kv_itemsize)
+    kv_buffers = 2 * 2 * kv_rows * width * kv_itemsize            # K and V, two slots
+    q_out_blocks = 2 * 2 * rows * width * q_itemsize              # pipelined in and out
     row_inputs = 2 * 2 * rows * lanes * 4                         # row ids, sinks: [M, 1]
-    state = rows * head_dim * 4 + 2 * rows * lanes * 4            # acc, max, denom
+    state = rows * width * 4 + 2 * rows * lanes * 4               # acc, max, denom
     # Scores, capped scores, probabilities and mask [M, J]; the K and V tiles as loaded
     # and converted, [J, D] each.
-    temporaries = 4 * rows * chunk_len * 4 + 2 * chunk_len * head_dim * (4 + kv_itemsize)
+    temporaries = 4 * rows * chunk_lanes * 4 + 2 * kv_rows * width * (4 + kv_itemsize)
     scales = 0
     if quantized:
       # K and V scale rows, two slots of [R, Z] float32 each (tiles of 8 x 128); per chunk
@@ -173,7 +179,8 @@ def _pow2_floor(x: int) -> int:
 
 
 def _padded_rows(rows: int, itemsize: int) -> int:
-  """Rows padded to the sublane tile of the dtype: 8 for 32-bit, 16 for 16-bit."""
+  """Rows padded to the sublane tile of the dtype: 8 for 32-bit, 16 for 16-bit, 32 for
+  8-bit."""
   sublanes = 8 * max(1, 4 // itemsize)
   return -(-rows // sublanes) * sublanes
 

@@ -9,6 +9,7 @@ head dim), and the full product is marked slow. Lowering for real TPUs is checke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -564,7 +565,7 @@ def test_rejects_storage_bits_without_kv_dtype():
                                       interpret=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_tiling_fits_vmem_at_every_head_dim(head_dim):
   # Every block size 8..128, bf16 and f32, GQA 1..16, decode to long prefill: the default
   # tiling passes the VMEM check (the estimate counts every variant's buffers).
@@ -781,6 +782,21 @@ def test_rejects_scales_for_unquantized_pool():
   with pytest.raises(ValueError, match="k_scales"):
     tpu_kernel.ragged_paged_attention(*_tiny_args(), sm_scale=1.0, interpret=True,
                                       k_scales=scales, v_scales=scales)
+
+
+def test_vmem_estimate_counts_whole_lane_tiles():
+  # A [J, 64] or [M, 80] array fills 128 lanes, as a [J, 128] one does: D = 64, 80, 96 and
+  # 128 cost the same VMEM; 136 takes two lane tiles. A chunk of 64 positions (the [M, J]
+  # scores) takes 128 lanes, as one of 128 does.
+  tiling = tpu_kernel.TpuTiling(q_tile=4, pages_per_chunk=4)
+  sizes = dict(group=4, block_size=16, q_itemsize=2, kv_itemsize=2)
+  at = lambda d, t=tiling: t.vmem_bytes(head_dim=d, **sizes)
+  assert at(64) == at(80) == at(96) == at(128) < at(136) == at(256)
+  half = dataclasses.replace(tiling, pages_per_chunk=8)  # J = 128
+  assert at(128) < at(128, half)
+  state_and_q = 4 * 16 * 128 * 2 + 16 * 128 * 4  # [M, D] q / out blocks and accumulator
+  kv_and_tiles = 4 * 64 * 128 * 2 + 2 * 64 * 128 * 6  # [J, D] buffers and loaded tiles
+  assert at(136) - at(128) == state_and_q + kv_and_tiles
 
 
 def test_vmem_estimate_counts_scale_buffers():
