@@ -10,6 +10,7 @@ only by a confirmed hit of the same salt) keeps its K/V: the cache owns it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +20,8 @@ import pytest
 
 from paged_jax import allocator
 from paged_jax.engine import SamplingParams
+from paged_jax.models import init_random
+from paged_jax.models.config import FULL, SLIDING
 from tests.reliability.conftest import (check_all_free, make_llm, prompts, tokens_of,
                                         wrap_call)
 
@@ -33,11 +36,13 @@ def _poison(st, value):
   ``value``."""
   alloc = st.alloc
   n, z = alloc.num_blocks, alloc.block_size
-  s, p = alloc.block_tables.shape
+  s, p = alloc.block_tables.shape[-2:]
   pos_SJ = jnp.broadcast_to(jnp.arange(p * z, dtype=jnp.int32)[None, :], (s, p * z))
   seq_SJ = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, p * z))
   live_SJ = pos_SJ < alloc.seq_lens[:, None]
-  slot_SJ = jnp.where(live_SJ, allocator.slots(alloc, seq_SJ, pos_SJ), n * z)
+  # With KV groups: every group's slots (a sliding group's behind its window are padding).
+  slot_SJ = allocator.slots(alloc, seq_SJ, pos_SJ)
+  slot_SJ = jnp.where(live_SJ & (slot_SJ >= 0), slot_SJ, n * z)
   written = jnp.zeros(n * z, jnp.bool_).at[slot_SJ.reshape(-1)].set(True, mode="drop")
   cached_NZ = jnp.broadcast_to((alloc.depth_N >= 0)[:, None], (n, z))
   keep_NZ = (written.reshape(n, z) | cached_NZ).reshape(1, 1, n, z, 1)
@@ -106,6 +111,39 @@ def test_poisoned_free_and_stale_pages_never_read(model, config, num_blocks, pre
   assert poison.calls > 50 and poison.free_blocks > 0
   if num_blocks == 12:
     assert llm.stats["preemptions"] > 0
+
+
+def test_poisoned_pool_with_kv_groups_and_prefix_hits(model, config):
+  # A sliding layer (window 6) and a full one: two KV groups in one pool of 20 blocks of 4
+  # tokens, the sliding group giving blocks back behind its window; prefix hits take the
+  # full group's chain and the sliding group's blocks of the window at the hit's end.
+  # Blocks a window left behind are poisoned unless cached; a hit on a wrong, stale or
+  # poisoned block shows in the log-probs.
+  hybrid = dataclasses.replace(config, layer_types=(SLIDING, FULL), sliding_window=6)
+  hybrid_model = init_random(hybrid, seed=0, impl="xla")
+  opts = dict(num_blocks=20, steps_per_call=2, free_outside_window=True)
+  llm = make_llm(hybrid_model, hybrid, **opts)
+  assert llm.kv_groups.windows == (6, None) and llm.stats["prefix_caching"]
+  poison = Poisoner(llm)
+  rng = np.random.default_rng(7)
+  cached = 0
+  for _ in range(SCHEDULES):
+    for _ in range(CALLS_PER_SCHEDULE):
+      ps, params = _schedule(rng, llm.max_seqs)
+      got = llm.generate(ps, params)
+      cached += llm.stats["cached_prompt_tokens"]
+      want = make_llm(hybrid_model, hybrid, enable_prefix_caching=False,
+                      **opts).generate(ps, params)
+      assert tokens_of(got) == tokens_of(want)
+      for g, w in zip(got, want):
+        assert np.all(np.isfinite(g.logprobs))
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+      check_all_free(llm)
+  print(f"\nKV groups (6, None), 20 blocks: {poison.calls} device calls poisoned, "
+        f"{poison.free_blocks} free blocks poisoned, preemptions {llm.stats['preemptions']}, "
+        f"{cached} prompt tokens found cached")
+  assert poison.calls > 50 and poison.free_blocks > 0 and cached > 0
+  assert llm.stats["preemptions"] > 0
 
 
 def _pool_is_zero_where_free(st):
