@@ -8,7 +8,10 @@ decoders. Two things make it servable:
   layer writes its K/V with ``cache.write`` and attends with ``paged_attention`` through
   the ``AttentionMetadata`` it is given;
 - a config with ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``,
-  ``max_seq_len`` (and optionally ``eos_token_ids``).
+  ``max_seq_len`` (and optionally ``eos_token_ids``, and ``layer_windows`` for sliding-window
+  layers: each layer then takes its cache layer, slots and block tables from
+  ``metadata.for_layer(layer)``, so that the engine may put sliding and full layers in KV
+  groups that give blocks back behind the window).
 
 ``main()`` prefills three prompts of different lengths in one ragged step, then decodes 8
 greedy tokens for each inside ONE jitted ``lax.scan``, and checks them against a greedy
@@ -38,10 +41,15 @@ class TinyGPTConfig:
   mlp_dim: int = 64
   max_seq_len: int = 64
   eos_token_ids: tuple[int, ...] = ()
+  # Optional: each layer's sliding window (None: full attention); None: every layer full.
+  layer_windows: tuple[int | None, ...] | None = None
 
   @property
   def num_kv_heads(self) -> int:  # multi-head attention: one KV head per query head
     return self.num_heads
+
+  def window(self, layer: int) -> int | None:
+    return None if self.layer_windows is None else self.layer_windows[layer]
 
 
 class Block(nnx.Module):
@@ -88,9 +96,12 @@ class TinyGPT(nnx.Module):
 
     def attend_at(layer, q_THD, k_THD, v_THD):
       nonlocal cache
-      cache = cache.write(layer, k_THD, v_THD, m.slots_T)
-      return paged_attention(q_THD, cache, layer, m.kv_lens_S, m.block_tables_SP,
-                             m.cu_q_lens, m.num_seqs)
+      # This layer's place in the cache: (layer, m.slots_T, m.block_tables_SP), or its KV
+      # group's when the engine groups sliding and full layers (config.layer_windows).
+      cache_layer, slots_T, block_tables_SP = m.for_layer(layer)
+      cache = cache.write(cache_layer, k_THD, v_THD, slots_T)
+      return paged_attention(q_THD, cache, cache_layer, m.kv_lens_S, block_tables_SP,
+                             m.cu_q_lens, m.num_seqs, sliding_window=self.c.window(layer))
 
     x_TE = self._run(tokens_T, positions_T, attend_at)
     if logits_indices is not None:
@@ -104,7 +115,10 @@ class TinyGPT(nnx.Module):
     def attend_at(layer, q_THD, k_THD, v_THD):
       q, k, v = (x.reshape(b, t, *x.shape[1:]) for x in (q_THD, k_THD, v_THD))
       scores = jnp.einsum("BTHD,BJHD->BHTJ", q, k) * q.shape[-1] ** -0.5
-      scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+      i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+      window = self.c.window(layer)
+      visible = (j <= i) if window is None else (j <= i) & (j > i - window)
+      scores = jnp.where(visible, scores, -jnp.inf)
       out = jnp.einsum("BHTJ,BJHD->BTHD", jax.nn.softmax(scores, axis=-1), v)
       return out.reshape(b * t, *out.shape[2:])
 

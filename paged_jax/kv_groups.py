@@ -40,9 +40,14 @@ def sliding_blocks(window: int, block_size: int, step_tokens: int) -> int:
 
 
 def layer_windows_of(config) -> tuple:
-  """Each layer's sliding window (None: full attention) as the built-in decoders read it
-  (``ModelConfig.attention_kinds`` and ``window_of``); every layer full for a config
-  without them (an own model's config)."""
+  """Each layer's sliding window (None: full attention): ``config.layer_windows`` when the
+  config has one (an own model's, ``paged_jax.protocol``), else as the built-in decoders
+  read it (``ModelConfig.attention_kinds`` and ``window_of``); every layer full for a
+  config with neither."""
+  from paged_jax import protocol
+  own = protocol.layer_windows(config)
+  if own is not None:
+    return own
   kinds = getattr(config, "attention_kinds", None)
   if kinds is None or not hasattr(config, "window_of"):
     return (None,) * int(config.num_layers)

@@ -17,6 +17,18 @@ A config is any object with the int fields ``num_layers``, ``num_kv_heads``, ``h
 (the KV cache's shape), ``vocab_size`` (prompt validation) and ``max_seq_len`` (longest
 sequence), and optionally ``eos_token_ids`` (a tuple of ints; default none).
 
+Optional, for sliding-window layers that give blocks back: ``config.layer_windows``, one
+entry per layer, None (full attention) or the layer's window W (the layer passes
+``sliding_window=W`` to ``paged_attention``). With windowed freeing
+(``LLM(..., free_outside_window=True)``, the default when ``kv_budget_bytes`` sizes the
+pool) the engine puts the layers in KV groups (``paged_jax.kv_groups``): each group has its
+own block tables and slots and the cache holds each group's layers, so each layer takes
+what it writes and reads from ``cache_layer, slots_T, block_tables_SP =
+metadata.for_layer(layer)`` (without groups that is ``(layer, metadata.slots_T,
+metadata.block_tables_SP)``: a model written this way serves both layouts). A model that
+ignores ``for_layer`` under groups writes a layer index past the cache's (a
+``ValueError`` when the index is a Python int; a traced index is not checked).
+
 Optional, for ``LLM(..., mesh=...)`` with a "model" axis of size m > 1 (tensor
 parallelism): a method ``with_model_axis(axis_name) -> model``, a copy whose forward runs
 inside ``jax.shard_map`` on its slice of the weights and of the KV heads and ``psum``-s its
@@ -38,7 +50,7 @@ from flax import nnx
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["CONFIG_FIELDS", "ModelConfigLike", "PagedModel", "check_config", "check_model",
-           "eos_token_ids", "kv_cache_spec", "model_dtype"]
+           "eos_token_ids", "kv_cache_spec", "layer_windows", "model_dtype"]
 
 CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
 """The int fields (>= 1) a config must have."""
@@ -102,6 +114,30 @@ def check_config(config) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"config.{field}={value!r} must be an int >= 1")
   eos_token_ids(config)
+  layer_windows(config)
+
+
+def layer_windows(config) -> tuple | None:
+  """``config.layer_windows`` checked (module docstring) as a tuple of L entries, None or an
+  int >= 1 each; None when the config has none."""
+  windows = getattr(config, "layer_windows", None)
+  if windows is None:
+    return None
+  num_layers = int(config.num_layers)
+  try:
+    windows = tuple(windows)
+  except TypeError:
+    windows = None
+  if windows is None or len(windows) != num_layers:
+    raise ValueError(f"config.layer_windows={getattr(config, 'layer_windows')!r} must be a "
+                     f"tuple of num_layers={num_layers} entries, None (full attention) or a "
+                     "sliding window W")
+  for i, w in enumerate(windows):
+    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                          or w < 1):
+      raise ValueError(f"config.layer_windows[{i}]={w!r} must be None (full attention) or "
+                       "an int >= 1 (the layer's sliding window)")
+  return tuple(None if w is None else int(w) for w in windows)
 
 
 def eos_token_ids(config) -> tuple[int, ...]:

@@ -220,3 +220,84 @@ def test_protocol_errors_name_what_is_missing(model, config):
   llm = LLM(model, types.SimpleNamespace(**fields), block_size=4, num_blocks=16, max_seqs=2,
             max_tokens_per_step=8)
   assert llm.max_model_len == 64 and llm.spec.num_kv_heads == config.num_kv_heads
+
+
+def test_own_model_with_sliding_layers_gives_blocks_back(examples):
+  # config.layer_windows: layer 0 slides (window 6), layer 1 attends to everything. Under
+  # a KV budget the engine puts them in two KV groups of one pool; the model takes its
+  # group's cache layer, slots and tables from metadata.for_layer. Six prompts share a
+  # 12-token prefix (prefix hits take the full layer's chain and the sliding layer's
+  # blocks of the window at the hit's end); every token and log-prob equals the dense
+  # forward's greedy loop, windows included.
+  own, serve = examples.own, examples.serve
+  config = own.TinyGPTConfig(layer_windows=(6, None))
+  model = own.TinyGPT(config, rngs=nnx.Rngs(2))
+  block_bytes = 2 * config.num_kv_heads * config.head_dim * 4 * 4  # one layer, Z = 4, f32
+  llm = LLM(model, config, **dict(serve.ENGINE, num_blocks=None,
+                                  kv_budget_bytes=20 * block_bytes))
+  assert llm.kv_groups.windows == (6, None) and llm.spec.num_blocks == 20
+  assert llm.stats["prefix_caching"]
+  prompts = [serve.PREFIX + s for s in serve.SUFFIXES]
+  params = SamplingParams(max_tokens=serve.MAX_TOKENS, logprobs=True)
+  outs = llm.generate(prompts, params)
+  for prompt, out in zip(prompts, outs):
+    want, want_logprobs = own.dense_greedy(model, prompt, serve.MAX_TOKENS)
+    assert list(out.token_ids) == want
+    np.testing.assert_allclose(out.logprobs, want_logprobs, rtol=0, atol=1e-4)
+  stats = llm.stats
+  assert stats["cached_prompt_tokens"] > 0 and stats["preemptions"] > 0
+  allocator.validate(llm.allocator_state)
+  # Mid-run, the sliding group's row holds NO_BLOCK behind the window, the full one none.
+  for _ in llm.generate_stream(prompts[4:5], SamplingParams(max_tokens=30)):
+    state = llm.allocator_state
+    lens = np.asarray(state.seq_lens)
+    if lens.max() >= 20:  # a query at 20 reads from 15: levels 0..2 are behind the window
+      row, n = int(np.argmax(lens)), int(lens.max())
+      t = np.asarray(state.block_tables)  # [g, S, P]
+      assert (t[0, row, :3] == allocator.NO_BLOCK).all()
+      assert (t[1, row, :-(-n // 4)] >= 0).all()
+      break
+  else:
+    raise AssertionError("the stream ended before the sequence reached 20 tokens")
+  # Not vacuous: without the windows the dense loop gives other tokens.
+  unwindowed = own.TinyGPT(dataclasses.replace(config, layer_windows=None), rngs=nnx.Rngs(2))
+  assert [own.dense_greedy(unwindowed, p, serve.MAX_TOKENS)[0] for p in prompts] != [
+      list(o.token_ids) for o in outs]
+
+
+class _IgnoresGroups(nnx.Module):
+  """An own model that writes to ``layer`` and ``metadata.slots_T`` whatever the groups."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+    m = metadata
+    for layer in range(self.inner.c.num_layers):
+      cache = cache.write(layer, jnp.zeros((tokens_T.shape[0], self.inner.c.num_kv_heads,
+                                            self.inner.c.head_dim)),
+                          jnp.zeros((tokens_T.shape[0], self.inner.c.num_kv_heads,
+                                     self.inner.c.head_dim)), m.slots_T)
+    logits = jnp.zeros((tokens_T.shape[0], self.inner.c.vocab_size))
+    return (logits if logits_indices is None else logits[logits_indices]), cache
+
+
+def test_layer_windows_are_checked_and_misuse_is_loud(examples):
+  own = examples.own
+  fields = {f: getattr(own.TinyGPTConfig(), f) for f in paged_jax.protocol.CONFIG_FIELDS}
+  model = own.TinyGPT(own.TinyGPTConfig(), rngs=nnx.Rngs(0))
+  for bad, match in (((6,), r"config.layer_windows=\(6,\) must be a tuple of num_layers=2"),
+                     ((6, 0), r"config.layer_windows\[1\]=0 must be None \(full attention\)"),
+                     ((None, True), r"config.layer_windows\[1\]=True"), (7, "num_layers=2")):
+    with pytest.raises(ValueError, match=match):
+      LLM(model, types.SimpleNamespace(**fields, layer_windows=bad), block_size=4,
+          num_blocks=16)
+  # Groups on, a model that writes layer 1 into a cache of one layer per group: a
+  # ValueError when the engine compiles, not a silent overwrite of another group's blocks.
+  config = own.TinyGPTConfig(layer_windows=(6, None))
+  wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)))
+  llm = LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
+            max_tokens_per_step=8, token_buckets=(8,))
+  assert llm.kv_groups.num_groups == 2
+  with pytest.raises(ValueError, match=r"layer=1 must be in \[0, L=1\)"):
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
