@@ -55,6 +55,10 @@ def add_run_parser(subparsers) -> None:
                  help="KV pool size in blocks (default 64 for the tiny model: small enough "
                  "that the long tail forces a few preemptions; for --model, the whole "
                  "context of every sequence)")
+  p.add_argument("--kv-budget", default=None, metavar="BYTES",
+                 help="KV pool size as memory, e.g. 64MiB, instead of --num-blocks (default: "
+                 "none); a model with sliding-window layers then puts them in KV groups "
+                 "that give blocks back behind the window")
   p.add_argument("--max-seqs", type=int, default=16, help="concurrent sequences (default 16)")
   p.add_argument("--max-tokens-per-step", type=int, default=256,
                  help="token budget of one step (default 256)")
@@ -138,7 +142,10 @@ class _Progress:
 def _engine(args):
   import jax.numpy as jnp
   from paged_jax.engine import LLM
-  opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_seqs=args.max_seqs,
+  from paged_jax.planner import parse_bytes
+  budget = None if args.kv_budget is None else parse_bytes(args.kv_budget)
+  opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_budget_bytes=budget,
+              max_seqs=args.max_seqs,
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
               kv_cache_dtype=args.kv_cache_dtype,
               compilation_cache=(True if args.compilation_cache is None
@@ -149,7 +156,7 @@ def _engine(args):
   config = ModelConfig(**TINY_LLAMA)
   dtype = jnp.float32 if args.dtype is None else jnp.dtype(args.dtype)
   model = init_random(config, seed=args.seed, dtype=dtype)
-  if opts["num_blocks"] is None:
+  if opts["num_blocks"] is None and budget is None:
     opts["num_blocks"] = 64
   return LLM(model, config, **opts)
 
@@ -201,6 +208,7 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
       ("KV pool", f"{stats['num_blocks']} blocks of {stats['block_size']} tokens, "
                   f"{_pool_dtype(stats['kv_cache_dtype'])}, "
                   f"{stats['kv_pool_bytes'] / 2**20:.1f} MiB"),
+      *_kv_groups_rows(stats),
       ("KV blocks free", f"{free} at the end ({leak})"),
       ("peak blocks in use", f"{stats['peak_blocks_in_use']}"),
       ("mean blocks in use", f"{stats['mean_blocks_in_use']:.1f}"),
@@ -215,6 +223,19 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   rows += [("note", n) for n in notes]
   width = max(len(k) for k, _ in rows)
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _kv_groups_rows(stats) -> list:
+  """The report's KV groups row, when the pool serves several (sliding windows freed)."""
+  windows = tuple(stats.get("kv_group_windows", (None,)))
+  if len(windows) == 1 and windows[0] is None:
+    return []
+  kinds = {}
+  for w in windows:
+    kinds[w] = kinds.get(w, 0) + 1
+  parts = [f"{n} full" if w is None else f"{n} sliding (window {w})" for w, n in kinds.items()]
+  return [("KV groups", f"{len(windows)}: {', '.join(parts)}, one block table each; sliding "
+                        "groups give blocks back behind the window")]
 
 
 def _prefix_caching_note(stats) -> str:
@@ -234,6 +255,16 @@ def _pool_dtype(name: str) -> str:
 
 
 def _check_args(args) -> None:
+  if args.kv_budget is not None:
+    if args.num_blocks is not None:
+      raise ValueError(f"--kv-budget={args.kv_budget} and --num-blocks={args.num_blocks}: "
+                       "give at most one (both size the KV pool)")
+    from paged_jax.planner import parse_bytes
+    try:
+      parse_bytes(args.kv_budget)
+    except ValueError:
+      raise ValueError(f"--kv-budget={args.kv_budget!r} must be a size like '64MiB', '1GB' "
+                       "or a byte count") from None
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")

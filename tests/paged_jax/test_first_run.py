@@ -182,3 +182,31 @@ def test_steady_tokens_per_s_counts_bursts_not_events():
   assert p.steady_tokens_per_s() == pytest.approx(100.0)
   p.trace, p.tokens = [(0.1 + 1e-6 * k, k + 1) for k in range(40)], 40  # one device call
   assert p.steady_tokens_per_s() == 0.0
+
+
+def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
+  # `paged-jax run --model DIR --kv-budget ...` on a tiny Qwen2 checkpoint whose layers
+  # from max_window_layers on slide: the pool is sized in bytes, the layers go in KV
+  # groups, and the report says so; the prefix cache stays on.
+  hf = helpers.hf_config_dict("qwen2", sliding_window=8, num_hidden_layers=2,
+                              use_sliding_window=True, max_window_layers=1)
+  tensors = helpers.hf_tensors(models.ModelConfig.from_hf_dict(hf))
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors, shards=1)
+  code = cli.main(["run", "--model", str(tmp_path), "--kv-budget", "256KiB",
+                   "--num-requests", "4", "--prompt-median", "12", "--output-median", "4",
+                   "--block-size", "4", "--max-seqs", "4", "--max-tokens-per-step", "32",
+                   "--steps-per-call", "4", "--compilation-cache", "off", "--no-progress"])
+  assert code == 0
+  out = capsys.readouterr().out
+  groups = next(line for line in out.splitlines() if line.strip().startswith("KV groups"))
+  assert "2: 1 full, 1 sliding (window 8), one block table each" in groups, groups
+  assert "no leak" in out and "prefix caching off" not in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--kv-budget", "1MiB", "--num-blocks", "64"], "--kv-budget=1MiB and --num-blocks=64"),
+    (["--kv-budget", "lots"], "--kv-budget='lots' must be a size like '64MiB'")])
+def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["run", *argv, "--no-progress"])
+  assert exc.value.code == 2 and match in capsys.readouterr().err
