@@ -62,16 +62,19 @@ recomputing it (``lookup`` + ``attach``). Extra state, per block:
     generation_N     i32[N]     bumped each time the block is handed out fresh
     block_tokens_NZ  i32[N, Z]  the token ids the registered block holds
     group_N          i32[N]     KV group of the registered block
+    beside_gN        i32[g, N]  per anchor block, the block registered beside it in each
+                                other group (NO_BLOCK where none; may be stale)
 
-With KV groups the anchor's blocks form the chains above; a registered block of another
-group g has the anchor's block of its level as ``parent_N`` (and that block's generation
-as ``parent_gen_N``) and a hash of its own, the anchor's key mixed with g
-(``_group_key``). It is confirmed by its group, depth and salt and by that sibling link
-to the confirmed anchor block: the anchor's chain (tokens and links) vouches for the whole
-prefix, and the link, with an unchanged generation, for the block having been written
-from that prefix by a sequence holding the anchor block when it was registered, so its
-tokens need no second comparison (a lookup costs O(S * P) per extra group, not
-O(S * P * Z)).
+With KV groups the anchor's blocks form the chains above (only they enter the hash
+table); a registered block of another group g has the anchor's block of its level as
+``parent_N`` (and that block's generation as ``parent_gen_N``), and that anchor block
+points to it (``beside_gN[g]``). A lookup follows the pointers from the anchor blocks it
+confirmed and confirms each block found by its group, depth and salt and by the link back
+with an unchanged generation: the anchor's chain (tokens and links) vouches for the whole
+prefix, the link for the block having been written from that prefix by a sequence holding
+the anchor block when it was registered, so its tokens need no second comparison and no
+hash is involved (no lost hits; O(S * P) per extra group). A pointer left stale by an
+eviction on either side fails that check.
 
 The hash table is the registered (``block_hash_N``, block) pairs, scattered into buckets by
 a mix of the hash (``_candidates``: no sort, O(N + S * P) per lookup), and every query block
@@ -152,6 +155,7 @@ class AllocatorState:
   generation_N: jax.Array  # i32[N]
   block_tokens_NZ: jax.Array  # i32[N, Z]
   group_N: jax.Array  # i32[N]
+  beside_gN: jax.Array  # i32[g, N]
   block_size: int = dataclasses.field(metadata=dict(static=True))
   # KV groups (module docstring): the sliding window of each group, None for full attention.
   windows: tuple = dataclasses.field(default=(None,), metadata=dict(static=True))
@@ -221,13 +225,6 @@ def _anchor(state: AllocatorState):
 def _prefix_caching(state: AllocatorState) -> bool:
   """Static: prefix caching needs a full-attention group to anchor its chains."""
   return _anchor(state) is not None
-
-
-def _group_key(key: jax.Array, state: AllocatorState, g: int) -> jax.Array:
-  """The hash of group g's block of a level: the anchor's key itself, or mixed with g."""
-  if g == _anchor(state):
-    return key
-  return _fmix32(key ^ jnp.uint32((0x9E3779B9 * (g + 1)) & 0xFFFFFFFF))
 
 
 def _keep_from_gS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
@@ -373,6 +370,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
       generation_N=jnp.zeros(num_blocks, jnp.int32),
       block_tokens_NZ=jnp.zeros((num_blocks, block_size), jnp.int32),
       group_N=jnp.zeros(num_blocks, jnp.int32),
+      beside_gN=jnp.full((len(windows), num_blocks), NO_BLOCK, jnp.int32),
       block_size=block_size,
       windows=windows,
   )
@@ -716,13 +714,13 @@ def _bucket(h: jax.Array, *, mix: int, size: int) -> jax.Array:
 
 
 def _bucket_tables(state: AllocatorState) -> list:
-  """The hash table of the registered blocks, built without a sort: B >= 2N buckets (a
-  power of two), filled by a mix of each block's hash under each of two bucket functions;
-  per function ``(bucket, max_B, min_B)``: the function and each bucket's highest and
-  lowest block id (-1 / N where it holds none). O(N)."""
+  """The hash table of the anchor group's registered blocks, built without a sort: B >= 2N
+  buckets (a power of two), filled by a mix of each block's hash under each of two bucket
+  functions; per function ``(bucket, max_B, min_B)``: the function and each bucket's
+  highest and lowest block id (-1 / N where it holds none). O(N)."""
   n = state.num_blocks
   size = 1 << max(1, (2 * n - 1).bit_length())
-  reg_N = state.depth_N >= 0
+  reg_N = (state.depth_N >= 0) & (state.group_N == _anchor(state))
   ids_N = jnp.arange(n, dtype=jnp.int32)
   tables = []
   for mix in _BUCKET_MIXES:
@@ -733,12 +731,11 @@ def _bucket_tables(state: AllocatorState) -> list:
   return tables
 
 
-def _proposals(state: AllocatorState, tables: list, tokens_SPZ, key_SP: jax.Array,
-               salt_S: jax.Array, group: int) -> list:
-  """The (up to four) blocks the tables propose for each key of ``group``, as pairs
-  ``(cand_SP, holds_SP)``: the block (NO_BLOCK where none) and whether it holds this
-  level's content: hash, salt, depth, group and, unless ``tokens_SPZ`` is None, tokens
-  agreeing (O(S * P * Z); O(S * P) without the tokens)."""
+def _proposals(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
+               salt_S: jax.Array) -> list:
+  """The (up to four) anchor blocks the tables propose for each key, as pairs ``(cand_SP,
+  holds_SP)``: the block (NO_BLOCK where none) and whether it holds this level's content
+  (hash, salt, depth and tokens agreeing). O(S * P * Z)."""
   n, p = state.num_blocks, key_SP.shape[1]
   j_P = jnp.arange(p, dtype=jnp.int32)
   out = []
@@ -751,9 +748,7 @@ def _proposals(state: AllocatorState, tables: list, tokens_SPZ, key_SP: jax.Arra
       out.append((jnp.where(inside_SP, c_SP, NO_BLOCK),
                   inside_SP & (state.block_hash_N[cc_SP] == key_SP)
                   & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
-                  & (state.group_N[cc_SP] == group)
-                  & (True if tokens_SPZ is None else
-                     jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))))
+                  & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)))
   return out
 
 
@@ -769,7 +764,7 @@ def _candidates(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_
   lost hit, never a wrong one (``_walk`` confirms every hit)."""
   n, p = state.num_blocks, key_SP.shape[1]
   j_P = jnp.arange(p, dtype=jnp.int32)
-  proposed = _proposals(state, tables, tokens_SPZ, key_SP, salt_S, _anchor(state))
+  proposed = _proposals(state, tables, tokens_SPZ, key_SP, salt_S)
   shift = lambda x_SP, fill: jnp.concatenate(
       [jnp.full((x_SP.shape[0], 1), fill, x_SP.dtype), x_SP[:, :-1]], axis=1)
   pick_SP = jnp.full(key_SP.shape, NO_BLOCK, jnp.int32)
@@ -830,10 +825,11 @@ def _hit_span_gSP(state: AllocatorState, k_S: jax.Array) -> jax.Array:
   return (j_P >= keep_gS[..., None]) & (j_P < k_S[:, None])
 
 
-def _group_hits(state: AllocatorState, tables: list, key_SP, salt_S, anchor_SP, num_hit_S):
+def _group_hits(state: AllocatorState, salt_S, anchor_SP, num_hit_S):
   """The hit of every sequence across the groups: ``(blocks_gSP, k_S)``, k the longest run
   of anchor levels (``anchor_SP``, ``num_hit_S`` of them) that every other group can serve
-  (``_hit_span_gSP``) with blocks confirmed beside the anchor's (``_beside_SP``)."""
+  (``_hit_span_gSP``) with the blocks the anchor blocks point to (``beside_gN``),
+  confirmed by their links back (``_beside_SP``) and their salt."""
   s, p, z = state.max_seqs, state.max_blocks_per_seq, state.block_size
   anchor = _anchor(state)
   k_K = jnp.arange(p + 1, dtype=jnp.int32)
@@ -844,12 +840,10 @@ def _group_hits(state: AllocatorState, tables: list, key_SP, salt_S, anchor_SP, 
     if g == anchor:
       rows.append(anchor_SP)
       continue
-    pick_SP = jnp.full((s, p), NO_BLOCK, jnp.int32)
-    # The anchor's chain confirmed the tokens; the sibling link vouches for the rest.
-    for c_SP, holds_SP in _proposals(state, tables, None, _group_key(key_SP, state, g),
-                                     salt_S, g):
-      good_SP = holds_SP & _beside_SP(state, c_SP, anchor_SP, g)
-      pick_SP = jnp.where((pick_SP == NO_BLOCK) & good_SP, c_SP, pick_SP)
+    c_SP = state.beside_gN[g][jnp.clip(anchor_SP, 0, state.num_blocks - 1)]
+    good_SP = (_beside_SP(state, c_SP, anchor_SP, g)
+               & (state.salt_N[jnp.clip(c_SP, 0, state.num_blocks - 1)] == salt_S[:, None]))
+    pick_SP = jnp.where(good_SP, c_SP, NO_BLOCK)
     rows.append(pick_SP)
     # Misses among the levels below k, for every k: a hit of k needs none in [keep, k).
     miss_SK = jnp.concatenate([jnp.zeros((s, 1), jnp.int32),
@@ -883,13 +877,12 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   if not _prefix_caching(state):  # every group slides: nothing is ever registered
     return (jnp.full(state.block_tables.shape, NO_BLOCK, jnp.int32),
             jnp.zeros(state.max_seqs, jnp.int32))
-  tables = _bucket_tables(state)
-  key_SP, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn,
-                                             tables)
+  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn,
+                                        _bucket_tables(state))
   anchor_SP = jnp.where(hit_SP, cand_SP, NO_BLOCK)
   if state.num_groups == 1:
     return anchor_SP, num_hit_S
-  return _group_hits(state, tables, key_SP, salt_S, anchor_SP, num_hit_S)
+  return _group_hits(state, salt_S, anchor_SP, num_hit_S)
 
 
 def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
@@ -1029,10 +1022,11 @@ def register(state: AllocatorState, tokens, salt=None, *,
     parent_gen_SP = jnp.where(parent_SP >= 0,
                               state.generation_N[jnp.clip(parent_SP, 0, n - 1)], 0)
     dest_gSP = [jnp.where(new_SP, b_SP, n)]  # n: dropped by the scatters
-    key_gSP, parent_gSP, parent_gen_gSP = [key_SP], [parent_SP], [parent_gen_SP]
-    group_g = [anchor]
+    parent_gSP, parent_gen_gSP, group_g = [parent_SP], [parent_gen_SP], [anchor]
+    beside_gN = state.beside_gN
     if state.num_groups > 1:
-      # Every other group: its block of each level the anchor registers now (by anyone).
+      # Every other group: its block of each level the anchor registers now (by anyone),
+      # linked to that anchor block, which points to it.
       now_N = jnp.zeros(n, jnp.bool_).at[dest_gSP[0]].set(True, mode="drop")
       others = [g for g in range(state.num_groups) if g != anchor]
       o_oSP = t_gSP[jnp.asarray(others)]
@@ -1041,23 +1035,24 @@ def register(state: AllocatorState, tokens, salt=None, *,
       new_oSP &= _first_holder(o_oSP, new_oSP, n)
       for i, g in enumerate(others):
         dest_gSP.append(jnp.where(new_oSP[i], o_oSP[i], n))
-        key_gSP.append(_group_key(key_SP, state, g))
         parent_gSP.append(b_SP)
         parent_gen_gSP.append(state.generation_N[bc_SP])
         group_g.append(g)
+      g_oSP = jnp.broadcast_to(jnp.asarray(others, jnp.int32)[:, None, None], o_oSP.shape)
+      beside_gN = beside_gN.at[g_oSP, jnp.where(new_oSP, b_SP, n)].set(o_oSP, mode="drop")
     dest = jnp.stack(dest_gSP)
-    x = len(group_g)
     put = lambda field, value: field.at[dest].set(
         jnp.broadcast_to(value, dest.shape + field.shape[1:]), mode="drop")
     return dataclasses.replace(
         state,
-        block_hash_N=put(state.block_hash_N, jnp.stack(key_gSP)),
+        block_hash_N=put(state.block_hash_N, key_SP),  # every group's: the anchor's key
         depth_N=put(state.depth_N, j_P),
         parent_N=put(state.parent_N, jnp.stack(parent_gSP)),
         parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSP)),
         salt_N=put(state.salt_N, salt_S[:, None]),
         block_tokens_NZ=put(state.block_tokens_NZ, tokens_SPZ),
-        group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32).reshape(x, 1, 1)),
+        group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32)[:, None, None]),
+        beside_gN=beside_gN,
     )
 
   state = jax.lax.cond(jnp.any(pending_S), write, lambda state: state, state)
@@ -1205,6 +1200,14 @@ def validate(state: AllocatorState) -> None:
   group_N = np.asarray(state.group_N)
   if group_N.shape != (n,):
     raise ValueError(f"group_N.shape={group_N.shape} must be {(n,)}")
+  beside_gN = np.asarray(state.beside_gN)
+  if beside_gN.shape != (len(windows), n):
+    raise ValueError(f"beside_gN.shape={beside_gN.shape} must be [g, N]={(len(windows), n)}")
+  bad = np.argwhere((beside_gN != NO_BLOCK) & ((beside_gN < 0) | (beside_gN >= n)))
+  if bad.size:
+    g, b = bad[0]
+    raise ValueError(f"beside_gN[{g}, {b}]={beside_gN[g, b]} must be NO_BLOCK or in "
+                     f"[0, num_blocks={n})")
   reg_N = depth_N >= 0
   anchor = _anchor(state)
   if anchor is None and reg_N.any():

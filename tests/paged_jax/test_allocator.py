@@ -71,9 +71,9 @@ def test_init_is_empty_and_valid():
   assert s.block_size == 4 and s.num_blocks == 8 and s.max_seqs == 3
   assert s.max_blocks_per_seq == 4 and int(s.num_free) == 8
   assert tables(s) == [[NB] * 4] * 3
-  # A pytree of 14 arrays (6 for allocation, 8 for the prefix cache); block_size is static
+  # A pytree of 15 arrays (6 for allocation, 9 for the prefix cache); block_size is static
   # metadata, not a leaf.
-  assert len(jax.tree_util.tree_leaves(s)) == 14
+  assert len(jax.tree_util.tree_leaves(s)) == 15
   assert int(A.num_cached(s)) == 0 and np.all(np.asarray(s.depth_N) == -1)
   assert jax.tree_util.tree_map(lambda x: x, s).block_size == 4
 
