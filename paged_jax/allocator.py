@@ -132,7 +132,7 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 __all__ = ["NO_BLOCK", "PAD_SLOT", "AllocatorState", "init", "append", "slots", "release", "fork",
            "preempt", "utilization", "validate", "chain_hashes", "lookup", "attach", "register",
-           "cached_N", "num_cached", "slide"]
+           "cached_N", "num_cached", "slide", "supports_prefix_caching"]
 
 
 @jax.tree_util.register_dataclass
@@ -222,9 +222,14 @@ def _anchor(state: AllocatorState):
   return next((g for g, w in enumerate(state.windows) if w is None), None)
 
 
+def supports_prefix_caching(windows) -> bool:
+  """Whether a state of KV groups with these ``windows`` serves prefix caching: it needs a
+  full-attention group (None) to anchor its chains (module docstring)."""
+  return None in tuple(windows)
+
+
 def _prefix_caching(state: AllocatorState) -> bool:
-  """Static: prefix caching needs a full-attention group to anchor its chains."""
-  return _anchor(state) is not None
+  return supports_prefix_caching(state.windows)
 
 
 def _keep_from_gS(state: AllocatorState, len_S: jax.Array) -> jax.Array:
@@ -709,75 +714,50 @@ def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
 _BUCKET_MIXES = (0, 0x7FEB352D)  # two bucket functions of one key: fewer lost hits
 
 
-def _bucket(h: jax.Array, *, mix: int, size: int) -> jax.Array:
-  return (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(size - 1)).astype(jnp.int32)
+def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
+                salt_S: jax.Array) -> jax.Array:
+  """i32[S, P]: the anchor-group block proposed for each key, from a table built without a
+  sort.
 
+  The anchor group's registered blocks are scattered into B >= 8N buckets (a power of two)
+  by a mix of their hash; each bucket keeps its highest and its lowest block id, under two
+  bucket functions: up to four blocks per key, in O(N + B + S * P * Z) (no sort of the
+  pool). Proposed is the first of them that holds this block's tokens (hash, salt and depth
+  agreeing) and hangs off such a block one level up (a root at level 0), so that a stale
+  entry (its parent evicted since) does not hide a live one with the same key. NO_BLOCK when
+  none does.
 
-def _bucket_tables(state: AllocatorState) -> list:
-  """The hash table of the anchor group's registered blocks, built without a sort: B >= 8N
-  buckets (a power of two), filled by a mix of each block's hash under each of two bucket
-  functions; per function ``(bucket, max_B, min_B)``: the function and each bucket's
-  highest and lowest block id (-1 / N where it holds none). O(N + B).
-
-  A key's block is lost when it is neither the highest nor the lowest id of its bucket
-  under both functions. With the pool full of registered blocks that is about 1e-3 of the
-  keys at 2N buckets (load 0.5: 64 prefixes of 124 blocks lost levels, the shortest hit 9,
+  A key loses its block (a lost hit, never a wrong one: ``_walk`` confirms every hit) when
+  it is neither the highest nor the lowest id of its bucket under both functions. With the
+  pool full of registered blocks that is about 1e-3 of the keys at 2N buckets (load 0.5:
+  64 prefixes of 124 blocks lost levels, the shortest hit 9,
   ``benchmarks/prefix_lookup.py``) and about 6e-6 at 8N (load 0.125). The tables are
   transient: 4 * B int32, 128 bytes per block of the pool."""
-  n = state.num_blocks
-  size = 1 << max(1, (8 * n - 1).bit_length())
+  n, p = state.num_blocks, key_SP.shape[1]
+  b = 1 << max(1, (8 * n - 1).bit_length())
   reg_N = (state.depth_N >= 0) & (state.group_N == _anchor(state))
   ids_N = jnp.arange(n, dtype=jnp.int32)
-  tables = []
+  j_P = jnp.arange(p, dtype=jnp.int32)
+  cands, holds = [], []
   for mix in _BUCKET_MIXES:
-    bucket = functools.partial(_bucket, mix=mix, size=size)
-    dest_N = jnp.where(reg_N, bucket(state.block_hash_N), size)  # size: dropped
-    tables.append((bucket, jnp.full(size, -1, jnp.int32).at[dest_N].max(ids_N, mode="drop"),
-                   jnp.full(size, n, jnp.int32).at[dest_N].min(ids_N, mode="drop")))
-  return tables
-
-
-def _proposals(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
-               salt_S: jax.Array) -> list:
-  """The (up to four) anchor blocks the tables propose for each key, as pairs ``(cand_SP,
-  holds_SP)``: the block (NO_BLOCK where none) and whether it holds this level's content
-  (hash, salt, depth and tokens agreeing). O(S * P * Z)."""
-  n, p = state.num_blocks, key_SP.shape[1]
-  j_P = jnp.arange(p, dtype=jnp.int32)
-  out = []
-  for bucket, max_B, min_B in tables:
+    bucket = lambda h: (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(b - 1)).astype(jnp.int32)
+    dest_N = jnp.where(reg_N, bucket(state.block_hash_N), b)  # b: dropped
     q_SP = bucket(key_SP)
-    for table_B in (max_B, min_B):
+    for table_B in (jnp.full(b, -1, jnp.int32).at[dest_N].max(ids_N, mode="drop"),
+                    jnp.full(b, n, jnp.int32).at[dest_N].min(ids_N, mode="drop")):
       c_SP = table_B[q_SP]
-      inside_SP = (c_SP >= 0) & (c_SP < n)
       cc_SP = jnp.clip(c_SP, 0, n - 1)
-      out.append((jnp.where(inside_SP, c_SP, NO_BLOCK),
-                  inside_SP & (state.block_hash_N[cc_SP] == key_SP)
-                  & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
-                  & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)))
-  return out
-
-
-def _candidates(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_SP: jax.Array,
-                salt_S: jax.Array) -> jax.Array:
-  """i32[S, P]: the anchor-group block proposed for each key (``_bucket_tables``).
-
-  Each bucket keeps two blocks under each of two bucket functions: up to four per key.
-  Proposed is the first of them that holds this block's content (``_proposals``) and hangs
-  off such a block one level up (a root at level 0), so that a stale entry (its parent
-  evicted since) does not hide a live one with the same key. NO_BLOCK when none does. A key
-  loses its block only when three registered blocks share its bucket under both functions: a
-  lost hit, never a wrong one (``_walk`` confirms every hit)."""
-  n, p = state.num_blocks, key_SP.shape[1]
-  j_P = jnp.arange(p, dtype=jnp.int32)
-  proposed = _proposals(state, tables, tokens_SPZ, key_SP, salt_S)
+      cands.append(jnp.where((c_SP >= 0) & (c_SP < n), c_SP, NO_BLOCK))
+      holds.append((c_SP >= 0) & (c_SP < n) & (state.block_hash_N[cc_SP] == key_SP)
+                   & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
+                   & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))
   shift = lambda x_SP, fill: jnp.concatenate(
       [jnp.full((x_SP.shape[0], 1), fill, x_SP.dtype), x_SP[:, :-1]], axis=1)
   pick_SP = jnp.full(key_SP.shape, NO_BLOCK, jnp.int32)
-  for c_SP, h_SP in proposed:
+  for c_SP, h_SP in zip(cands, holds):
     cc_SP = jnp.clip(c_SP, 0, n - 1)
     linked_SP = (j_P == 0) & (state.parent_N[cc_SP] == NO_BLOCK)
-    for up_SP, up_holds_SP in proposed:  # the candidates one level up
+    for up_SP, up_holds_SP in zip(cands, holds):  # the candidates one level up
       up_SP, up_holds_SP = shift(up_SP, NO_BLOCK), shift(up_holds_SP, False)
       linked_SP |= (up_holds_SP & (state.parent_N[cc_SP] == up_SP)
                     & (state.parent_gen_N[cc_SP]
@@ -786,7 +766,7 @@ def _candidates(state: AllocatorState, tables: list, tokens_SPZ: jax.Array, key_
   return pick_SP
 
 
-def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn, tables):
+def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
   """Match every sequence's blocks ``j < limit_S`` against the anchor group's registered ones.
 
   Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes
@@ -798,7 +778,7 @@ def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn, tables):
   if key_SP.shape != (s, p):
     raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]={(s, p)}")
   key_SP = key_SP.astype(jnp.uint32)
-  cand_SP = _candidates(state, tables, tokens_SPZ, key_SP, salt_S)
+  cand_SP = _candidates(state, tokens_SPZ, key_SP, salt_S)
   cc_SP = jnp.clip(cand_SP, 0, n - 1)
   j_P = jnp.arange(p, dtype=jnp.int32)
   ok_SP = ((cand_SP != NO_BLOCK) & (state.depth_N[cc_SP] >= 0)
@@ -883,8 +863,7 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   if not _prefix_caching(state):  # every group slides: nothing is ever registered
     return (jnp.full(state.block_tables.shape, NO_BLOCK, jnp.int32),
             jnp.zeros(state.max_seqs, jnp.int32))
-  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn,
-                                        _bucket_tables(state))
+  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn)
   anchor_SP = jnp.where(hit_SP, cand_SP, NO_BLOCK)
   if state.num_groups == 1:
     return anchor_SP, num_hit_S
@@ -995,8 +974,7 @@ def register(state: AllocatorState, tokens, salt=None, *,
   def match_then_extend(state):
     """The same after walking the cache: sequences with nothing registered hang off the
     prefix the cache matches (skipping what it holds), up to their next registered block."""
-    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn,
-                                      _bucket_tables(state))
+    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
     walked_S = after_S == 0
     stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | ~full_SP)
     stop_S = jnp.where(jnp.any(stop_SP, axis=1), jnp.argmax(stop_SP, axis=1), p)

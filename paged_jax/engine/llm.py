@@ -142,9 +142,8 @@ class LLM:
     # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
     self.kv_groups = KVGroups.from_layer_windows(
         layer_windows_of(config), free_outside_window=bool(free_outside_window))
-    # The allocator's rule: a prefix's chain is anchored in a full-attention group.
     self.enable_prefix_caching = (bool(enable_prefix_caching)
-                                  and None in self.kv_groups.windows)
+                                  and allocator.supports_prefix_caching(self.kv_groups.windows))
     self.scrub_on_release = bool(scrub_on_release)
     self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
                                 shards)
