@@ -8,6 +8,7 @@ text where the checkpoint has a tokenizer. Hook it up with ``add_run_parser(subp
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -142,8 +143,7 @@ class _Progress:
 def _engine(args):
   import jax.numpy as jnp
   from paged_jax.engine import LLM
-  from paged_jax.planner import parse_bytes
-  budget = None if args.kv_budget is None else parse_bytes(args.kv_budget)
+  budget = _kv_budget_bytes(args)
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_budget_bytes=budget,
               max_seqs=args.max_seqs,
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
@@ -230,10 +230,8 @@ def _kv_groups_rows(stats) -> list:
   windows = tuple(stats.get("kv_group_windows", (None,)))
   if len(windows) == 1 and windows[0] is None:
     return []
-  kinds = {}
-  for w in windows:
-    kinds[w] = kinds.get(w, 0) + 1
-  parts = [f"{n} full" if w is None else f"{n} sliding (window {w})" for w, n in kinds.items()]
+  parts = [f"{n} full" if w is None else f"{n} sliding (window {w})"
+           for w, n in collections.Counter(windows).items()]
   return [("KV groups", f"{len(windows)}: {', '.join(parts)}, one block table each; sliding "
                         "groups give blocks back behind the window")]
 
@@ -242,7 +240,8 @@ def _prefix_caching_note(stats) -> str:
   """Why the hit rate is 0 by construction, when it is: prefix caching is off."""
   if stats.get("prefix_caching", True):
     return ""
-  if None not in tuple(stats.get("kv_group_windows", (None,))):
+  from paged_jax import allocator  # after the engine: JAX is loaded by then
+  if not allocator.supports_prefix_caching(stats.get("kv_group_windows", (None,))):
     return " (prefix caching off: every layer has a sliding window)"
   return " (prefix caching off)"
 
@@ -254,17 +253,23 @@ def _pool_dtype(name: str) -> str:
   return name
 
 
+def _kv_budget_bytes(args) -> int | None:
+  """``--kv-budget`` in bytes (None when not given); a ``ValueError`` naming the option."""
+  if args.kv_budget is None:
+    return None
+  from paged_jax.planner import parse_bytes
+  try:
+    return parse_bytes(args.kv_budget)
+  except ValueError:
+    raise ValueError(f"--kv-budget={args.kv_budget!r} must be a size like '64MiB', '1GB' "
+                     "or a byte count") from None
+
+
 def _check_args(args) -> None:
-  if args.kv_budget is not None:
-    if args.num_blocks is not None:
-      raise ValueError(f"--kv-budget={args.kv_budget} and --num-blocks={args.num_blocks}: "
-                       "give at most one (both size the KV pool)")
-    from paged_jax.planner import parse_bytes
-    try:
-      parse_bytes(args.kv_budget)
-    except ValueError:
-      raise ValueError(f"--kv-budget={args.kv_budget!r} must be a size like '64MiB', '1GB' "
-                       "or a byte count") from None
+  if args.kv_budget is not None and args.num_blocks is not None:
+    raise ValueError(f"--kv-budget={args.kv_budget} and --num-blocks={args.num_blocks}: "
+                     "give at most one (both size the KV pool)")
+  _kv_budget_bytes(args)  # an unreadable size is refused before JAX loads
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")
