@@ -135,15 +135,16 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
 
 def refusal_reason(q_THD, k_pages_LKNZD, check_shapes) -> str | None:
   """Why a kernel refuses these shapes, or None: what its ``unsupported_reason`` (asked by
-  an "auto" choice) returns. H must be a multiple of K; then ``check_shapes(group)`` (the
-  kernel's own checks of its default tiling, G = H / K) raises ``ValueError`` with the
-  reason, or returns."""
-  num_q_heads = q_THD.shape[1]
-  num_kv_heads = layout.unpack_pages_shape(k_pages_LKNZD.shape)["K"]
+  an "auto" choice) returns. H must be a multiple of K; then ``check_shapes(group=G,
+  block_size=Z, head_dim=D)`` (the kernel's own checks of its default tiling, G = H / K)
+  raises ``ValueError`` with the reason, or returns."""
+  num_q_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
+  dims = layout.unpack_pages_shape(k_pages_LKNZD.shape)
+  num_kv_heads = dims["K"]
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
     return f"q heads H={num_q_heads} must be a multiple of K={num_kv_heads}"
   try:
-    check_shapes(num_q_heads // num_kv_heads)
+    check_shapes(group=num_q_heads // num_kv_heads, block_size=dims["Z"], head_dim=head_dim)
   except ValueError as e:
     return str(e)
   return None

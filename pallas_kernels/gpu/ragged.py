@@ -79,14 +79,11 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   """Why this kernel cannot take arguments of these shapes and dtypes, or None if it can
   (with its default tiling): what an "auto" choice asks before picking it. Static: only
   shapes and dtypes are read."""
-  def check_shapes(group):
+  def check_shapes(**shape):
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
-    block_size = layout.unpack_pages_shape(k_pages_LKNZD.shape)["Z"]
-    tiling.check_shapes(group=group, block_size=block_size,
-                        head_dim=q_THD.shape[2],
-                        itemsize=jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD,
-                                                          kv_dtype)).itemsize)
+    tiling.check_shapes(**shape, itemsize=jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD,
+                                                                   kv_dtype)).itemsize)
 
   return validation.refusal_reason(q_THD, k_pages_LKNZD, check_shapes)
 

@@ -95,14 +95,11 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
     return f"jax {jax.__version__} lacks Mosaic GPU pieces: {', '.join(compat.missing_names())}"
   if not jnp.issubdtype(q_THD.dtype, jnp.floating) or jnp.dtype(q_THD.dtype).itemsize < 2:
     return f"q.dtype={q_THD.dtype} must be float16, bfloat16 or float32"
-  def check_shapes(group):
+  def check_shapes(**shape):
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
-    block_size = layout.unpack_pages_shape(k_pages_LKNZD.shape)["Z"]
-    tiling.check_shapes(group=group, block_size=block_size,
-                        head_dim=q_THD.shape[2],
-                        plan=operand_plan(q_THD.dtype, k_pages_LKNZD.dtype,
-                                          kv_dtype=kv_dtype))
+    tiling.check_shapes(**shape, plan=operand_plan(q_THD.dtype, k_pages_LKNZD.dtype,
+                                                   kv_dtype=kv_dtype))
 
   return validation.refusal_reason(q_THD, k_pages_LKNZD, check_shapes)
 

@@ -556,12 +556,11 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   _, num_kv_heads, _, block_size, _ = k_pages_LKNZD.shape
   num_seq_rows, blocks_per_seq = block_tables_SP.shape
 
-  def check_shapes(group):
+  def check_shapes(**shape):
     _check_head_dim_and_block_size(head_dim, block_size)
     tiling = default_tiling(num_tokens, num_seq_rows, num_q_heads, num_kv_heads, block_size,
                             blocks_per_seq)
-    tiling.check(group=group, block_size=block_size, head_dim=head_dim,
-                 q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
+    tiling.check(**shape, q_itemsize=jnp.dtype(q_THD.dtype).itemsize,
                  kv_itemsize=jnp.dtype(k_pages_LKNZD.dtype).itemsize,
                  quantized=layout.is_quantized(kv_dtype))
 
