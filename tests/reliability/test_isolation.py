@@ -88,23 +88,33 @@ def _schedule(rng, max_seqs):
   return ps, params
 
 
+def _serve_schedules(llm, fresh_engine, rng) -> int:
+  """SCHEDULES x CALLS_PER_SCHEDULE random ``generate`` calls on the long-lived (poisoned)
+  ``llm``, each equal to a ``fresh_engine()``'s (tokens; log-probs finite and within 1e-5),
+  every block free after each; returns the prompt tokens ``llm`` found cached."""
+  cached = 0
+  for _ in range(SCHEDULES):
+    for _ in range(CALLS_PER_SCHEDULE):
+      ps, params = _schedule(rng, llm.max_seqs)
+      got = llm.generate(ps, params)
+      cached += llm.stats["cached_prompt_tokens"]
+      want = fresh_engine().generate(ps, params)
+      assert tokens_of(got) == tokens_of(want)
+      for g, w in zip(got, want):
+        assert np.all(np.isfinite(g.logprobs))
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+      check_all_free(llm)
+  return cached
+
+
 @pytest.mark.parametrize("num_blocks,prefix_caching",  # 12 blocks of 4 tokens: preemptions
                          [(12, True), (64, True), (12, False)])
 def test_poisoned_free_and_stale_pages_never_read(model, config, num_blocks, prefix_caching):
   opts = dict(num_blocks=num_blocks, steps_per_call=2, enable_prefix_caching=prefix_caching)
   llm = make_llm(model, config, **opts)
   poison = Poisoner(llm)
-  rng = np.random.default_rng(num_blocks + prefix_caching)
-  for _ in range(SCHEDULES):
-    for _ in range(CALLS_PER_SCHEDULE):
-      ps, params = _schedule(rng, llm.max_seqs)
-      got = llm.generate(ps, params)
-      want = make_llm(model, config, **opts).generate(ps, params)
-      assert tokens_of(got) == tokens_of(want)
-      for g, w in zip(got, want):
-        assert np.all(np.isfinite(g.logprobs))
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
-      check_all_free(llm)
+  _serve_schedules(llm, lambda: make_llm(model, config, **opts),
+                   np.random.default_rng(num_blocks + prefix_caching))
   print(f"\npool {num_blocks}, prefix caching {prefix_caching}: {poison.calls} device calls "
         f"poisoned, {poison.free_blocks} free blocks poisoned, preemptions "
         f"{llm.stats['preemptions']}, prefix hit rate {llm.stats['prefix_hit_rate']:.2f}")
@@ -125,20 +135,9 @@ def test_poisoned_pool_with_kv_groups_and_prefix_hits(model, config):
   llm = make_llm(hybrid_model, hybrid, **opts)
   assert llm.kv_groups.windows == (6, None) and llm.stats["prefix_caching"]
   poison = Poisoner(llm)
-  rng = np.random.default_rng(7)
-  cached = 0
-  for _ in range(SCHEDULES):
-    for _ in range(CALLS_PER_SCHEDULE):
-      ps, params = _schedule(rng, llm.max_seqs)
-      got = llm.generate(ps, params)
-      cached += llm.stats["cached_prompt_tokens"]
-      want = make_llm(hybrid_model, hybrid, enable_prefix_caching=False,
-                      **opts).generate(ps, params)
-      assert tokens_of(got) == tokens_of(want)
-      for g, w in zip(got, want):
-        assert np.all(np.isfinite(g.logprobs))
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
-      check_all_free(llm)
+  cached = _serve_schedules(
+      llm, lambda: make_llm(hybrid_model, hybrid, enable_prefix_caching=False, **opts),
+      np.random.default_rng(7))
   print(f"\nKV groups (6, None), 20 blocks: {poison.calls} device calls poisoned, "
         f"{poison.free_blocks} free blocks poisoned, preemptions {llm.stats['preemptions']}, "
         f"{cached} prompt tokens found cached")
