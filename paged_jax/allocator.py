@@ -83,8 +83,9 @@ hit is confirmed by the block's stored tokens, depth and salt, and by its parent
 parent must be the block confirmed one level up, with an unchanged generation (a parent that
 was evicted and reused since carries a new generation). A hash collision therefore costs a
 miss, never a wrong reuse. Registration is canonical: a sequence's new full blocks chain off
-the registered blocks its own prefix matches, and of several sequences registering the same
-new block in one call only the first (slot order) does, so each prefix has one entry.
+the registered blocks its prefix matches (its own, or another sequence's copy of the same
+prefix), and of several sequences registering the same new block in one call only the
+first (slot order) does, so each prefix has one entry.
 
 Freed registered blocks stay registered: free (ref count 0, counted in ``num_free``) but
 *cached*, and ``attach`` can revive them (ref count 0 -> 1). The free order key is
@@ -934,14 +935,14 @@ def register(state: AllocatorState, tokens, salt=None, *,
 
   Call it once the K/V of those blocks are written (after the forward that filled them).
   ``tokens`` i32[S, X]: each sequence's tokens from position 0, as for ``lookup``; ``salt``
-  i32[S] (default 0). A sequence's new full blocks (those past its last registered one) are
-  registered as one chain hanging off that block. A sequence with no registered block yet
-  first matches its prefix against the cache (``lookup``'s walk) and hangs its new blocks
-  off the matched prefix instead, skipping blocks the cache already holds; only then is the
-  bucket table built, so the common case (a sequence extending its own registered chain)
-  costs no O(N) pass. When several sequences would register the same block (same tokens after the same
-  parent, same salt) in one call, only the first in slot order does (so a prefix has one
-  entry; the others find it next time). With groups the chains are the anchor group's, and
+  i32[S] (default 0). A sequence with new full blocks (past its last registered one) first
+  matches its prefix against the cache (``lookup``'s walk) and registers only the levels
+  the cache does not hold, as one chain hanging off the matched prefix: a block the cache
+  already holds (another sequence registered the same prefix since this one attached, forked
+  or computed it) is not registered twice, and the sequence's own copy stays unregistered
+  (one O(N) pass per call with new blocks). When several sequences would register the same
+  block (same tokens after the same parent, same salt) in one call, only the first in slot
+  order does (so a prefix has one entry; the others find it next time). With groups the chains are the anchor group's, and
   every other group registers its block of each level the anchor registers now, beside it
   (the block the sequence holds there, if its window still does). Changes nothing else.
   """
@@ -951,45 +952,50 @@ def register(state: AllocatorState, tokens, salt=None, *,
     return dataclasses.replace(state, clock=state.clock + 1)
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
   anchor = _anchor(state)
-  full_S = state.seq_lens // z
   j_P = jnp.arange(p, dtype=jnp.int32)
-  t_gSP = _tables_gSP(state)
-  b_SP = t_gSP[anchor]
-  bc_SP = jnp.clip(b_SP, 0, n - 1)
-  full_SP = j_P < full_S[:, None]
-  own_reg_SP = (b_SP != NO_BLOCK) & (state.depth_N[bc_SP] >= 0) & full_SP
-  # Levels past the sequence's last registered full block.
-  after_S = jnp.max(jnp.where(own_reg_SP, j_P + 1, 0), axis=1)
-  pending_S = full_S > after_S
-  own_prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]], axis=1)
   take = lambda x_SP, j_S: jnp.take_along_axis(x_SP, jnp.clip(j_S, 0, p - 1)[:, None],
                                                axis=1)[:, 0]
 
-  def extend_own_chains(state):
-    """(key_SP, first_S, stop_S, first_parent_S): new levels [after, full) off one's own
-    last registered block."""
-    key_SP = jnp.asarray(hash_fn(tokens_SPZ, salt_S)).astype(jnp.uint32)
-    return key_SP, after_S, full_S, jnp.where(after_S > 0, take(b_SP, after_S - 1), NO_BLOCK)
+  def pending(state):
+    """(t_gSP, full_S, own_reg_SP, after_S, pending_S): the tables, each sequence's full
+    levels, those it holds registered, the level past its last registered one, and
+    whether it has full levels past that."""
+    full_S = state.seq_lens // z
+    t_gSP = _tables_gSP(state)
+    b_SP = t_gSP[anchor]
+    own_reg_SP = ((b_SP != NO_BLOCK) & (state.depth_N[jnp.clip(b_SP, 0, n - 1)] >= 0)
+                  & (j_P < full_S[:, None]))
+    after_S = jnp.max(jnp.where(own_reg_SP, j_P + 1, 0), axis=1)
+    return t_gSP, full_S, own_reg_SP, after_S, full_S > after_S
 
-  def match_then_extend(state):
-    """The same after walking the cache: sequences with nothing registered hang off the
-    prefix the cache matches (skipping what it holds), up to their next registered block."""
+  def write(state):
+    """One round: every sequence with new levels registers those the cache does not hold
+    (but a duplicate of an earlier sequence's first new block, this round); returns the
+    state and whether such a duplicate waits for the next round."""
+    t_gSP, full_S, own_reg_SP, after_S, pending_S = pending(state)
+    b_SP = t_gSP[anchor]
+    bc_SP = jnp.clip(b_SP, 0, n - 1)
+    full_SP = j_P < full_S[:, None]
+    own_prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]],
+                                  axis=1)
+    # Hang each sequence's new levels off the longest prefix the cache holds (lookup's
+    # walk), so no block the cache holds is registered twice: a sequence matched at least
+    # up to its own last registered block skips the levels the cache holds (its own blocks
+    # there stay unregistered) and registers the rest, up to its next registered block;
+    # one the walk matches less far (a lost bucket) extends its own chain.
     key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
-    walked_S = after_S == 0
+    walked_S = hit_S >= after_S
     stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | ~full_SP)
-    stop_S = jnp.where(jnp.any(stop_SP, axis=1), jnp.argmax(stop_SP, axis=1), p)
+    stop_S = jnp.where(walked_S, jnp.where(jnp.any(stop_SP, axis=1),
+                                           jnp.argmax(stop_SP, axis=1), p), full_S)
     first_S = jnp.where(walked_S, hit_S, after_S)
     first_parent_S = jnp.where(
         walked_S, jnp.where(hit_S > 0, take(cand_SP, hit_S - 1), NO_BLOCK),
         take(b_SP, after_S - 1))
-    return key_SP, first_S, jnp.where(walked_S, stop_S, full_S), first_parent_S
-
-  def write(state):
-    key_SP, first_S, stop_S, first_parent_S = jax.lax.cond(
-        jnp.any(pending_S & (after_S == 0)), match_then_extend, extend_own_chains, state)
     has_new_S = pending_S & (stop_S > first_S)
     # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
-    # earlier in slot order.
+    # earlier in slot order. The later ones register in the next round, off the blocks
+    # the first registers now (their tails may part from its).
     first_key_S = take(key_SP, first_S)
     first_tokens_SZ = jnp.take_along_axis(
         tokens_SPZ, jnp.clip(first_S, 0, p - 1)[:, None, None], axis=1)[:, 0]
@@ -1027,7 +1033,7 @@ def register(state: AllocatorState, tokens, salt=None, *,
     dest = jnp.stack(dest_gSP)
     put = lambda field, value: field.at[dest].set(
         jnp.broadcast_to(value, dest.shape + field.shape[1:]), mode="drop")
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state,
         block_hash_N=put(state.block_hash_N, key_SP),  # every group's: the anchor's key
         depth_N=put(state.depth_N, j_P),
@@ -1038,8 +1044,11 @@ def register(state: AllocatorState, tokens, salt=None, *,
         group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32)[:, None, None]),
         beside_gN=beside_gN,
     )
+    return state, jnp.any(has_new_S & dup_S)
 
-  state = jax.lax.cond(jnp.any(pending_S), write, lambda state: state, state)
+  # Rounds until no duplicate waits: one when no two sequences register the same block.
+  state, _ = jax.lax.while_loop(lambda carry: carry[1], lambda carry: write(carry[0]),
+                                (state, jnp.any(pending(state)[-1])))
   return dataclasses.replace(state, clock=state.clock + 1)
 
 

@@ -174,6 +174,77 @@ def test_in_call_duplicates_register_once_and_chain_off_the_first():
   assert int(hit[2]) == 3 and np.asarray(blocks).tolist()[2] == [0, 1, 4, NB]
 
 
+def _entries(s, depth):
+  """The registered blocks at ``depth``."""
+  return np.flatnonzero(np.asarray(s.depth_N) == depth).tolist()
+
+
+def test_a_fully_cached_prompt_does_not_register_its_last_block_twice():
+  # The engine's admission: lookup with len - 1 tokens leaves a prompt of 8 = 2 * Z cached
+  # tokens one block short (hit 1), so it recomputes block 1 into a fresh block. Register
+  # must see that the cache holds that prefix already: one entry per prefix, so a longer
+  # prompt extending a chain off the original entry still hits whole.
+  a = np.arange(60, 76)
+  s, _ = _append(pool(), i32(12, 0, 0, 0))  # request A: a[:12], blocks 0, 1, 2 registered
+  s = _register(s, token_rows(a))
+  s = _release(s, jnp.asarray([True, False, False, False]))
+  rows = token_rows(a[:8], a[:8])
+  blocks, hit = _lookup(s, rows, i32(7, 0, 0, 0))  # request B: a[:8], 7 tokens matchable
+  assert int(hit[0]) == 1
+  s, _ = _attach(s, blocks, hit)
+  s, _ = _append(s, i32(4, 0, 0, 0))  # recomputes a[4:8] into a fresh block
+  fresh = int(s.block_tables[0, 1])
+  assert fresh not in (0, 1, 2)
+  s = _register(s, rows)
+  A.validate(s)
+  assert _entries(s, 1) == [1] and int(s.depth_N[fresh]) == -1
+  s = _release(s, jnp.asarray([True, False, False, False]))
+  blocks, hit = _lookup(s, token_rows(a), i32(16, 0, 0, 0))
+  assert int(hit[0]) == 3 and np.asarray(blocks).tolist()[0] == [0, 1, 2, NB]
+
+
+def test_forks_filling_the_same_block_in_turn_keep_one_entry():
+  # A fork's two sequences fill the same next block in different calls: the second finds
+  # the first's entry and registers nothing; its later block chains off that entry, so
+  # the whole prefix stays one chain.
+  a = np.arange(80, 96)
+  rows = token_rows(a, a)
+  s, _ = _append(pool(), i32(4, 0, 0, 0))
+  s = _register(s, rows)
+  s, ok, _, _ = jax.jit(A.fork)(s, i32(0), i32(1))
+  assert bool(ok[0])
+  s, _ = _append(s, i32(0, 4, 0, 0))  # seq 1 fills level 1 first
+  s = _register(s, rows)
+  s, _ = _append(s, i32(4, 0, 0, 0))  # then seq 0 fills the same level 1
+  s = _register(s, rows)
+  A.validate(s)
+  assert len(_entries(s, 1)) == 1
+  s, _ = _append(s, i32(4, 0, 0, 0))  # seq 0 goes on to level 2, off the one entry
+  s = _register(s, rows)
+  A.validate(s)
+  (level1,), (level2,) = _entries(s, 1), _entries(s, 2)
+  assert int(s.parent_N[level2]) == level1
+  s = _release(s, jnp.asarray([True, True, False, False]))
+  _, hit = _lookup(s, token_rows(a), i32(16, 0, 0, 0))
+  assert int(hit[0]) == 3
+
+
+def test_in_call_duplicates_register_their_own_tails_in_the_same_call():
+  # Two sequences with the same first block and different second ones register in one
+  # call: the second's first block is the first's (one entry), and its own second block is
+  # registered in the same call (a second round), so it is cached even if it is released
+  # before any later register.
+  a, b = np.arange(1, 9), np.concatenate([np.arange(1, 5), np.arange(50, 54)])
+  s, _ = _append(pool(), i32(8, 8, 0, 0))  # seq 0: blocks 0, 1; seq 1: blocks 2, 3
+  s = _register(s, token_rows(a, b))
+  A.validate(s)
+  assert _entries(s, 0) == [0] and sorted(_entries(s, 1)) == [1, 3]
+  assert int(s.parent_N[3]) == 0
+  s = _release(s, jnp.asarray([True, True, False, False]))
+  _, hit = _lookup(s, token_rows(a, b), i32(8, 8, 0, 0))
+  assert np.asarray(hit).tolist()[:2] == [2, 2]
+
+
 def test_attach_refuses_bad_requests_and_changes_nothing():
   a = np.arange(1, 17)
   s, _ = _append(pool(), i32(12, 0, 0, 0))  # blocks 0, 1, 2 registered, seq 0 holds them
@@ -619,6 +690,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
       prefix, salt = self.content[int(b)]
       assert len(prefix) == (int(host.depth_N[b]) + 1) * MZ and salt == host.salt_N[b]
       assert host.block_tokens_NZ[b].tolist() == list(prefix[-MZ:])
+    if self.hash_fn is A.chain_hashes:  # a good hash loses no bucket in a pool this small
+      # One entry per prefix: no two live entries with one parent (as it is now), salt
+      # and tokens (a child of an evicted parent is stale, not a duplicate).
+      keys = [(int(host.depth_N[b]), int(host.parent_N[b]), int(host.salt_N[b]),
+               tuple(host.block_tokens_NZ[b].tolist()))
+              for b in np.flatnonzero(host.depth_N >= 0)
+              if host.parent_N[b] < 0
+              or host.parent_gen_N[b] == host.generation_N[host.parent_N[b]]]
+      assert len(keys) == len(set(keys)), keys
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
