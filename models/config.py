@@ -426,12 +426,28 @@ class ModelConfig:
       path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"config file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-      try:
-        hf = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
+    hf = _read_json(path)
+    # A checkpoint's generation_config.json (beside it) holds the EOS ids generation stops
+    # at, often more than config.json lists (chat models' end-of-turn ids); transformers'
+    # generate uses its ids when it names them, as do we.
+    generation_path = os.path.join(os.path.dirname(path), "generation_config.json")
+    if os.path.isfile(generation_path):
+      eos = _read_json(generation_path).get("eos_token_id")
+      if eos is not None:
+        hf = dict(hf, eos_token_id=eos)
     return cls.from_hf_dict(hf, max_seq_len=max_seq_len)
+
+
+def _read_json(path: str) -> dict:
+  """A JSON object from ``path`` (a ``ValueError`` naming the file if it is not one)."""
+  with open(path, encoding="utf-8") as f:
+    try:
+      data = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"config file {path!r} must hold a JSON object, not {type(data).__name__}")
+  return data
 
 
 # transformers' defaults (5.25) for a config.json that leaves ``sliding_window`` out.

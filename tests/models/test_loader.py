@@ -144,3 +144,26 @@ def test_tied_checkpoint_ignores_lm_head(tmp_path):
   helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
   model, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
   assert config.tie_word_embeddings and model.lm_head_EV is None
+
+
+def test_generation_config_eos_ids_are_the_ones_generation_stops_at(tmp_path):
+  # Chat checkpoints list their end-of-turn ids in generation_config.json (Llama 3
+  # Instruct: 128001, 128008, 128009 against config.json's 128001); transformers' generate
+  # stops at those, so the engine must too. Without the file, or without the key in it,
+  # config.json's ids hold.
+  hf, _ = _checkpoint(tmp_path, eos_token_id=2)
+  assert models.ModelConfig.from_json(tmp_path).eos_token_ids == (2,)
+  gen = tmp_path / "generation_config.json"
+  gen.write_text(json.dumps({"do_sample": False}))
+  assert models.ModelConfig.from_json(tmp_path).eos_token_ids == (2,)
+  gen.write_text(json.dumps({"eos_token_id": [2, 19], "bos_token_id": 1}))
+  _, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  assert config.eos_token_ids == (2, 19)
+  gen.write_text(json.dumps({"eos_token_id": 7}))
+  assert models.ModelConfig.from_json(tmp_path / "config.json").eos_token_ids == (7,)
+  gen.write_text("{not json")
+  with pytest.raises(ValueError, match="generation_config.json.*not valid JSON"):
+    models.ModelConfig.from_json(tmp_path)
+  gen.write_text("[1, 2]")
+  with pytest.raises(ValueError, match="generation_config.json.*JSON object"):
+    models.ModelConfig.from_json(tmp_path)
