@@ -24,13 +24,17 @@ def token_sequence_ids(cu_q_lens, num_seqs, num_tokens: int):
 
   ``seq_T[t]`` is the sequence i with ``cu_q_lens[i] <= t < cu_q_lens[i + 1]`` (empty
   sequences never own a row); ``live_T[t]`` is False for padding rows, those at or past
-  ``cu_q_lens[num_seqs]``.
+  ``cu_q_lens[num_seqs]``. Entries of ``cu_q_lens`` past ``num_seqs`` are padding and may
+  hold anything (zeros, garbage): the search sees them as ``cu_q_lens[num_seqs]``.
   """
   num_seq_rows = cu_q_lens.shape[0] - 1
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq_T = search_right(cu_q_lens, t) - 1
+  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  end = cu_q_lens[num_seqs]
+  live_cu = jnp.where(jnp.arange(num_seq_rows + 1) <= num_seqs, cu_q_lens, end)
+  seq_T = search_right(live_cu, t) - 1
   seq_T = jnp.clip(seq_T, 0, num_seq_rows - 1)
-  live_T = t < cu_q_lens[jnp.asarray(num_seqs, jnp.int32)]
+  live_T = t < end
   return seq_T, live_T
 
 

@@ -58,8 +58,8 @@ def make_case(seed: int, *, q_lens, kv_lens, num_kv_heads: int = 2, group: int =
 
   - every page no live sequence owns, and every slot past a sequence's length, is NaN;
   - block-table entries past a sequence's last block point at OTHER sequences' blocks;
-  - `padding_seqs` rows past num_seqs and `padding_tokens` query rows past the last
-    sequence hold garbage.
+  - `padding_seqs` rows past num_seqs (their cu_q_lens entries too, out of order) and
+    `padding_tokens` query rows past the last sequence hold garbage.
   """
   rng = np.random.default_rng(seed)
   q_lens, kv_lens = list(q_lens), list(kv_lens)
@@ -94,7 +94,9 @@ def make_case(seed: int, *, q_lens, kv_lens, num_kv_heads: int = 2, group: int =
   num_tokens = sum(q_lens) + padding_tokens
   cu_q_lens = np.zeros(num_rows + 1, np.int32)
   cu_q_lens[1:num_seqs + 1] = np.cumsum(q_lens)
-  cu_q_lens[num_seqs + 1:] = cu_q_lens[num_seqs]
+  # Entries past num_seqs are padding: any values (here zeros and rows of other sequences,
+  # out of order), never to be searched as if they were sequence boundaries.
+  cu_q_lens[num_seqs + 1:] = rng.integers(0, num_tokens + 1, padding_seqs)
   kv_lens_S = np.zeros(num_rows, np.int32)
   kv_lens_S[:num_seqs] = kv_lens
   kv_lens_S[num_seqs:] = rng.integers(1, blocks_per_seq * block_size + 1, padding_seqs)
