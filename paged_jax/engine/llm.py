@@ -253,7 +253,8 @@ class LLM:
 
   @property
   def compile_seconds(self) -> dict[str, float]:
-    """Seconds each ``precompile``-d device call took to compile, by name."""
+    """Seconds each device call took to compile, by name ("step T=32", "admit", "abort"):
+    by ``precompile``, or when serving first used it."""
     return dict(self._device.compile_seconds)
 
   @property
@@ -276,6 +277,7 @@ class LLM:
     if self._plan is not None:  # counters per data shard
       self._state = self._plan.match_state(self._state, old)
     self._scheduler.reset_counters()
+    self._device.serve_compile_s = 0.0
 
   @property
   def allocator_state(self) -> allocator.AllocatorState:
@@ -286,15 +288,18 @@ class LLM:
   # --- serving ---
 
   def _run(self, bucket: int, slots_wanted: int) -> dict:
+    self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
     self._bucket = bucket
     self._state, report = self._call(self._params, self._state, jnp.int32(slots_wanted))
     return jax.device_get(report)  # the one device -> host transfer of this call
 
   def _admit(self, mask_S: np.ndarray, rows: dict) -> None:
+    self._device.ensure_compiled("admit", self._params, self._state)
     self._state = self._device.admit(self._state, jnp.asarray(mask_S),
                                      {k: jnp.asarray(v) for k, v in rows.items()})
 
   def _abort(self, mask_S: np.ndarray) -> None:
+    self._device.ensure_compiled("abort", self._params, self._state)
     self._state = self._device.abort(self._state, jnp.asarray(mask_S))
 
   def _serve(self, requests) -> Iterator[StreamEvent]:
@@ -342,10 +347,12 @@ class LLM:
 
   @property
   def stats(self) -> dict[str, Any]:
-    """Counters since the engine was built or ``reset_stats`` (tokens_per_s and requests_per_s
-    over the wall time spent inside generate / generate_stream). ``kv_utilization``: tokens
-    stored / token slots of the blocks in use, mean over the steps that ran a batch.
-    ``compile_s``: seconds ``precompile`` spent compiling."""
+    """Counters since the engine was built or ``reset_stats``. ``wall_s``: the time spent
+    inside generate / generate_stream, less the compilations they waited for (a device call
+    used for the first time without ``precompile`` is compiled then, timed apart);
+    tokens_per_s and requests_per_s divide by it. ``kv_utilization``: tokens stored / token
+    slots of the blocks in use, mean over the steps that ran a batch. ``compile_s``: the
+    seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``)."""
     r, h = self._scheduler.last_report, self._scheduler.counters
     if r is None:
       steps = busy = preempt = peak = 0
@@ -356,6 +363,7 @@ class LLM:
       mean_blocks = float(r["blocks_in_use_sum"]) / max(steps, 1)
       util = float(r["utilization_sum"]) / busy if busy else 1.0
     tokens = h["tokens"]
+    wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
     free = self._state.alloc.num_free  # read on demand, outside the serving loop
     free = int(free if self._plan is None else self._plan.fetch(free).sum())
     prompt_tokens = 0 if r is None else int(np.sum(r["prompt_tokens"]))
@@ -365,8 +373,8 @@ class LLM:
         prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
         cached_blocks=0 if r is None else int(np.sum(r["cached_blocks"])),
-        tokens_per_s=tokens / h["wall_s"] if h["wall_s"] > 0 else 0.0,
-        requests_per_s=h["requests"] / h["wall_s"] if h["wall_s"] > 0 else 0.0,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        requests_per_s=h["requests"] / wall_s if wall_s > 0 else 0.0,
         num_blocks=self.spec.num_blocks, num_free_blocks=free,
         kv_cache_dtype=jnp.dtype(self.spec.dtype).name, block_size=self.spec.block_size,
         kv_pool_bytes=self.spec.total_bytes, kv_group_windows=self.kv_groups.windows,
@@ -375,4 +383,4 @@ class LLM:
         host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
         peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
         device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],
-        wall_s=h["wall_s"], compile_s=sum(self._device.compile_seconds.values()))
+        wall_s=wall_s, compile_s=sum(self._device.compile_seconds.values()))
