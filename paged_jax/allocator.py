@@ -17,7 +17,8 @@ Z = ``block_size``):
     ref_counts    i32[N]     block-table entries naming each block; 0 means the block is free
     num_free      i32[]      blocks with ref_counts == 0
     last_used     i32[N]     clock stamp of the op that last allocated or freed each block
-    clock         i32[]      incremented by every state-changing op (wraps after 2**31 ops)
+    clock         i32[]      incremented by every state-changing op (``append`` rebases it and
+                             the stamps before it could overflow: ``_rebase_clock``)
     block_size    int        static metadata (Z)
     windows       tuple      static: each KV group's sliding window, None for full attention
 
@@ -192,8 +193,21 @@ def _check_positive_int(name: str, value) -> int:
   return int(value)
 
 
+def _check_int32_range(name: str, x) -> None:
+  """A concrete (host) integer input must fit int32: JAX would wrap it silently."""
+  if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return  # already a JAX integer array (int32 unless x64 is on)
+  host = np.asarray(x)
+  if host.size and np.issubdtype(host.dtype, np.integer) and (
+      host.min() < np.iinfo(np.int32).min or host.max() > _INT32_MAX):
+    raise ValueError(f"{name} holds {host.max() if host.max() > _INT32_MAX else host.min()}, "
+                     "which does not fit int32 (the allocator's integers are int32)")
+
+
 def _check_vector(name: str, x, length: int, kind: str) -> jax.Array:
   """``x`` as an array of shape ``[length]``; kind "int" (cast to int32) or "bool"."""
+  if kind == "int":
+    _check_int32_range(name, x)
   x = jnp.asarray(x)
   if x.shape != (length,):
     raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({length},)")
@@ -414,6 +428,23 @@ def slide(state: AllocatorState) -> AllocatorState:
   return dataclasses.replace(state, clock=state.clock + 1)
 
 
+_CLOCK_REBASE_AT = 1 << 30  # ~1e9 ops: months of serving at ~100 ops per millisecond less
+_CLOCK_KEEP = 1 << 20  # the clock after a rebase: the newest 2**20 stamps keep their order
+
+
+def _rebase_clock(state: AllocatorState) -> AllocatorState:
+  """Once the clock passes 2**30, shift it and every ``last_used`` stamp down by the same
+  amount (stamps older than the last 2**20 ops become 0: tied, then ordered by id), so the
+  int32 clock never wraps and the LRU order of recent blocks is kept; O(1) otherwise."""
+
+  def rebase(state):
+    shift = state.clock - _CLOCK_KEEP
+    return dataclasses.replace(state, clock=state.clock - shift,
+                               last_used=jnp.maximum(state.last_used - shift, 0))
+
+  return jax.lax.cond(state.clock >= _CLOCK_REBASE_AT, rebase, lambda state: state, state)
+
+
 def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.Array]:
   """Grow every sequence at once by ``num_new_tokens`` i32[S] tokens.
 
@@ -425,7 +456,7 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   blocks behind their windows (``slide``), so the demand is met from those too.
   """
   n_S = _check_vector("num_new_tokens", num_new_tokens, state.max_seqs, "int")
-  state = slide(state)
+  state = slide(_rebase_clock(state))
   z, p, g = state.block_size, state.max_blocks_per_seq, state.num_groups
   len_S = state.seq_lens
   # n <= P * Z - len rather than len + n <= P * Z: no int32 overflow for huge requests.
@@ -476,12 +507,19 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   Call it after ``append`` so the new tokens are inside ``seq_lens``. With several groups
   the result has a leading g axis: each group's slots (its blocks differ).
   """
+  for name, x in (("seq_ids", seq_ids), ("positions", positions)):
+    _check_int32_range(name, x)
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name}.dtype={x.dtype} must be an integer dtype")
-  seq_ids, positions = jnp.broadcast_arrays(seq_ids.astype(jnp.int32),
-                                            positions.astype(jnp.int32))
+  try:
+    shape = jnp.broadcast_shapes(seq_ids.shape, positions.shape)
+  except ValueError:
+    raise ValueError(f"seq_ids.shape={tuple(seq_ids.shape)} and positions.shape="
+                     f"{tuple(positions.shape)} must broadcast together") from None
+  seq_ids = jnp.broadcast_to(seq_ids.astype(jnp.int32), shape)
+  positions = jnp.broadcast_to(positions.astype(jnp.int32), shape)
   z, s, p = state.block_size, state.max_seqs, state.max_blocks_per_seq
   seq_c = jnp.clip(seq_ids, 0, s - 1)
   valid = (seq_ids >= 0) & (seq_ids < s) & (positions >= 0) & (positions < state.seq_lens[seq_c])
@@ -526,6 +564,8 @@ def fork(state: AllocatorState, src,
   copies in every group (its demand is g fresh tail blocks) and the copy pairs are
   i32[g * F], group-major (all of group 0's forks, then group 1's, ...).
   """
+  _check_int32_range("src", src)
+  _check_int32_range("dst", dst)
   src_F, dst_F = jnp.asarray(src), jnp.asarray(dst)
   if src_F.ndim != 1:
     raise ValueError(f"src.shape={tuple(src_F.shape)} must be rank 1 ([F])")
@@ -590,10 +630,11 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
   ``(state, preempted_S)``; nothing is released when ``num_free >= needed`` already.
   """
   prio_S = _check_vector("priority", priority, state.max_seqs, "int")
+  _check_int32_range("needed", needed)
   needed = jnp.asarray(needed)
   if needed.ndim != 0 or not jnp.issubdtype(needed.dtype, jnp.integer):
-    raise ValueError(f"needed (shape {needed.shape}, dtype {needed.dtype}) must be an "
-                     f"integer scalar")
+    raise ValueError(f"needed.shape={tuple(needed.shape)}, needed.dtype={needed.dtype}: "
+                     "must be an integer scalar (blocks)")
   s, n = state.max_seqs, state.num_blocks
   t_gSP = _tables_gSP(state)
   in_gSP = t_gSP != NO_BLOCK

@@ -395,6 +395,42 @@ def test_static_shape_errors():
     A.preempt(s, i32(0, 1, 2, 3), i32(1, 2))
   with pytest.raises(ValueError, match="positions.dtype"):
     A.slots(s, i32(0), jnp.zeros(1))
+  with pytest.raises(ValueError, match=r"seq_ids.shape=\(2,\) and positions.shape=\(3,\)"):
+    A.slots(s, i32(0, 1), i32(0, 1, 2))
+
+
+@pytest.mark.parametrize("call", [
+    lambda s, big: A.append(s, np.array([big, 0, 0, 0], np.int64)),
+    lambda s, big: A.preempt(s, i32(0, 1, 2, 3), np.int64(big)),
+    lambda s, big: A.fork(s, np.array([big], np.int64), i32(1)),
+    lambda s, big: A.slots(s, np.array([0], np.int64), np.array([big], np.int64)),
+])
+def test_host_integers_beyond_int32_are_refused_not_wrapped(call):
+  # Without x64, jnp.asarray would wrap 2**32 + 1 to 1: a request of one token, a fork of
+  # sequence 1. Host values that do not fit int32 are a ValueError naming the argument.
+  with pytest.raises(ValueError, match=r"holds 4294967297, which does not fit int32"):
+    call(small(), 2**32 + 1)
+  with pytest.raises(ValueError, match=r"holds -4294967297"):
+    call(small(), -(2**32 + 1))
+
+
+def test_clock_is_rebased_before_it_can_wrap():
+  # A state whose clock is about to reach 2**30 (a server running for months): append
+  # shifts the clock and every stamp down together, the recent stamps keep their order
+  # (older ones tie at 0) and the state stays valid, so LRU eviction never inverts.
+  s, _ = _append(small(), i32(1, 1, 1, 0))  # blocks 0, 1, 2 held
+  s = dataclasses.replace(s, clock=jnp.int32(2**30 - 1),
+                          last_used=i32(5, 2**30 - 4, 2**30 - 2, 2**30 - 3))
+  s = _release(s, bools(False, True, True, False))  # clock 2**30 - 1: blocks 1, 2 freed
+  A.validate(s)
+  assert int(s.clock) == 2**30
+  s, ok = _append(s, i32(0, 0, 0, 4))  # rebases first: stamps shift by 2**30 - 2**20
+  A.validate(s)
+  assert bool(ok[3]) and 0 < int(s.clock) <= 2**20 + 1
+  shift = 2**30 - 2**20
+  # Block 3 (stamp 2**30 - 3 - shift) was the least recently freed: it is taken first.
+  assert tables(s)[3] == [3, NB, NB, NB]
+  assert np.asarray(s.last_used).tolist()[:3] == [0, 2**30 - 1 - shift, 2**30 - 1 - shift]
 
 
 # ----------------------------------------------------------------------------- jit hygiene
@@ -435,11 +471,11 @@ def test_no_loops_in_jaxpr(name):
   state = big()
   text = str(jax.make_jaxpr(fn)(*make_args(state, np.random.default_rng(0))))
   # No op loops. fork may branch once: the whole-pool sort of the free order runs only when
-  # the oldest free blocks do not suffice (``_take``); append branches once more: the pass
-  # over the pool runs only when some block is taken.
+  # the oldest free blocks do not suffice (``_take``); append branches twice more: the pass
+  # over the pool runs only when some block is taken, the clock's rebase only past 2**30.
   for prim in ("while", "scan"):
     assert not re.search(rf"\b{prim}\[", text), f"{name} has a {prim} loop:\n{text}"
-  max_conds = {"append": 2, "fork": 1}.get(name, 0)
+  max_conds = {"append": 3, "fork": 1}.get(name, 0)
   assert len(re.findall(r"\bcond\[", text)) <= max_conds, text
 
 
