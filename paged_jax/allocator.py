@@ -195,7 +195,7 @@ def _check_positive_int(name: str, value) -> int:
 
 def _check_int32_range(name: str, x) -> None:
   """A concrete (host) integer input must fit int32: JAX would wrap it silently."""
-  if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+  if isinstance(x, jax.Array):  # tracers too
     return  # already a JAX integer array (int32 unless x64 is on)
   host = np.asarray(x)
   if host.size and np.issubdtype(host.dtype, np.integer) and (

@@ -81,11 +81,13 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
     raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be rank 2 [S, P]")
   num_seq_rows = block_tables_SP.shape[0]
   if kv_lens_S.ndim != 1 or kv_lens_S.shape[0] != num_seq_rows:
-    raise ValueError(f"kv_lens.shape={tuple(kv_lens_S.shape)} must be [S]=[{num_seq_rows}] "
-                     "(one length per block-table row)")
+    raise ValueError(f"kv_lens.shape={tuple(kv_lens_S.shape)} must be [S]=[{num_seq_rows}], "
+                     f"one length per row of block_tables.shape="
+                     f"{tuple(block_tables_SP.shape)} [S, P]")
   if cu_q_lens.ndim != 1 or cu_q_lens.shape[0] != num_seq_rows + 1:
     raise ValueError(f"cu_q_lens.shape={tuple(cu_q_lens.shape)} must be [S + 1]="
-                     f"[{num_seq_rows + 1}]")
+                     f"[{num_seq_rows + 1}], S from block_tables.shape="
+                     f"{tuple(block_tables_SP.shape)} [S, P]")
   if jnp.ndim(num_seqs) != 0:
     raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
   for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),

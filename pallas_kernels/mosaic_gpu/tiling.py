@@ -179,8 +179,10 @@ class MosaicTiling:
                        f"its transpose, whose D={head_dim} rows must be a multiple of "
                        f"{ROW_TILE}")
     if chunk % block_size and block_size % chunk:
-      raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) and chunk_size="
-                       f"{chunk} must divide one another")
+      raise ValueError(f"block_size Z={block_size} (k_pages.shape[3]) and the Mosaic GPU "
+                       f"kernel's chunk of {chunk} KV positions (its tiling's chunk_size) "
+                       f"must divide one another (pages of 8, 16, 32, 64 or 128 tokens always "
+                       f"do)")
     rows = packed_rows(self.q_tile, group)
     if rows * head_dim > 128 * 128:
       raise ValueError(f"q_tile={self.q_tile} packs M={rows} rows (Q * G, G={group}) of "

@@ -330,10 +330,25 @@ def _call(**overrides):
     ("layer float", lambda a: dict(layer=jnp.float32(0)), r"layer\.dtype"),
     ("cache type", lambda a: dict(cache=a["cache"].k_pages), r"cache="),
     ("impl", lambda a: dict(impl="cuda_magic"), r"impl='cuda_magic'"),
+    ("tables rows", lambda a: dict(block_tables=a["block_tables"][:-1]),
+     r"kv_lens\.shape=.* one length per row of block_tables\.shape"),
+    ("sm_scale string", lambda a: dict(sm_scale="a"), r"sm_scale='a' must be a real number"),
+    ("sm_scale nan", lambda a: dict(sm_scale=float("nan")), r"sm_scale=nan must be finite"),
+    ("sm_scale inf", lambda a: dict(sm_scale=np.inf), r"sm_scale=inf must be finite"),
+    ("interpret", lambda a: dict(interpret="yes"), r"interpret='yes' must be a bool"),
 ])
 def test_bad_input_raises_value_error(name, make, match):
   with pytest.raises(ValueError, match=match):
     _call(**make(_good_args()))
+
+
+def test_traced_sm_scale_is_refused_by_name():
+  # sm_scale is a constant of the compiled kernels: under jit it must stay static.
+  args = _good_args()
+  with pytest.raises(ValueError, match="sm_scale is a traced value"):
+    jax.jit(lambda scale: paged_attention(**args, sm_scale=scale, impl="xla"))(0.5)
+  static = jax.jit(lambda: paged_attention(**args, sm_scale=np.float32(0.5), impl="xla"))()
+  np.testing.assert_allclose(static, paged_attention(**args, sm_scale=0.5, impl="xla"))
 
 
 def test_validate_attention_inputs_checks_values():
