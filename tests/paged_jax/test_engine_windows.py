@@ -254,3 +254,21 @@ def test_hybrid_model_prefix_hits_reuse_every_groups_blocks():
     assert list(got.token_ids) == list(exp.token_ids)
     # Log-probs too: a window missing one key moves them long before it moves a token.
     np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=2e-5)
+
+
+def test_a_prompt_too_long_for_the_groups_is_refused_saying_why():
+  # A full and a sliding (window 8) layer, blocks of 4, a pool of 12 blocks (48 token
+  # slots): every logical block takes a block in the full group and the sliding group
+  # holds its window's, so one sequence fits in 24 tokens, not 48; the refusal says so.
+  config = models.ModelConfig(
+      model_type="qwen2", vocab_size=128, embed_dim=64, mlp_dim=96, num_layers=2,
+      num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=256,
+      layer_types=("full_attention", "sliding_attention"), sliding_window=8)
+  llm = LLM(models.init_random(config, seed=0), config, block_size=4, num_blocks=12,
+            max_seqs=2, free_outside_window=True)
+  assert llm.kv_groups.windows == (None, 8) and llm.max_model_len == 24
+  with pytest.raises(ValueError, match=(
+      r"prompts\[0\] has 60 tokens; must be < max_model_len=24 \(model context 256, KV pool "
+      r"12 blocks x 4 tokens shared by 2 KV groups \(1 full, 1 sliding\): one sequence "
+      r"fits in 24 tokens\)")):
+    llm.generate([[5] * 60], SamplingParams(max_tokens=4))

@@ -38,7 +38,7 @@ def test_request_that_can_never_fit_is_refused_and_others_proceed(model, config)
   llm = make_llm(model, config, num_blocks=8)  # 32-token pool
   good = prompts((6, 11))
   params = SamplingParams(max_tokens=5, ignore_eos=True)
-  with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens.*KV pool 32 tokens"):
+  with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens.*KV pool 8 blocks x 4 tokens"):
     llm.generate([good[0], [5] * 40, good[1]], params)
   with pytest.raises(ValueError, match=r"prompts\[1\]"):
     llm.generate_stream([good[0], [5] * 40], params)  # refused before the first event
