@@ -66,3 +66,11 @@ def test_kv_quant_accuracy_quick():
   (per_tensor, _), = results["int8", "per tensor", "xla"]
   assert per_tensor > 2 * per_token
   assert len(out["sweep"]) == len(kv_quant_accuracy.DTYPES) * len(kv_quant_accuracy.K_GAINS)
+
+
+def test_register_cost_quick(capsys):
+  from benchmarks import register_cost
+  rows = register_cost.main(["--quick", "--repeats", "2"])  # asserts one entry per block
+  assert [(r["num_blocks"], r["num_seqs"]) for r in rows] == [(256, 4)]
+  assert all(r["new_block_ms"] > 0 and r["no_block_ms"] > 0 for r in rows)
+  assert "| N blocks |" in capsys.readouterr().out
