@@ -180,26 +180,10 @@ class LLM:
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
         vocab_size=int(config.vocab_size), eos=protocol.eos_token_ids(config),
-        limit_note=self._limit_note(pool_tokens, shards),
+        limit_note=options.limit_note(config.max_seq_len, self.spec, self.kv_groups,
+                                      pool_tokens, shards),
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
-
-  def _limit_note(self, pool_tokens: int, shards: int) -> str:
-    """What bounds ``max_model_len``, for the refusal of a prompt too long: the model's
-    context and the longest sequence the pool holds alone (with KV groups every group
-    holds a block per logical block, its window's in a sliding one, so that is less than
-    the pool's token slots)."""
-    blocks = self.spec.num_blocks // shards
-    note = (f"model context {self.config.max_seq_len}, KV pool {blocks} blocks x "
-            f"{self.spec.block_size} tokens")
-    if shards > 1:
-      note += " per data shard"
-    if not self.kv_groups.plain:
-      windows = self.kv_groups.windows
-      note += (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
-               f"{len(windows) - windows.count(None)} sliding): one sequence fits in "
-               f"{pool_tokens} tokens")
-    return note
 
   def _pool_spec(self, dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
                  shards) -> KVCacheSpec:

@@ -11,7 +11,7 @@ import numpy as np
 from paged_jax.spec import _canonical_dtype as canonical_dtype
 
 __all__ = ["check_int", "check_bools", "pool_dtype", "check_token_buckets",
-           "check_max_model_len"]
+           "check_max_model_len", "limit_note"]
 
 
 def check_int(name: str, value, low: int = 1) -> int:
@@ -60,3 +60,20 @@ def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
     raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
                      f"{max_seq_len}, num_blocks * block_size{per_shard}={pool_tokens})]")
   return int(max_model_len)
+
+
+def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int) -> str:
+  """What bounds ``max_model_len``, for the refusal of a prompt too long: the model's
+  context and the longest sequence the pool holds alone (with KV groups every group holds
+  a block per logical block, its window's in a sliding one, so that is less than the
+  pool's token slots)."""
+  note = (f"model context {max_seq_len}, KV pool {spec.num_blocks // shards} blocks x "
+          f"{spec.block_size} tokens")
+  if shards > 1:
+    note += " per data shard"
+  if not kv_groups.plain:
+    windows = kv_groups.windows
+    note += (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
+             f"{len(windows) - windows.count(None)} sliding): one sequence fits in "
+             f"{pool_tokens} tokens")
+  return note
