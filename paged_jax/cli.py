@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from paged_jax.cli_run import KV_CACHE_DTYPES, add_run_parser
@@ -75,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    return args.func(args)
+    code = args.func(args)
+    sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+    return code
   except (ValueError, FileNotFoundError) as e:
     parser.exit(2, f"paged-jax {args.command}: error: {e}\n")
+  except BrokenPipeError:  # `paged-jax plan | head`: the reader left; exit quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ text where the checkpoint has a tokenizer. Hook it up with ``add_run_parser(subp
 from __future__ import annotations
 
 import collections
+import math
 import sys
 import time
 
@@ -274,10 +275,22 @@ def _check_args(args) -> None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")
   for name in ("num_requests", "prompt_median", "output_median", "block_size", "max_seqs",
-               "max_tokens_per_step", "steps_per_call"):
+               "max_tokens_per_step", "steps_per_call", "num_blocks", "max_tokens"):
     value = getattr(args, name)
-    if value < 1:
+    if value is not None and value < 1:
       raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+  # The sampling and workload values, as SamplingParams and Workload would refuse them, but
+  # named as options and before JAX loads or anything compiles.
+  if not 0 <= args.seed < 2**32:
+    raise ValueError(f"--seed={args.seed} must be an int in [0, 2**32)")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0")
+  if args.top_k < 0:
+    raise ValueError(f"--top-k={args.top_k} must be >= 0 (0: no top-k)")
+  if not 0 < args.top_p <= 1:
+    raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
+  if not (math.isfinite(args.sigma) and args.sigma >= 0):
+    raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
 
 
 def _precompile(llm, progress: bool) -> float:
@@ -305,7 +318,9 @@ def _run(args) -> int:
        f"tokens, up to {llm.max_seqs} sequences, on {device} "
        f"({time.perf_counter() - t_start:.1f} s)")
   if args.prompt is not None and llm.tokenizer is None:  # said before compiling, not after
-    raise ValueError("--prompt needs --model DIR with a tokenizer.json (the embedded model "
+    raise ValueError(f"--prompt needs a tokenizer: --model={args.model!r} has no "
+                     "tokenizer.json beside its config.json" if args.model else
+                     "--prompt needs --model DIR with a tokenizer.json (the embedded model "
                      "has no tokenizer)")
   compile_s = _precompile(llm, progress)
   sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -323,9 +338,11 @@ def _run(args) -> int:
   max_output = min(default.max_output_len, llm.max_model_len // 2)
   notes = []
   if (max_prompt, max_output) != (default.max_prompt_len, default.max_output_len):
-    notes.append(f"workload shrunk to fit the pool: prompts <= {max_prompt} tokens (default "
-                 f"{default.max_prompt_len}), outputs <= {max_output} (default "
-                 f"{default.max_output_len}); max_model_len is {llm.max_model_len}")
+    bound = ("the model's context" if llm.max_model_len >= llm.config.max_seq_len
+             else "what one sequence can hold in the KV pool")
+    notes.append(f"workload caps lowered to fit max_model_len={llm.max_model_len} ({bound}): "
+                 f"prompts <= {max_prompt} tokens (default {default.max_prompt_len}), "
+                 f"outputs <= {max_output} (default {default.max_output_len})")
   workload = Workload(num_requests=args.num_requests, prompt_median=args.prompt_median,
                       prompt_sigma=args.sigma, output_median=args.output_median,
                       output_sigma=args.sigma, vocab_size=llm.config.vocab_size,

@@ -102,7 +102,8 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
     raise ValueError(f"config={path!r}: {e}") from e
   return ModelShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype=_HF_DTYPES.get(str(dtype_name), jnp.bfloat16),
-                    name=config.get("_name_or_path") or os.path.basename(os.path.dirname(path)),
+                    name=config.get("_name_or_path")
+                    or os.path.basename(os.path.dirname(os.path.abspath(path))),
                     layer_types=layer_types if window is not None else (),
                     sliding_window=window)
 
@@ -152,6 +153,19 @@ def _fit_prefix(lengths: np.ndarray, reserved: np.ndarray,
   return n, int(lengths[:n].sum()), int(cum[n - 1]) if n else 0
 
 
+def _fit_stream(lengths: "LengthDistribution", limit: int, fit) -> list:
+  """``fit(stream)`` (a list of ``_fit_prefix`` results) on the shortest prefix of the
+  sampled stream that every strategy overflows, at most ``limit`` lengths: sampled in
+  growing draws (one seed: a longer draw starts with the shorter one), so memory follows
+  the sequences that fit, not the pool's tokens."""
+  num = min(limit, 4096)
+  while True:
+    results = fit(lengths.sample(num))
+    if num >= limit or all(r[0] < num for r in results):
+      return results
+    num = min(limit, 4 * num)
+
+
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
   spec: KVCacheSpec
@@ -164,16 +178,17 @@ class CapacityPlan:
 def plan_capacity(spec: KVCacheSpec, lengths: LengthDistribution) -> CapacityPlan:
   """Fit a stream of sampled sequences into ``spec``'s pool three ways."""
   capacity = spec.max_tokens
-  # No strategy fits more sequences than the pool has tokens (each holds at least one).
-  stream = lengths.sample(capacity + 1)
   z = spec.block_size
-  placements = []
-  for name, reserved in (("paged", -(-stream // z) * z),
-                         ("contiguous, max length", np.full_like(stream, lengths.max_len)),
-                         ("contiguous, oracle length", stream)):
-    n, held, used = _fit_prefix(stream, reserved, capacity)
-    placements.append(Placement(name, n, held, used))
-  return CapacityPlan(spec, lengths, *placements)
+  names = ("paged", "contiguous, max length", "contiguous, oracle length")
+
+  def fit(stream):
+    return [_fit_prefix(stream, reserved, capacity)
+            for reserved in (-(-stream // z) * z, np.full_like(stream, lengths.max_len),
+                             stream)]
+
+  # No strategy fits more sequences than the pool has tokens (each holds at least one).
+  results = _fit_stream(lengths, capacity + 1, fit)
+  return CapacityPlan(spec, lengths, *(Placement(name, *r) for name, r in zip(names, results)))
 
 
 def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str:
@@ -265,11 +280,14 @@ def plan_windowed(model: ModelShape, budget_bytes: int, block_size: int, lengths
   shape = (model.num_kv_heads, model.head_dim, block_size, dtype)
   full_spec = KVCacheSpec.from_budget(budget_bytes, model.num_layers, *shape)
   group_spec = KVCacheSpec.from_budget(budget_bytes, groups.layers_per_group, *shape)
-  stream = lengths.sample(full_spec.max_tokens + 1)
   z = block_size
-  without = _fit_prefix(stream, -(-stream // z), full_spec.num_blocks)
-  held = np.asarray([groups.blocks_held(int(n), z, step_tokens) for n in stream])
-  with_ = _fit_prefix(stream, held, group_spec.num_blocks)
+
+  def fit(stream):
+    held = np.asarray([groups.blocks_held(int(n), z, step_tokens) for n in stream])
+    return [_fit_prefix(stream, -(-stream // z), full_spec.num_blocks),
+            _fit_prefix(stream, held, group_spec.num_blocks)]
+
+  without, with_ = _fit_stream(lengths, full_spec.max_tokens + 1, fit)
   # Reservations in tokens of all layers (a one-group block holds Z * M / L of them).
   scale = z * groups.layers_per_group / model.num_layers
   return WindowedPlan(

@@ -345,12 +345,35 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   captured = capsys.readouterr()
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
               "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests",
-              "workload shrunk to fit the pool: prompts <= 128 tokens (default 192)"):
+              "workload caps lowered to fit max_model_len=256 (what one sequence can hold "
+              "in the KV pool): prompts <= 128 tokens (default 192)"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
   assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
   assert "on cpu, attention xla (auto)" in captured.err
   assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (("--seed", "-1"), r"--seed=-1 must be an int in \[0, 2\*\*32\)"),
+    (("--seed", str(2**40)), r"--seed=1099511627776 must be an int in"),
+    (("--top-p", "1.5"), r"--top-p=1.5 must be in \(0, 1\]"),
+    (("--top-p", "0"), r"--top-p=0.0 must be in"),
+    (("--temperature", "-1"), r"--temperature=-1.0 must be a finite number >= 0"),
+    (("--temperature", "nan"), r"--temperature=nan must be"),
+    (("--top-k", "-1"), r"--top-k=-1 must be >= 0"),
+    (("--sigma", "-1"), r"--sigma=-1.0 must be a finite number >= 0"),
+    (("--num-blocks", "0"), r"--num-blocks=0 must be >= 1"),
+    (("--prompt", "hi", "--max-tokens", "0"), r"--max-tokens=0 must be >= 1"),
+])
+def test_cli_run_refuses_bad_options_before_building_anything(monkeypatch, argv, match):
+  # Named as the option, and before JAX builds or compiles anything (a cold compile of a
+  # checkpoint takes half a minute here).
+  from paged_jax import cli_run
+  monkeypatch.setattr(cli_run, "_engine", lambda args: pytest.fail("engine built"))
+  args = _run_args(*argv)
+  with pytest.raises(ValueError, match=match):
+    args.func(args)
 
 
 def test_cli_run_prompt_needs_a_tokenizer():

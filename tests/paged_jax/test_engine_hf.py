@@ -62,3 +62,20 @@ def test_greedy_equals_hf_generate_and_text_prompts(checkpoint):
   assert out.token_ids == outs[1].token_ids and out.text == outs[1].text
   allocator.validate(llm.allocator_state)
   assert llm.stats["num_free_blocks"] == 48
+  # The checkpoint named by its config.json: the tokenizer beside it comes too.
+  by_config = LLM.from_pretrained(path / "config.json", dtype="float32", impl="xla",
+                                  block_size=4, num_blocks=48, max_seqs=2)
+  assert by_config.tokenizer is not None
+
+
+def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, checkpoint,
+                                                                 capsys):
+  import shutil
+
+  from paged_jax import cli
+  path, _ = checkpoint
+  bare = tmp_path / "bare"
+  shutil.copytree(path, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
+  with pytest.raises(SystemExit):
+    cli.main(["run", "--model", str(bare), "--prompt", "w3 w4", "--no-progress"])
+  assert f"--model={str(bare)!r} has no tokenizer.json" in capsys.readouterr().err

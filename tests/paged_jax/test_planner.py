@@ -46,6 +46,40 @@ def test_paged_waste_is_bounded_by_one_block_per_sequence():
   assert plan.paged.tokens_reserved <= spec.max_tokens
 
 
+def test_capacity_samples_only_what_fits():
+  # The stream is drawn in growing draws until every strategy overflows: the same counts
+  # as fitting the whole max_tokens + 1 stream, without holding it (a 100 TiB budget of a
+  # real model is 1e9 lengths).
+  spec = KVCacheSpec(2, 1, 8, 16, 20000, jnp.bfloat16)  # 320,000 tokens
+  dist = planner.LengthDistribution(median_len=32, sigma=1.0, max_len=1024, seed=4)
+  plan = planner.plan_capacity(spec, dist)
+  stream = dist.sample(spec.max_tokens + 1)
+  for placement, reserved in ((plan.paged, -(-stream // 16) * 16),
+                              (plan.contiguous_max, np.full_like(stream, 1024)),
+                              (plan.contiguous_oracle, stream)):
+    n, held, used = planner._fit_prefix(stream, reserved, spec.max_tokens)
+    assert (placement.num_seqs, placement.tokens_held, placement.tokens_reserved) == (
+        n, held, used)
+  assert plan.contiguous_oracle.num_seqs > 4096  # more than the first draw holds
+
+
+def test_cli_plan_huge_budget_and_a_closed_pipe(tmp_path):
+  import subprocess
+  import sys
+  run = lambda cmd: subprocess.run(["bash", "-c", cmd], capture_output=True, text=True,
+                                   timeout=120)
+  python = f"{sys.executable} -m paged_jax.cli plan"
+  big = run(f"{python} --budget 100TiB")
+  assert big.returncode == 0 and "| paged |" in big.stdout, big.stderr
+  closed = run(f"{python} | true")  # the reader left at once: no traceback
+  assert closed.stderr == "", closed.stderr
+  # A config named by a relative path: the model is named after its folder.
+  (tmp_path / "config.json").write_text(json.dumps(
+      dict(num_attention_heads=4, num_hidden_layers=2, hidden_size=256)))
+  named = run(f"cd {tmp_path} && {python} --config config.json")
+  assert f"model      : {tmp_path.name}: L=2" in named.stdout, named.stderr
+
+
 def test_length_distribution_is_seeded_and_clipped():
   dist = planner.LengthDistribution(median_len=100, sigma=2.0, max_len=300, seed=1)
   a, b = dist.sample(1000), dist.sample(1000)
