@@ -44,21 +44,23 @@ def _plan(args) -> int:
   overrides = {k: v for k, v in (("num_layers", args.num_layers),
                                  ("num_kv_heads", args.num_kv_heads),
                                  ("head_dim", args.head_dim),
-                                 ("dtype", args.kv_cache_dtype or args.dtype))
+                                 ("dtype", args.dtype))
                if v is not None}
   if args.num_layers is not None and args.num_layers != model.num_layers:
     overrides["layer_types"] = ()  # the config's per-layer kinds no longer apply
   if overrides:
     model = planner.dataclasses.replace(model, **overrides)
   budget = planner.parse_bytes(args.budget)
+  kv_dtype = args.kv_cache_dtype or model.dtype  # the pool's; the model line keeps its own
   spec = KVCacheSpec.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim,
-                                 args.block_size, model.dtype)
+                                 args.block_size, kv_dtype)
   dist = planner.LengthDistribution(median_len=args.median_len, sigma=args.sigma,
                                     max_len=args.max_len, seed=args.seed)
   print(planner.format_plan(planner.plan_capacity(spec, dist), model, budget))
   if any(w is not None for w in planner.layer_windows(model)):
     print()
-    print(planner.format_windowed(planner.plan_windowed(model, budget, args.block_size, dist)))
+    print(planner.format_windowed(planner.plan_windowed(model, budget, args.block_size, dist,
+                                                        dtype=kv_dtype)))
   return 0
 
 

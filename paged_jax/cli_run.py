@@ -311,7 +311,14 @@ def _run(args) -> int:
   _say(progress, "paged-jax run: loading JAX and building the engine ...")
   from paged_jax.sampling import SamplingParams
   from paged_jax.workload import Workload, make_requests
-  llm = _engine(args)
+  try:
+    llm = _engine(args)
+  except Exception as e:  # jax's runtime error when the pool (or model) outgrows the device
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    first = str(e).strip().splitlines()[0]
+    raise ValueError(f"the model and its KV pool do not fit the device's memory ({first}); "
+                     "lower --kv-budget or --num-blocks") from None
   source = args.model or "embedded tiny Llama (random weights)"
   device = describe_device(llm.model)
   _say(progress, f"  {source}: {llm.stats['num_blocks']} KV blocks of {args.block_size} "
@@ -343,6 +350,11 @@ def _run(args) -> int:
     notes.append(f"workload caps lowered to fit max_model_len={llm.max_model_len} ({bound}): "
                  f"prompts <= {max_prompt} tokens (default {default.max_prompt_len}), "
                  f"outputs <= {max_output} (default {default.max_output_len})")
+  for option, median, cap in (("--prompt-median", args.prompt_median, max_prompt),
+                              ("--output-median", args.output_median, max_output)):
+    if median > cap:
+      notes.append(f"{option} {median} is above the cap of {cap} tokens: most lengths are "
+                   "clipped to the cap")
   workload = Workload(num_requests=args.num_requests, prompt_median=args.prompt_median,
                       prompt_sigma=args.sigma, output_median=args.output_median,
                       output_sigma=args.sigma, vocab_size=llm.config.vocab_size,

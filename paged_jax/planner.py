@@ -196,7 +196,9 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
   mib = 2**20
   lines = [
       f"model      : {model.name}: L={spec.num_layers} K={spec.num_kv_heads} "
-      f"D={spec.head_dim} dtype={spec.dtype}",
+      f"D={spec.head_dim} dtype={jnp.dtype(model.dtype).name}"
+      + ("" if jnp.dtype(spec.dtype) == jnp.dtype(model.dtype)
+         else f", KV pool {jnp.dtype(spec.dtype).name}"),
       f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
       f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)"
       + (", float32 scales per token and KV head included" if spec.quantized else ""),

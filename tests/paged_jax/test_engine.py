@@ -340,13 +340,14 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   monkeypatch.setattr(LLM, "generate_stream", recording)
   args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
                    "--steps-per-call", "8", "--num-blocks", "16", "--temperature", "0.7",
-                   "--top-p", "0.9")
+                   "--top-p", "0.9", "--output-median", "200")
   assert args.func(args) == 0
   captured = capsys.readouterr()
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
               "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests",
               "workload caps lowered to fit max_model_len=256 (what one sequence can hold "
-              "in the KV pool): prompts <= 128 tokens (default 192)"):
+              "in the KV pool): prompts <= 128 tokens (default 192)",
+              "--output-median 200 is above the cap of 96 tokens"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
   assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
@@ -373,6 +374,23 @@ def test_cli_run_refuses_bad_options_before_building_anything(monkeypatch, argv,
   monkeypatch.setattr(cli_run, "_engine", lambda args: pytest.fail("engine built"))
   args = _run_args(*argv)
   with pytest.raises(ValueError, match=match):
+    args.func(args)
+
+
+def test_cli_run_names_the_options_when_the_pool_outgrows_the_device(monkeypatch):
+  from paged_jax import cli_run
+
+  def out_of_memory(args):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 21.5GiB.\n"
+                       "more detail")
+
+  monkeypatch.setattr(cli_run, "_engine", out_of_memory)
+  args = _run_args("--kv-budget", "20GiB")
+  with pytest.raises(ValueError, match=r"do not fit the device's memory \(RESOURCE_EXHAUSTED: "
+                     r"Out of memory while trying to allocate 21.5GiB.\); lower --kv-budget"):
+    args.func(args)
+  monkeypatch.setattr(cli_run, "_engine", lambda args: 1 / 0)  # other errors pass through
+  with pytest.raises(ZeroDivisionError):
     args.func(args)
 
 

@@ -114,6 +114,7 @@ def test_plan_kv_cache_dtype_counts_scales_and_fits_about_twice(capsys):
   int8, out = _plan_sequences(capsys, "--kv-cache-dtype", "int8")
   # 2 * 32 layers * 8 KV heads * (128 one-byte values + a 4-byte scale) per token
   assert "per token  : 67584 bytes" in out and "scales" in out
+  assert "D=128 dtype=bfloat16, KV pool int8" in out  # the model stays bfloat16
   assert 1.8 <= int8 / bf16 <= 2.0, (int8, bf16)
   fp8, _ = _plan_sequences(capsys, "--kv-cache-dtype", "float8_e4m3fn")
   assert fp8 == int8
