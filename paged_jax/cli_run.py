@@ -42,7 +42,7 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--sigma", type=float, default=w.prompt_sigma,
                  help=f"log-normal sigma of both lengths (default {w.prompt_sigma})")
   p.add_argument("--seed", type=int, default=0,
-                 help="workload, weight and sampling seed (default 0)")
+                 help="workload, weight and sampling seed (default 0; request i samples with seed + i)")
   p.add_argument("--max-tokens", type=int, default=None,
                  help="tokens to generate for --prompt (default 32); the synthetic workload "
                  "draws each request's output length instead (--output-median)")
@@ -362,7 +362,10 @@ def _run(args) -> int:
   prompts, params = make_requests(workload)
   if sampling != dict(temperature=0.0, top_k=0, top_p=1.0, seed=args.seed):
     import dataclasses
-    params = [dataclasses.replace(p, **sampling) for p in params]
+    # One seed per request (--seed, --seed + 1, ...): samples of different requests are not
+    # drawn from the same random stream.
+    params = [dataclasses.replace(p, **dict(sampling, seed=(args.seed + i) % 2**32))
+              for i, p in enumerate(params)]
   llm.reset_stats()
   _say(progress, f"  serving {len(prompts)} requests ...")
   bar = _Progress(len(prompts), enabled=progress)

@@ -353,6 +353,7 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
   assert "on cpu, attention xla (auto)" in captured.err
   assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
+  assert [p.seed for p in seen] == [1, 2, 3, 4, 5, 6]  # one stream per request
 
 
 @pytest.mark.parametrize("argv,match", [
