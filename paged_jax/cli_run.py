@@ -42,7 +42,8 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--sigma", type=float, default=w.prompt_sigma,
                  help=f"log-normal sigma of both lengths (default {w.prompt_sigma})")
   p.add_argument("--seed", type=int, default=0,
-                 help="workload, weight and sampling seed (default 0; request i samples with seed + i)")
+                 help="workload, weight and sampling seed (default 0; request i samples "
+                 "with seed + i)")
   p.add_argument("--max-tokens", type=int, default=None,
                  help="tokens to generate for --prompt (default 32); the synthetic workload "
                  "draws each request's output length instead (--output-median)")
