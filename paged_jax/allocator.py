@@ -983,9 +983,11 @@ def register(state: AllocatorState, tokens, salt=None, *,
   or computed it) is not registered twice, and the sequence's own copy stays unregistered
   (one O(N) pass per call with new blocks). When several sequences would register the same
   block (same tokens after the same parent, same salt) in one call, only the first in slot
-  order does (so a prefix has one entry; the others find it next time). With groups the chains are the anchor group's, and
-  every other group registers its block of each level the anchor registers now, beside it
-  (the block the sequence holds there, if its window still does). Changes nothing else.
+  order does (so a prefix has one entry); the others walk again in a second round of the
+  same call and register only where they part from it. With groups the chains are the
+  anchor group's, and every other group registers its block of each level the anchor
+  registers now, beside it (the block the sequence holds there, if its window still does).
+  Changes nothing else.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
