@@ -428,7 +428,7 @@ def slide(state: AllocatorState) -> AllocatorState:
   return dataclasses.replace(state, clock=state.clock + 1)
 
 
-_CLOCK_REBASE_AT = 1 << 30  # ~1e9 ops: months of serving at ~100 ops per millisecond less
+_CLOCK_REBASE_AT = 1 << 30  # ~12 days of serving at 1,000 ops/s; int32 overflows at 2**31
 _CLOCK_KEEP = 1 << 20  # the clock after a rebase: the newest 2**20 stamps keep their order
 
 
