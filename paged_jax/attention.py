@@ -8,7 +8,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax.pallas_kernels import validation
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
@@ -208,7 +207,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     raise ValueError(f"{debug=} must be a bool")
   if not isinstance(interpret, bool):
     raise ValueError(f"{interpret=} must be a bool")
-  sm_scale = _static_scale(sm_scale)
+  sm_scale = validation.static_scale(sm_scale)
   if debug:
     validation.checkify_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
                                         num_seqs, sliding_window=sliding_window)
@@ -221,34 +220,15 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   if q.shape[0] == 0:  # no query rows (T = 0): nothing to attend (the reference divides by T)
     return jnp.zeros_like(q)
   if chosen == "reference":
-    return ragged_paged_attention_reference(*args, sm_scale=float(sm_scale), **variants)
+    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **variants)
   if chosen == "xla":
-    return xla_kernel.ragged_paged_attention(*args, sm_scale=float(sm_scale), **variants)
+    return xla_kernel.ragged_paged_attention(*args, sm_scale=sm_scale, **variants)
   kernel = _pallas_impl(chosen)
   if kernel is None:
     raise NotImplementedError(
         f"impl={chosen!r} needs a Pallas backend that jax {jax.__version__} lacks "
         "(impl='auto' picks one that is there)")
-  return kernel(*args, sm_scale=float(sm_scale), interpret=interpret, **variants)
-
-
-def _static_scale(sm_scale) -> float | None:
-  """``sm_scale`` as a Python float (None stays None): a finite real number, known at trace
-  time (it is a constant of the compiled kernels), else a ``ValueError`` naming it."""
-  if sm_scale is None:
-    return None
-  if isinstance(sm_scale, jax.core.Tracer):
-    raise ValueError("sm_scale is a traced value; it must be a static Python float (a "
-                     "constant of the compiled kernel): pass it as a static argument")
-  if isinstance(sm_scale, (bool, np.bool_)) or not (
-      isinstance(sm_scale, (int, float, np.integer, np.floating))
-      or (hasattr(sm_scale, "shape") and jnp.shape(sm_scale) == ()
-          and jnp.issubdtype(jnp.result_type(sm_scale), jnp.floating))):
-    raise ValueError(f"sm_scale={sm_scale!r} must be a real number (float) or None")
-  value = float(sm_scale)
-  if not np.isfinite(value):
-    raise ValueError(f"sm_scale={value} must be finite")
-  return value
+  return kernel(*args, sm_scale=sm_scale, interpret=interpret, **variants)
 
 
 def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
@@ -287,7 +267,7 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
   block id a live sequence reads, inconsistent ``kv_lens`` / ``cu_q_lens``, ``num_seqs`` or
   ``layer`` out of range) after the call, instead of returning a silently masked result.
   """
-  sm_scale = _static_scale(sm_scale)
+  sm_scale = validation.static_scale(sm_scale)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)

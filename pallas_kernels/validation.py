@@ -118,10 +118,8 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
       isinstance(sliding_window, (bool, np.bool_))
       or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
     raise ValueError(f"{sliding_window=} must be an int >= 1 or None")
-  if soft_cap is not None and (
-      isinstance(soft_cap, (bool, np.bool_))
-      or not isinstance(soft_cap, (int, float, np.integer, np.floating))
-      or not np.isfinite(soft_cap) or soft_cap <= 0):
+  if soft_cap is not None and (not _is_real_number(soft_cap) or not np.isfinite(soft_cap)
+                               or soft_cap <= 0):
     raise ValueError(f"{soft_cap=} must be a finite float > 0 or None")
   if sinks is not None:
     shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
@@ -133,6 +131,31 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
                        "per query head)")
     if jnp.dtype(dtype) != jnp.float32:
       raise ValueError(f"sinks.dtype={dtype} must be float32")
+
+
+def _is_real_number(x) -> bool:
+  """A Python or numpy real scalar (not a bool)."""
+  return (not isinstance(x, (bool, np.bool_))
+          and isinstance(x, (int, float, np.integer, np.floating)))
+
+
+def static_scale(sm_scale) -> float | None:
+  """``sm_scale`` as a Python float (None stays None): a finite real number known at trace
+  time (a constant of the compiled kernels; a concrete 0-d float array is read), else a
+  ``ValueError`` naming it."""
+  if sm_scale is None:
+    return None
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise ValueError("sm_scale is a traced value; it must be a static Python float (a "
+                     "constant of the compiled kernel): pass it as a static argument")
+  if not (_is_real_number(sm_scale)
+          or (hasattr(sm_scale, "shape") and jnp.shape(sm_scale) == ()
+              and jnp.issubdtype(jnp.result_type(sm_scale), jnp.floating))):
+    raise ValueError(f"sm_scale={sm_scale!r} must be a real number (float) or None")
+  value = float(sm_scale)
+  if not np.isfinite(value):
+    raise ValueError(f"sm_scale={value} must be finite")
+  return value
 
 
 def refusal_reason(q_THD, k_pages_LKNZD, check_shapes) -> str | None:
