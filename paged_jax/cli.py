@@ -64,10 +64,21 @@ def _plan(args) -> int:
   return 0
 
 
+def _version() -> str:
+  """The installed distribution's version, read from its metadata: loads no JAX."""
+  from importlib import metadata
+  try:
+    return metadata.version("paged-jax")
+  except metadata.PackageNotFoundError:  # run from a source tree that pip never installed
+    from paged_jax import __version__
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="paged-jax", description="Paged attention for JAX: serve a model with a paged KV "
       "cache (run) or plan KV capacity for a memory budget (plan).")
+  parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   subparsers = parser.add_subparsers(dest="command", required=True)
   add_run_parser(subparsers)
   _add_plan(subparsers)

@@ -227,6 +227,10 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
+def _requests(n: int, kind: str = "") -> str:
+  return f"{n} {kind}request" + ("" if n == 1 else "s")
+
+
 def _kv_groups_rows(stats) -> list:
   """The report's KV groups row, when the pool serves several (sliding windows freed)."""
   windows = tuple(stats.get("kv_group_windows", (None,)))
@@ -368,7 +372,7 @@ def _run(args) -> int:
     params = [dataclasses.replace(p, **dict(sampling, seed=(args.seed + i) % 2**32))
               for i, p in enumerate(params)]
   llm.reset_stats()
-  _say(progress, f"  serving {len(prompts)} requests ...")
+  _say(progress, f"  serving {_requests(len(prompts))} ...")
   bar = _Progress(len(prompts), enabled=progress)
   done = tokens = 0
   for ev in llm.generate_stream(prompts, params):
@@ -378,8 +382,8 @@ def _run(args) -> int:
       tokens += 1
     bar.update(done, tokens)
   bar.close()
-  print(format_report(llm.stats, title=f"paged-jax run: {len(prompts)} synthetic requests on "
-                      f"{source}, seed {args.seed}", compile_s=compile_s,
+  title = f"paged-jax run: {_requests(len(prompts), 'synthetic ')} on {source}, seed {args.seed}"
+  print(format_report(llm.stats, title=title, compile_s=compile_s,
                       steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes,
                       device=device))
   return 0

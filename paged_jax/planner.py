@@ -221,6 +221,10 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
   return "\n".join(lines)
 
 
+def _count(n: int, noun: str) -> str:
+  return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _layer_lines(spec: KVCacheSpec, model: ModelShape) -> list[str]:
   """Per-layer KV cost, by attention kind (a table), and what sliding layers hold."""
   per_layer = spec.block_bytes // spec.num_layers
@@ -306,7 +310,8 @@ def format_windowed(plan: WindowedPlan) -> str:
   kinds = {}
   for w in g.windows:
     kinds[w] = kinds.get(w, 0) + 1
-  lines = [f"KV groups  : {g.num_groups} groups of {g.layers_per_group} layers, one pool of "
+  lines = [f"KV groups  : {_count(g.num_groups, 'group')} of "
+           f"{_count(g.layers_per_group, 'layer')}, one pool of "
            f"{spec.num_blocks} blocks of {spec.block_bytes} bytes (Z={spec.block_size})",
            "| group kind | groups | bytes per token, per group | blocks held by a sequence "
            "of n tokens |", "|---|---:|---:|---|"]

@@ -75,7 +75,7 @@ def test_help_texts_are_plain_and_show_every_default():
     assert "``" not in text and ":func:" not in text, text
     for action in parser._actions:
       if action.option_strings and action.help and action.help is not argparse.SUPPRESS:
-        if action.dest in ("help",):
+        if action.dest in ("help", "version"):
           continue
         assert "default" in action.help, (parser.prog, action.option_strings)
 
@@ -211,3 +211,17 @@ def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):
   with pytest.raises(SystemExit) as exc:
     cli.main(["run", *argv, "--no-progress"])
   assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_version_and_counts_read_as_english(capsys):
+  # `paged-jax --version` prints the installed version (without loading JAX: it exits in
+  # argument parsing); one of a thing is singular in the reports.
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--version"])
+  assert exc.value.code == 0
+  assert capsys.readouterr().out.strip() == f"paged-jax {cli._version()}"
+  assert cli._version().count(".") >= 2
+  assert cli_run._requests(1, "synthetic ") == "1 synthetic request"
+  assert cli_run._requests(64) == "64 requests"
+  from paged_jax import planner
+  assert (planner._count(1, "group"), planner._count(2, "layer")) == ("1 group", "2 layers")
