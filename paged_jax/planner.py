@@ -62,12 +62,14 @@ class ModelShape:
   name: str = "custom"
   layer_types: tuple[str, ...] = ()
   sliding_window: int | None = None
+  notes: tuple[str, ...] = ()  # what the plan assumed of the config, printed under it
 
 
 # The embedded default: Llama-3-8B's attention shape.
 LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
                        name="Llama-3-8B shape (embedded default)")
 
+DTYPE_NOTE = "the config's dtype"  # how the note on an unknown dtype starts (--dtype drops it)
 _HF_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
@@ -95,7 +97,15 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   head_dim = int(config.get("head_dim") or hidden // num_heads)
   dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
   # Lazy: the layer-type defaults of each family live with the model config.
-  from paged_jax.models.config import hf_attention_layout
+  from paged_jax.models.config import SUPPORTED_MODEL_TYPES, hf_attention_layout
+  notes = []
+  if str(dtype_name) not in _HF_DTYPES:
+    notes.append(f"{DTYPE_NOTE} {dtype_name!r} is not a float dtype; planned as "
+                 "bfloat16 (--dtype or --kv-cache-dtype to choose)")
+  model_type = config.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    notes.append(f"model_type={model_type!r} is not a family paged-jax loads (one of "
+                 f"{', '.join(SUPPORTED_MODEL_TYPES)}); planned from its attention shape")
   try:
     layer_types, window = hf_attention_layout(config)
   except ValueError as e:
@@ -105,7 +115,7 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
                     name=config.get("_name_or_path")
                     or os.path.basename(os.path.dirname(os.path.abspath(path))),
                     layer_types=layer_types if window is not None else (),
-                    sliding_window=window)
+                    sliding_window=window, notes=tuple(notes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +209,7 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       f"D={spec.head_dim} dtype={jnp.dtype(model.dtype).name}"
       + ("" if jnp.dtype(spec.dtype) == jnp.dtype(model.dtype)
          else f", KV pool {jnp.dtype(spec.dtype).name}"),
+      *(f"note       : {note}" for note in model.notes),
       f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
       f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)"
       + (", float32 scales per token and KV head included" if spec.quantized else ""),

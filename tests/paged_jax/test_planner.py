@@ -169,3 +169,26 @@ def test_plan_windowed_gemma3_like_5_to_1_at_8k():
   assert plan.without.num_seqs == 10 and plan.with_.num_seqs == 36
   assert "| with (sliding groups hold their window) | 36 | 3.60x |" in planner.format_windowed(
       plan)
+
+
+def test_plan_notes_what_it_assumed_of_an_unknown_config(tmp_path, capsys):
+  # An int4 torch_dtype is planned as bfloat16 and an unknown model_type from its attention
+  # shape; both said under the model line, the dtype note gone once --dtype chooses.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="mamba_like", num_hidden_layers=2, num_attention_heads=4, hidden_size=256,
+      torch_dtype="int4")))
+  assert cli.main(["plan", "--config", str(tmp_path)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("L=2 K=4 D=64 dtype=bfloat16")
+  assert out[1].startswith("note       : the config's dtype 'int4' is not a float dtype")
+  assert out[2].startswith("note       : model_type='mamba_like' is not a family")
+  assert "gemma3_text" in out[2] and out[3].startswith("budget")
+  assert cli.main(["plan", "--config", str(tmp_path), "--dtype", "float16"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("dtype=float16") and "model_type='mamba_like'" in out[1]
+  assert out[2].startswith("budget")
+  # A known family in a float dtype: no note.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="qwen3", num_hidden_layers=2, num_attention_heads=4, hidden_size=256,
+      torch_dtype="float32")))
+  assert planner.model_shape_from_config(tmp_path).notes == ()
