@@ -241,9 +241,17 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     allocator state and cache, and ``ok_S``.
   """
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
-  logits_SV, cache = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
-                                         inputs.metadata, logits_indices=inputs.last_S,
-                                         **forward_kwargs)
+  out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
+                            logits_indices=inputs.last_S, **forward_kwargs)
+  if (not isinstance(out, (tuple, list)) or len(out) != 2
+      or not isinstance(out[0], jax.Array) or type(out[1]) is not type(cache)):
+    name = lambda x: (f"an array {list(x.shape)}" if isinstance(x, jax.Array)
+                      else f"a {type(x).__name__}")
+    what = (f"a {type(out).__name__} of {len(out)} ({', '.join(map(name, out))})"
+            if isinstance(out, (tuple, list)) else name(out))
+    raise ValueError(f"{type(model).__name__}.paged_forward returned {what}; it must return "
+                     f"(logits, cache): the logits array, then the {type(cache).__name__}")
+  logits_SV, cache = out
   num_seq_rows = alloc_state.max_seqs
   if logits_SV.ndim != 2 or logits_SV.shape[0] != num_seq_rows:
     raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "

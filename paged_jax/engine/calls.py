@@ -37,7 +37,8 @@ __all__ = ["DeviceCalls"]
 _device_call_jit = jax.jit(device_call,
                            static_argnames=("graphdef", "steps_per_call", "num_tokens",
                                             "scrub_on_release", "prefix_caching", "hash_fn",
-                                            "downshift_at", "upshift", "kv_groups"),
+                                            "downshift_at", "upshift", "kv_groups",
+                                            "vocab_size"),
                            donate_argnames=("st",))
 _admit_jit = jax.jit(state_lib.admit, donate_argnums=(0,))
 _abort_jit = jax.jit(state_lib.abort, static_argnames=("scrub_on_release",),

@@ -59,11 +59,12 @@ def _blocks_for(len_S, z):
 
 def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: bool = False,
                   prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
-                  kv_groups=None) -> EngineState:
+                  kv_groups=None, vocab_size: int = 0) -> EngineState:
   """One scheduling step (module docstring): prefix hits, budget, blocks (preempting),
   ragged forward, prefix registration, fork, sample, stop. ``model``: any model of the
   protocol (``paged_jax.protocol``). ``kv_groups``: the model's ``KVGroups`` when the
-  allocator has several groups."""
+  allocator has several groups. ``vocab_size``: the config's, which the logits' width must
+  equal (0: unchecked)."""
   # KV groups: sliding groups first give back what no query still to come can read, so
   # that admission and preemption below count only the blocks the groups really hold.
   if st.alloc.slides:
@@ -146,6 +147,10 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   tokens_T = step_api.tokens_from_history(st.tokens_SM, cached_S, q_S, num_tokens)
   logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S,
                                                         kv_groups=kv_groups)
+  if vocab_size and logits_SV.shape[-1] != vocab_size:  # sampled ids index the vocabulary
+    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
+                     f"{tuple(logits_SV.shape)}: [S, V] must have V = config.vocab_size="
+                     f"{vocab_size}")
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
     alloc = jax.lax.cond(
@@ -211,7 +216,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
 def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
                 num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
                 hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False,
-                kv_groups=None):
+                kv_groups=None, vocab_size: int = 0):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
   The loop stops early when no sequence is left running, or when enough slots have come
@@ -232,7 +237,8 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   def body(c):
     st, i, _ = c
     st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
-                       prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups)
+                       prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups,
+                       vocab_size=vocab_size)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))

@@ -172,7 +172,8 @@ class LLM:
                     scrub_on_release=self.scrub_on_release,
                     prefix_caching=self.enable_prefix_caching,
                     hash_fn=prefix_hash_fn or allocator.chain_hashes,
-                    kv_groups=None if self.kv_groups.plain else self.kv_groups),
+                    kv_groups=None if self.kv_groups.plain else self.kv_groups,
+                    vocab_size=int(config.vocab_size)),
         token_buckets=self.token_buckets, plan=self._plan, param_specs=param_specs,
         max_traces=max_traces)
     self._bucket = self.token_buckets[-1]  # the step budget of the next device call

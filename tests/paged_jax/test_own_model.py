@@ -198,6 +198,34 @@ class _OldForward(nnx.Module):
     return tokens_T, cache
 
 
+class _Returns(nnx.Module):
+  """``inner``'s paged_forward with its result passed through ``how`` (a misuse)."""
+
+  def __init__(self, inner, how):
+    self.inner, self.how = inner, how
+
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+    return self.how(*self.inner.paged_forward(tokens_T, positions_T, cache, metadata,
+                                              logits_indices=logits_indices))
+
+
+@pytest.mark.parametrize("how, match", [
+    (lambda logits, cache: (cache, logits),
+     r"returned a tuple of 2 \(a KVCache, an array \[2, 96\]\); it must return \(logits, "),
+    (lambda logits, cache: logits, r"returned an array \[2, 96\]; it must return \(logits, "),
+    (lambda logits, cache: (logits[:, :10], cache),
+     r"logits of shape \(2, 10\): \[S, V\] must have V = config.vocab_size=96"),
+])
+def test_a_forward_that_returns_the_wrong_thing_is_named(model, config, how, match):
+  # Caught as the step traces (before anything runs): a swapped pair, bare logits, and
+  # logits narrower than the config's vocabulary (ids past them could never be sampled;
+  # wider ones would sample ids the vocabulary lacks).
+  llm = LLM(_Returns(model, how), config, block_size=4, num_blocks=16, max_seqs=2,
+            max_tokens_per_step=8)
+  with pytest.raises(ValueError, match=match):
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
 def test_protocol_errors_name_what_is_missing(model, config):
   with pytest.raises(ValueError, match="must be a flax.nnx.Module"):
     LLM(object(), config)
