@@ -162,7 +162,8 @@ def decode(model, alloc, cache, tokens_S, active_S, *, num_steps):
     alloc, cache, tokens_S = carry
     logits_SV, alloc, cache, ok_S = paged_jax.decode_step(model, alloc, cache, tokens_S,
                                                           active_S)
-    tokens_S = jnp.where(ok_S, jnp.argmax(logits_SV, axis=-1), -1).astype(jnp.int32)
+    tokens_S = jnp.where(ok_S & active_S, jnp.argmax(logits_SV, axis=-1), -1)
+    tokens_S = tokens_S.astype(jnp.int32)  # -1: inactive, or dropped (no block)
     return (alloc, cache, tokens_S), tokens_S
 
   (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S),

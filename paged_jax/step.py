@@ -36,10 +36,11 @@ A jitted greedy decode loop over your own model::
       alloc, cache, tokens_S = carry
       logits_SV, alloc, cache, ok_S = step.decode_step(model, alloc, cache, tokens_S,
                                                        active_S)
-      tokens_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+      tokens_S = jnp.where(ok_S & active_S, jnp.argmax(logits_SV, axis=-1), -1)
+      tokens_S = tokens_S.astype(jnp.int32)  # -1: inactive, or dropped (no block)
       return (alloc, cache, tokens_S), tokens_S
     (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S), length=8)
-    return alloc, cache, per_step.T  # [S, 8]
+    return per_step.T, alloc, cache  # [S, 8] tokens first, as examples/own_model.py
 """
 
 from __future__ import annotations
