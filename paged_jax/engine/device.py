@@ -15,8 +15,12 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    recompute is cheap while they survive.
 1. Token budget (the bucket's T): every running sequence wants its uncached tokens
    (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode rows
-   come first, then prefills by arrival; each gets ``min(want, budget left)``, so a long
-   prompt is prefilled in chunks over several steps (chunked prefill).
+   come first, then prefills under way (sequences holding KV), then new sequences, each by
+   arrival; each gets ``min(want, budget left)``, so a long prompt is prefilled in chunks
+   over several steps (chunked prefill). Sequences holding KV go before new ones so that
+   every step in which one wants tokens runs it: had an earlier new sequence taken the
+   budget and then found no room for its blocks (below), the step would run nobody, and
+   every step after it the same (a livelock).
 2. Blocks. Sequences that already hold KV (decodes, chunked prefills under way) must get
    their blocks: while their demand exceeds the free blocks, the latest-arrived sequence
    holding blocks is preempted (``allocator.preempt`` with priority ``-arrival``); its KV is
@@ -93,10 +97,10 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     hit_S = jnp.zeros(num_slots, jnp.int32)
   base_S = cached_S + hit_S * z  # tokens with K/V once the hits are attached
 
-  # 1. Token budget: decodes first, then by arrival.
+  # 1. Token budget: decodes, then prefills under way, then new sequences; each by arrival.
   want_S = jnp.where(running_S, st.len_S - base_S, 0)
   decode_S = (cached_S > 0) & (want_S == 1)
-  group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, 1), 2)
+  group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, jnp.where(cached_S > 0, 1, 2)), 3)
   order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
   want_o = want_S[order_S]
   q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)

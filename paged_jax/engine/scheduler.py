@@ -87,6 +87,12 @@ def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int,
   return tuple(sizes) + (max_tokens_per_step,)
 
 
+def _progress_key(report: dict) -> tuple:
+  """What a device call that makes progress changes: tokens, KV, slots, free blocks."""
+  return tuple(np.asarray(report[k]).tobytes()
+               for k in ("status_S", "len_S", "want_S", "num_free"))
+
+
 class Scheduler:
   """Host-side scheduling of one engine (module docstring).
 
@@ -303,6 +309,7 @@ class Scheduler:
     slot_owner: list = [None] * self.max_seqs
     want_S = np.zeros(self.max_seqs, np.int64)
     t0 = time.perf_counter()
+    last, stalled = None, 0
     try:
       while waiting or any(o is not None for o in slot_owner):
         admitted = self._fill_slots(waiting, slot_owner, want_S)
@@ -314,6 +321,19 @@ class Scheduler:
           admit(clear, host_rows(self.max_seqs, self.max_model_len))
         yield from events
         want_S = np.array(report["want_S"], np.int64)
+        # A device call that changed nothing, with nothing admitted before it, leaves the
+        # next call the same state: it would loop for ever. Never expected; a loud error
+        # (the stream's cleanup below frees the slots) instead of a silent hang.
+        now = _progress_key(report)
+        stalled = stalled + 1 if admitted is None and now == last else 0
+        last = now
+        if stalled >= 2:
+          raise RuntimeError(
+              "paged_jax engine: three device calls in a row made no progress (no token, no "
+              f"prefill, no admission; tokens wanted per slot {want_S.tolist()}, "
+              f"requests waiting {len(waiting)}, free blocks {int(report['num_free'])}): a "
+              "scheduling bug, please report it with the engine's options and the prompts' "
+              "lengths")
     finally:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       left = np.array([o is not None for o in slot_owner])

@@ -414,3 +414,49 @@ def test_describe_device_names_the_kernel_auto_resolves_to(monkeypatch):
   monkeypatch.setattr(attention, "_default_device", lambda: device)
   assert describe_device(types.SimpleNamespace(impl="auto")) == (
       "NVIDIA H200 (gpu), attention pallas_gpu (auto)")
+
+
+def test_a_prefill_under_way_is_not_starved_by_a_new_sequence_that_cannot_fit(model, config,
+                                                                            dense_greedy):
+  # Found by a fuzz: 21 blocks of 2 tokens, prefix caching on. A preempted request (27-token
+  # prompt, 6 generated) comes back hitting 7 cached blocks and wants 19 more tokens; it
+  # arrived before a request that holds 7 blocks (14 tokens) and wants its last 3 prompt
+  # tokens. The new one took the whole 16-token budget, then could not get 8 + 7 blocks of
+  # the 14 free, so the step ran nobody, and so did every step after it (the engine looped
+  # for ever). Prefills under way now go before new sequences; and a device call that makes
+  # no progress twice running is a RuntimeError, never a hang.
+  llm = LLM(model, config, block_size=2, num_blocks=21, max_seqs=4, max_tokens_per_step=16,
+            steps_per_call=16, enable_prefix_caching=True)
+  prompts = _prompts((4, 27, 17, 19), seed=5)
+  params = [SamplingParams(max_tokens=m, n=n, ignore_eos=True)
+            for m, n in ((10, 1), (10, 1), (2, 2), (10, 2))]
+  outs = iter(llm.generate(prompts, params))
+  for p, sp in zip(prompts, params):
+    expect = dense_greedy(p, sp.max_tokens)[0][:llm.max_model_len - len(p)]
+    for _ in range(sp.n):
+      assert list(next(outs).token_ids) == expect
+  assert llm.stats["preemptions"] > 0 and llm.stats["device_calls"] < 20
+  _check_all_free(llm)
+
+
+def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
+  # The host's guard on its own: a device whose every call leaves the same state (nothing
+  # generated, prefilled or admitted) gets three calls, then a RuntimeError naming what
+  # each slot wants, and the stream's cleanup aborts the slots it had filled.
+  from paged_jax.engine.scheduler import Scheduler
+  from paged_jax.engine.state import RUNNING
+  sched = Scheduler(max_seqs=2, slots_per_shard=2, max_model_len=32, token_buckets=(8,),
+                    vocab_size=128, eos=(), limit_note="")
+  requests = sched.requests([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=4)] * 2)
+  stuck = dict(status_S=np.full(2, RUNNING), len_S=np.array([3, 2]), start_S=np.array([3, 2]),
+               want_S=np.array([3, 2]), reason_S=np.zeros(2, np.int32),
+               tokens_SK=np.zeros((2, 4), np.int32), logprobs_SK=np.zeros((2, 4)),
+               num_free=np.int32(5))
+  calls, admitted, aborted = [], [], []
+  stream = sched.serve(requests, run=lambda bucket, wanted: calls.append(bucket) or stuck,
+                       admit=lambda mask, rows: admitted.append(mask.copy()),
+                       abort=lambda mask: aborted.append(mask.copy()))
+  with pytest.raises(RuntimeError, match=r"no progress .*tokens wanted per slot \[3, 2\]"):
+    list(stream)
+  assert len(calls) == 3 and len(admitted) == 1
+  assert [m.tolist() for m in aborted] == [[True, True]]
