@@ -53,7 +53,9 @@ class SamplingParams:
     stop_token_ids: extra ids that finish the request with "stop" (not included in the
       output), like the checkpoint's EOS ids.
     ignore_eos: do not stop at the EOS ids (stop_token_ids still stop).
-    logprobs: report the log-probability of each generated token (``Output.logprobs``).
+    logprobs: report the log-probability of each generated token (``Output.logprobs``)
+      under the model's own distribution: ``log_softmax`` of the logits before temperature,
+      top-k and top-p (as vLLM's default), so greedy and sampled runs report alike.
     n: completions per prompt (>= 1); n > 1 forks the prompt's KV blocks after its prefill
       and each completion gets its own sampling stream (the fork index is folded in).
   """

@@ -53,6 +53,10 @@ def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
                         shards: int) -> int:
   """``max_model_len`` (None: the longest the model and the pool allow) as an int."""
   if max_model_len is None:
+    if min(max_seq_len, pool_tokens) < 2:  # one prompt token and one generated, at least
+      raise ValueError(f"config.max_seq_len={max_seq_len} and the tokens one sequence "
+                       f"can hold in the KV pool (num_blocks * block_size={pool_tokens}) "
+                       "must both be >= 2: a prompt token and a generated one")
     return int(min(max_seq_len, pool_tokens))
   if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
       or not 2 <= max_model_len <= min(max_seq_len, pool_tokens)):

@@ -201,6 +201,10 @@ class Scheduler:
         per_shard = "" if shards == 1 else f" / {shards} data shards"
         raise ValueError(f"params[{i}].n={p.n} must be <= max_seqs={self.max_seqs}"
                          f"{per_shard}")
+      outside = [t for t in p.stop_token_ids if t >= self.vocab_size]
+      if outside:  # could never be generated, so never stop anything: a mistake
+        raise ValueError(f"params[{i}].stop_token_ids={p.stop_token_ids} holds {outside}, "
+                         f"outside the vocabulary [0, vocab_size={self.vocab_size})")
       stop = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else self.eos)))
       if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "

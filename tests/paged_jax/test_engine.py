@@ -229,6 +229,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     llm.generate([good], SamplingParams(n=4))  # max_seqs is 3
   with pytest.raises(ValueError, match="len"):
     llm.generate([good, good], [SamplingParams()])
+  with pytest.raises(ValueError, match=r"params\[1\].stop_token_ids=\(7, 128\) holds \[128\], "
+                     r"outside the vocabulary \[0, vocab_size=128\)"):
+    llm.generate([good, good], [SamplingParams(), SamplingParams(stop_token_ids=(7, 128))])
   out, = llm.generate([good], SamplingParams(max_tokens=5, ignore_eos=True))
   assert list(out.token_ids) == dense_greedy(good, 5)[0]
   # Integer arrays (numpy, JAX) and their scalars are token ids as they are.
@@ -266,6 +269,8 @@ def test_engine_options_validation(model, config):
     LLM(model, config, num_blocks=8, kv_budget_bytes=1 << 20)
   with pytest.raises(ValueError, match="max_seqs"):
     LLM(model, config, num_blocks=8, max_seqs=0)
+  with pytest.raises(ValueError, match=r"num_blocks \* block_size=1\) must both be >= 2"):
+    LLM(model, config, block_size=1, num_blocks=1)  # nothing could ever be served
   spec_llm = LLM(model, config, block_size=4, kv_budget_bytes=64 * 2 * 2 * 4 * 2 * 16 * 4,
                  max_seqs=2)
   assert spec_llm.spec.num_blocks == 64
