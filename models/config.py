@@ -403,7 +403,10 @@ class ModelConfig:
         local_rope_theta=local_theta,
         query_scale=None if query_scalar is None else _positive_float(
             "query_pre_attn_scalar", query_scalar) ** -0.5,
-        attn_soft_cap=hf.get("attn_logit_softcapping", caps[0]) if gemma else None,
+        # Gemma 3's attention keeps the key but never applies it (transformers' Gemma3
+        # attention passes no softcap; published configs set it null): neither do we.
+        attn_soft_cap=(hf.get("attn_logit_softcapping", caps[0])
+                       if model_type == "gemma2" else None),
         final_soft_cap=hf.get("final_logit_softcapping", caps[1]) if gemma else None,
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         gemma_norms=gemma,

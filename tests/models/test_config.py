@@ -171,6 +171,11 @@ def test_gemma3_rope_parameters_per_layer_type_of_transformers_5():
   # Default pattern: every 6th layer global.
   assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
   assert c.qk_norm and c.attn_soft_cap is None and c.sm_scale == 0.25
+  # transformers' Gemma 3 attention reads attn_logit_softcapping but never applies it: a
+  # config that sets it gets no cap (the final logit cap it does apply).
+  capped = ModelConfig.from_hf_dict(dict(hf, attn_logit_softcapping=4.0,
+                                         final_logit_softcapping=6.0))
+  assert (capped.attn_soft_cap, capped.final_soft_cap) == (None, 6.0)
   # head_dim 16: inv_freq = theta ** -(0, 2, ..., 14) / 16; the global ones / factor 2.
   exponent = np.arange(0, 16, 2) / 16
   np.testing.assert_allclose(c.rope_inv_frequencies("sliding_attention"), 100.0 ** -exponent,
