@@ -31,6 +31,7 @@ from paged_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16}
 
 
@@ -57,7 +58,7 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
   same = lambda x: x
   attn = "model.layers.{layer}.self_attn."
   plan = {
-      ("embed_VE",): _Tensor("model.embed_tokens.weight", (v, e), same),
+      ("embed_VE",): _Tensor(EMBED, (v, e), same),
       ("final_norm", "scale_E"): _Tensor("model.norm.weight", (e,), same),
       ("layers", "attn_norm", "scale_E"): _Tensor(
           "model.layers.{layer}.input_layernorm.weight", (e,), same),
@@ -97,8 +98,20 @@ def _tensor_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
     plan[("layers", "post_mlp_norm", "scale_E")] = _Tensor(
         "model.layers.{layer}.post_feedforward_layernorm.weight", (e,), same)
   if not c.tie_word_embeddings:
-    plan[("lm_head_EV",)] = _Tensor("lm_head.weight", (v, e), lambda x: x.T)
+    plan[("lm_head_EV",)] = _Tensor(LM_HEAD, (v, e), lambda x: x.T)
   return plan
+
+
+def _untie_if_distinct(config: ModelConfig, reader: "_CheckpointReader") -> ModelConfig:
+  """A config that ties the output projection to the embeddings, for a checkpoint that
+  holds its own, different ``lm_head.weight``, is untied: transformers (5.x) then keeps
+  both and projects with ``lm_head`` (tying would silently change every logit)."""
+  if not config.tie_word_embeddings or LM_HEAD not in reader:
+    return config
+  shape = (config.vocab_size, config.embed_dim)
+  if np.array_equal(reader.read(LM_HEAD, shape), reader.read(EMBED, shape)):
+    return config
+  return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def _mlp_plan(config: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
@@ -263,6 +276,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
+  with contextlib.ExitStack() as stack:
+    config = _untie_if_distinct(config, _CheckpointReader(path, stack))
   dtype = _default_dtype(config) if dtype is None else jnp.dtype(dtype)
   abstract = nnx.eval_shape(
       lambda: Decoder(config, dtype=dtype, impl=impl, interpret=interpret, rngs=nnx.Rngs(0)))

@@ -138,12 +138,23 @@ def test_misshaped_tensor_is_named(tmp_path):
     models.load_pretrained(tmp_path)
 
 
-def test_tied_checkpoint_ignores_lm_head(tmp_path):
+def test_tied_checkpoint_with_its_own_lm_head(tmp_path):
+  # tie_word_embeddings with an lm_head.weight equal to the embeddings: tied (one copy).
   hf, tensors = _checkpoint(tmp_path, tie_word_embeddings=True)
-  tensors["lm_head.weight"] = np.zeros((helpers.VOCAB, helpers.WIDTH), np.float32)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
   helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
   model, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
   assert config.tie_word_embeddings and model.lm_head_EV is None
+  # A different one: transformers (5.x) warns "both are present with different values, so
+  # we will NOT tie them" and projects with lm_head; so do we (tying changed every logit).
+  tensors["lm_head.weight"] = np.zeros((helpers.VOCAB, helpers.WIDTH), np.float32)
+  tensors["lm_head.weight"][3] = 1.0
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
+  model, config = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  assert not config.tie_word_embeddings
+  np.testing.assert_array_equal(model.lm_head_EV[...], tensors["lm_head.weight"].T)
+  logits = np.asarray(model(jnp.array([[5, 9, 2]], jnp.int32)))
+  assert (logits[..., 3] != 0).all() and (np.delete(logits, 3, axis=-1) == 0).all()
 
 
 def test_generation_config_eos_ids_are_the_ones_generation_stops_at(tmp_path):
