@@ -96,7 +96,11 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
       raise ValueError(f"{name}.dtype={x.dtype} must be int32")
   if hasattr(num_seqs, "dtype") and not _is_int32(num_seqs):
     raise ValueError(f"num_seqs.dtype={num_seqs.dtype} must be int32")
-  if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= num_seq_rows:
+  # A value known now (a host int, or a concrete array outside jit) is checked now; a
+  # traced one by validate_* / debug=True (checkify).
+  known = (isinstance(num_seqs, (int, np.integer, np.ndarray))
+           or isinstance(num_seqs, jax.Array) and not isinstance(num_seqs, jax.core.Tracer))
+  if known and not 0 <= int(num_seqs) <= num_seq_rows:
     raise ValueError(f"num_seqs={int(num_seqs)} must be in [0, S={num_seq_rows}]")
   if hasattr(layer, "dtype") and not jnp.issubdtype(layer.dtype, jnp.integer):
     raise ValueError(f"layer.dtype={layer.dtype} must be an integer dtype")

@@ -325,6 +325,8 @@ def _call(**overrides):
      r"cu_q_lens\.dtype"),
     ("num_seqs shape", lambda a: dict(num_seqs=jnp.zeros(2, jnp.int32)), r"num_seqs"),
     ("num_seqs range", lambda a: dict(num_seqs=99), r"num_seqs=99"),
+    ("num_seqs range, a concrete array", lambda a: dict(num_seqs=jnp.int32(99)),
+     r"num_seqs=99 must be in \[0, S="),
     ("layer range", lambda a: dict(layer=2), r"layer=2"),
     ("layer negative", lambda a: dict(layer=-1), r"layer=-1"),
     ("layer float", lambda a: dict(layer=jnp.float32(0)), r"layer\.dtype"),
