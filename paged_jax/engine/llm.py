@@ -103,8 +103,8 @@ class LLM:
       directory already set through ``jax.config`` is kept.
     free_outside_window: True: layers are grouped by attention kind (``paged_jax.kv_groups``)
       and a sliding group gives back the blocks behind its window, so ``kv_budget_bytes``
-      buys more sequences; each block then holds one group's layers, and prefix caching is
-      off (the allocator's rule). False: every layer keeps every block of a sequence.
+      buys more sequences; each block then holds one group's layers, and prefix caching
+      is off only when every layer slides (above). False: every layer keeps every block.
       Default (None): True when ``kv_budget_bytes`` sizes the pool, else False.
   """
 
