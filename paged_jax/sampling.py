@@ -9,7 +9,7 @@ the step number or the batch slot (reproducible whatever else is in the batch).
 Semantics (per row):
 - ``temperature == 0``: greedy (argmax of the raw logits); top-k / top-p are ignored.
 - otherwise the logits are divided by the temperature, then top-k keeps the k largest
-  (``top_k == 0``: all), then top-p keeps the smallest set of the largest remaining tokens
+  (``top_k == 0``: all; tokens tied with the k-th largest are kept too), then top-p keeps the smallest set of the largest remaining tokens
   whose probability (renormalised after top-k) reaches ``top_p`` (tokens tied with the last
   kept value are kept too), and a token is drawn from what is left.
 - logprobs: ``log_softmax`` of the UNMODIFIED logits (the model's own distribution, no
@@ -46,7 +46,7 @@ class SamplingParams:
     max_tokens: most tokens to generate (>= 1); the request finishes with "length" there
       (or at the engine's ``max_model_len``).
     temperature: 0 is greedy; > 0 samples from ``softmax(logits / temperature)``.
-    top_k: keep the k most likely tokens (0: no limit).
+    top_k: keep the k most likely tokens, and any tied with the k-th (0: no limit).
     top_p: nucleus sampling threshold in (0, 1] (1: no limit).
     seed: None (the engine draws one) or an int in [0, 2**32): the request's PRNG stream,
       reproducible regardless of batch composition.
