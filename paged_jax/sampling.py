@@ -9,9 +9,10 @@ the step number or the batch slot (reproducible whatever else is in the batch).
 Semantics (per row):
 - ``temperature == 0``: greedy (argmax of the raw logits); top-k / top-p are ignored.
 - otherwise the logits are divided by the temperature, then top-k keeps the k largest
-  (``top_k == 0``: all; tokens tied with the k-th largest are kept too), then top-p keeps the smallest set of the largest remaining tokens
-  whose probability (renormalised after top-k) reaches ``top_p`` (tokens tied with the last
-  kept value are kept too), and a token is drawn from what is left.
+  (``top_k == 0``: all; tokens tied with the k-th largest are kept too), then top-p keeps
+  the smallest set of the largest remaining tokens whose probability (renormalised after
+  top-k) reaches ``top_p`` (tokens tied with the last kept value are kept too), and a
+  token is drawn from what is left.
 - logprobs: ``log_softmax`` of the UNMODIFIED logits (the model's own distribution, no
   temperature, top-k or top-p), evaluated at the chosen token.
 """
