@@ -73,7 +73,7 @@ def __dir__():
   return sorted(set(globals()) | set(__all__))
 
 
-__version__ = "0.1.0"
+from paged_jax._version import __version__  # noqa: E402  (one place; the CLI reads it too)
 
 __all__ = [
     "AttentionMetadata",

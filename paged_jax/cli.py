@@ -72,7 +72,7 @@ def _version() -> str:
   try:
     return metadata.version("paged-jax")
   except metadata.PackageNotFoundError:  # run from a source tree that pip never installed
-    from paged_jax import __version__
+    from paged_jax._version import __version__
     return __version__
 
 

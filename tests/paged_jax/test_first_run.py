@@ -221,6 +221,12 @@ def test_version_and_counts_read_as_english(capsys):
   assert exc.value.code == 0
   assert capsys.readouterr().out.strip() == f"paged-jax {cli._version()}"
   assert cli._version().count(".") >= 2
+  # One version everywhere: the installed metadata, the package, pyproject.toml.
+  import paged_jax
+  import tomllib
+  pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
+  declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+  assert cli._version() == paged_jax.__version__ == declared
   assert cli_run._requests(1, "synthetic ") == "1 synthetic request"
   assert cli_run._requests(64) == "64 requests"
   from paged_jax import planner
