@@ -428,8 +428,8 @@ def test_a_prefill_under_way_is_not_starved_by_a_new_sequence_that_cannot_fit(mo
   # arrived before a request that holds 7 blocks (14 tokens) and wants its last 3 prompt
   # tokens. The new one took the whole 16-token budget, then could not get 8 + 7 blocks of
   # the 14 free, so the step ran nobody, and so did every step after it (the engine looped
-  # for ever). Prefills under way now go before new sequences; and a device call that makes
-  # no progress twice running is a RuntimeError, never a hang.
+  # for ever). Prefills under way now go before new sequences; and three device calls in a
+  # row without progress are a RuntimeError, never a hang (on the old order, this case).
   llm = LLM(model, config, block_size=2, num_blocks=21, max_seqs=4, max_tokens_per_step=16,
             steps_per_call=16, enable_prefix_caching=True)
   prompts = _prompts((4, 27, 17, 19), seed=5)
