@@ -276,21 +276,20 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
-  with contextlib.ExitStack() as stack:
-    config = _untie_if_distinct(config, _CheckpointReader(path, stack))
-  dtype = _default_dtype(config) if dtype is None else jnp.dtype(dtype)
-  abstract = nnx.eval_shape(
-      lambda: Decoder(config, dtype=dtype, impl=impl, interpret=interpret, rngs=nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract)
-  plan = _tensor_plan(config)
-  flat = list(nnx.to_flat_state(abstract_state))
-  unplanned = [p for p, _ in flat if tuple(p) not in plan]
-  if unplanned:  # a bug in the plan, not in the checkpoint
-    raise RuntimeError(f"no checkpoint tensor mapped to parameters {unplanned}")
-
-  filled = []
-  with contextlib.ExitStack() as stack:
+  with contextlib.ExitStack() as stack:  # one reader: its files are opened once
     reader = _CheckpointReader(path, stack)
+    config = _untie_if_distinct(config, reader)
+    dtype = _default_dtype(config) if dtype is None else jnp.dtype(dtype)
+    abstract = nnx.eval_shape(
+        lambda: Decoder(config, dtype=dtype, impl=impl, interpret=interpret, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    plan = _tensor_plan(config)
+    flat = list(nnx.to_flat_state(abstract_state))
+    unplanned = [p for p, _ in flat if tuple(p) not in plan]
+    if unplanned:  # a bug in the plan, not in the checkpoint
+      raise RuntimeError(f"no checkpoint tensor mapped to parameters {unplanned}")
+
+    filled = []
     for param_path, variable in flat:
       spec = plan[tuple(param_path)]
       target = variable.get_value()
