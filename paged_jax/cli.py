@@ -47,7 +47,7 @@ def _plan(args) -> int:
                                  ("dtype", args.dtype))
                if v is not None}
   if args.dtype is not None:  # chosen: the config's dtype, known or not, no longer applies
-    overrides["notes"] = tuple(n for n in model.notes if not n.startswith(planner.DTYPE_NOTE))
+    overrides["unknown_dtype"] = None
   if args.num_layers is not None and args.num_layers != model.num_layers:
     overrides["layer_types"] = ()  # the config's per-layer kinds no longer apply
   if overrides:

@@ -13,6 +13,8 @@ import math
 import sys
 import time
 
+from paged_jax._words import count
+
 TINY_LLAMA = dict(model_type="llama", vocab_size=256, embed_dim=128, mlp_dim=256, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=32, max_seq_len=512, bos_token_id=1,
                   eos_token_ids=(2,))
@@ -227,10 +229,6 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
-def _requests(n: int, kind: str = "") -> str:
-  return f"{n} {kind}request" + ("" if n == 1 else "s")
-
-
 def _kv_groups_rows(stats) -> list:
   """The report's KV groups row, when the pool serves several (sliding windows freed)."""
   windows = tuple(stats.get("kv_group_windows", (None,)))
@@ -372,7 +370,7 @@ def _run(args) -> int:
     params = [dataclasses.replace(p, **dict(sampling, seed=(args.seed + i) % 2**32))
               for i, p in enumerate(params)]
   llm.reset_stats()
-  _say(progress, f"  serving {_requests(len(prompts))} ...")
+  _say(progress, f"  serving {count(len(prompts), 'request')} ...")
   bar = _Progress(len(prompts), enabled=progress)
   done = tokens = 0
   for ev in llm.generate_stream(prompts, params):
@@ -382,7 +380,8 @@ def _run(args) -> int:
       tokens += 1
     bar.update(done, tokens)
   bar.close()
-  title = f"paged-jax run: {_requests(len(prompts), 'synthetic ')} on {source}, seed {args.seed}"
+  title = (f"paged-jax run: {count(len(prompts), 'synthetic request')} on {source}, seed "
+           f"{args.seed}")
   print(format_report(llm.stats, title=title, compile_s=compile_s,
                       steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes,
                       device=device))

@@ -24,6 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import _words
 from paged_jax.kv_groups import KVGroups
 from paged_jax.spec import KVCacheSpec
 
@@ -63,13 +64,13 @@ class ModelShape:
   layer_types: tuple[str, ...] = ()
   sliding_window: int | None = None
   notes: tuple[str, ...] = ()  # what the plan assumed of the config, printed under it
+  unknown_dtype: str | None = None  # the config's dtype when not a float one (noted too)
 
 
 # The embedded default: Llama-3-8B's attention shape.
 LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
                        name="Llama-3-8B shape (embedded default)")
 
-DTYPE_NOTE = "the config's dtype"  # how the note on an unknown dtype starts (--dtype drops it)
 _HF_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
@@ -99,9 +100,6 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   # Lazy: the layer-type defaults of each family live with the model config.
   from paged_jax.models.config import SUPPORTED_MODEL_TYPES, hf_attention_layout
   notes = []
-  if str(dtype_name) not in _HF_DTYPES:
-    notes.append(f"{DTYPE_NOTE} {dtype_name!r} is not a float dtype; planned as "
-                 "bfloat16 (--dtype or --kv-cache-dtype to choose)")
   model_type = config.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     notes.append(f"model_type={model_type!r} is not a family paged-jax loads (one of "
@@ -115,7 +113,8 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
                     name=config.get("_name_or_path")
                     or os.path.basename(os.path.dirname(os.path.abspath(path))),
                     layer_types=layer_types if window is not None else (),
-                    sliding_window=window, notes=tuple(notes))
+                    sliding_window=window, notes=tuple(notes),
+                    unknown_dtype=None if str(dtype_name) in _HF_DTYPES else str(dtype_name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +208,7 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       f"D={spec.head_dim} dtype={jnp.dtype(model.dtype).name}"
       + ("" if jnp.dtype(spec.dtype) == jnp.dtype(model.dtype)
          else f", KV pool {jnp.dtype(spec.dtype).name}"),
-      *(f"note       : {note}" for note in model.notes),
+      *(f"note       : {note}" for note in _dtype_note(model) + model.notes),
       f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
       f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)"
       + (", float32 scales per token and KV head included" if spec.quantized else ""),
@@ -232,8 +231,11 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
   return "\n".join(lines)
 
 
-def _count(n: int, noun: str) -> str:
-  return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+def _dtype_note(model: ModelShape) -> tuple[str, ...]:
+  if model.unknown_dtype is None:
+    return ()
+  return (f"the config's dtype {model.unknown_dtype!r} is not a float dtype; planned as "
+          "bfloat16 (--dtype or --kv-cache-dtype to choose)",)
 
 
 def _layer_lines(spec: KVCacheSpec, model: ModelShape) -> list[str]:
@@ -321,8 +323,8 @@ def format_windowed(plan: WindowedPlan) -> str:
   kinds = {}
   for w in g.windows:
     kinds[w] = kinds.get(w, 0) + 1
-  lines = [f"KV groups  : {_count(g.num_groups, 'group')} of "
-           f"{_count(g.layers_per_group, 'layer')}, one pool of "
+  lines = [f"KV groups  : {_words.count(g.num_groups, 'group')} of "
+           f"{_words.count(g.layers_per_group, 'layer')}, one pool of "
            f"{spec.num_blocks} blocks of {spec.block_bytes} bytes (Z={spec.block_size})",
            "| group kind | groups | bytes per token, per group | blocks held by a sequence "
            "of n tokens |", "|---|---:|---:|---|"]

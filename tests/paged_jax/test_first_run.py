@@ -227,7 +227,7 @@ def test_version_and_counts_read_as_english(capsys):
   pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
   declared = tomllib.loads(pyproject.read_text())["project"]["version"]
   assert cli._version() == paged_jax.__version__ == declared
-  assert cli_run._requests(1, "synthetic ") == "1 synthetic request"
-  assert cli_run._requests(64) == "64 requests"
-  from paged_jax import planner
-  assert (planner._count(1, "group"), planner._count(2, "layer")) == ("1 group", "2 layers")
+  from paged_jax._words import count  # run's and plan's reports count with it
+  assert count(1, "synthetic request") == "1 synthetic request"
+  assert count(64, "request") == "64 requests"
+  assert (count(1, "group"), count(2, "layer")) == ("1 group", "2 layers")
