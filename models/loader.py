@@ -16,7 +16,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import struct
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -33,6 +35,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16}
+# Checkpoint tensors no model reads and transformers loads without a word: the RoPE
+# frequencies older exports saved as buffers (they are recomputed from the config).
+_IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +156,7 @@ class _CheckpointReader:
     self._stack = stack
     self._handles = {}
     self._headers = {}
+    self.names_read: set[str] = set()
     index_path = os.path.join(path, INDEX_FILE)
     single_path = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(index_path):
@@ -210,6 +216,12 @@ class _CheckpointReader:
   def __contains__(self, name: str) -> bool:
     return name in self._weight_map
 
+  def unread(self) -> list[str]:
+    """The checkpoint's tensors not read so far, less those no model reads
+    (``_IGNORED_TENSORS``), in checkpoint order."""
+    return [name for name in self._weight_map
+            if name not in self.names_read and not _IGNORED_TENSORS.search(name)]
+
   def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``name`` as numpy, after checking its shape (before reading its data)."""
     if name not in self._weight_map:
@@ -219,6 +231,7 @@ class _CheckpointReader:
                          "to bfloat16 first (models.moe's docstring)")
       raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}")
     file = self._weight_map[name]
+    self.names_read.add(name)
     handle = self._open(file)
     try:
       info = handle.get_slice(name)
@@ -235,6 +248,21 @@ class _CheckpointReader:
     raw = np.memmap(os.path.join(self._path, file), dtype=np.uint8, mode="r",
                     offset=start + begin, shape=(end - begin,))
     return raw.view(_RAW_DTYPES[dtype]).reshape(shape)
+
+
+def _warn_unread(reader: _CheckpointReader, path: str, config: ModelConfig) -> None:
+  """Warns, as transformers does, when the checkpoint holds tensors the model did not
+  load (a layer past ``num_hidden_layers``, a bias the family has no place for, a head of
+  another task): the config and the weights may not belong together."""
+  unread = reader.unread()
+  if not unread:
+    return
+  shown = ", ".join(repr(name) for name in unread[:5])
+  more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+  warnings.warn(f"{len(unread)} tensor(s) of the checkpoint at {path!r} were not loaded: "
+                f"{shown}{more}; no parameter of a {config.model_type!r} model with this "
+                "config.json takes them (check num_hidden_layers and the model type)",
+                UserWarning, stacklevel=3)
 
 
 def _default_dtype(config: ModelConfig):
@@ -303,5 +331,6 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
       placement = None if sharding is None else sharding(tuple(param_path), host.shape)
       filled.append((param_path, variable.replace(value=jax.device_put(host, placement))))
       del host
+    _warn_unread(reader, path, config)
   model = nnx.merge(graphdef, nnx.from_flat_state(filled))
   return model, config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,26 @@ def test_misshaped_tensor_is_named(tmp_path):
   helpers.write_numpy_checkpoint(tmp_path, hf, tensors, shards=2)
   with pytest.raises(ValueError, match=r"self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"):
     models.load_pretrained(tmp_path)
+
+
+def test_tensors_the_model_does_not_take_are_named_in_a_warning(tmp_path):
+  # A checkpoint with a third layer under a config of two (a config from another size of
+  # the model): transformers warns that those weights were not used; so do we, by name.
+  hf, tensors = _checkpoint(tmp_path)
+  extra = {name.replace("layers.1.", "layers.2."): value for name, value in tensors.items()
+           if "layers.1." in name}
+  helpers.write_numpy_checkpoint(tmp_path, hf, {**tensors, **extra}, shards=2)
+  with pytest.warns(UserWarning, match=r"9 tensor\(s\) .* not loaded: "
+                                       r"'model\.layers\.2\..*and 4 more"):
+    models.load_pretrained(tmp_path)
+  # RoPE frequencies saved as buffers by older exports are recomputed, as transformers
+  # does: no warning for them, and none for a checkpoint that holds exactly the model.
+  inv_freq = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)
+              for i in range(2)}
+  helpers.write_numpy_checkpoint(tmp_path / "buffers", hf, {**tensors, **inv_freq})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    models.load_pretrained(tmp_path / "buffers")
 
 
 def test_tied_checkpoint_with_its_own_lm_head(tmp_path):
