@@ -307,6 +307,7 @@ class LLM:
     self._state = self._device.abort(self._state, jnp.asarray(mask_S))
 
   def _serve(self, requests) -> Iterator[StreamEvent]:
+    self._scheduler.check_idle()  # raised here, at the call, not at the first event
     return self._scheduler.serve(requests, run=self._run, admit=self._admit,
                                  abort=self._abort)
 
@@ -316,7 +317,10 @@ class LLM:
     call): one per generated token, then one with ``finish_reason`` per completion. All
     requests are validated (``ValueError`` naming the request) before this returns. Closing
     the generator early drops the unfinished requests (their blocks are released). One
-    ``generate`` / ``generate_stream`` at a time per engine. ``cache_salt`` as for
+    ``generate`` / ``generate_stream`` at a time per engine: a stream iterated but neither
+    exhausted nor closed holds the engine's slots, and starting another is a
+    ``RuntimeError`` until it is (``break`` out of ``for ev in llm.generate_stream(...)``
+    closes it; a stream kept in a variable needs ``.close()``). ``cache_salt`` as for
     ``generate``."""
     return self._serve(self._scheduler.requests(prompts, params, cache_salt))
 

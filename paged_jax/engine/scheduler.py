@@ -15,6 +15,7 @@ Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a r
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -116,7 +117,20 @@ class Scheduler:
     self._rng = np.random.default_rng(seed)
     self._arrivals = 0
     self._salt_ids: dict[str, int] = {}
+    self._serving = False  # a serve() has started and has not ended (exhausted / closed)
     self.reset_counters()
+
+  def check_idle(self) -> None:
+    """Refuses to start serving while an earlier stream is open: its sequences still
+    hold slots and blocks on the device, which a second stream would hand out again
+    (wrong tokens, or a stall). A stream is open from its first event until it is
+    exhausted or closed."""
+    if self._serving:
+      raise RuntimeError(
+          "an earlier generate_stream of this engine is still open (iterated, but neither "
+          "exhausted nor closed), and its sequences hold the engine's slots: call its "
+          ".close() (which drops its unfinished requests) or iterate it to the end first; "
+          "one generate / generate_stream at a time per engine")
 
   def reset_counters(self) -> None:
     self.counters = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
@@ -309,6 +323,8 @@ class Scheduler:
     ``admit(mask_S, rows)`` merges host rows into the device state; ``abort(mask_S)`` drops
     sequences left in slots when the stream is closed early.
     """
+    self.check_idle()  # two streams made before either ran: the second is refused here
+    self._serving = True
     waiting = list(requests)
     slot_owner: list = [None] * self.max_seqs
     want_S = np.zeros(self.max_seqs, np.int64)
@@ -340,8 +356,11 @@ class Scheduler:
               "lengths")
     finally:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
+      self._serving = False
       left = np.array([o is not None for o in slot_owner])
-      if left.any():
+      # At interpreter exit (a stream never closed) JAX may already be torn down, and
+      # the engine with it: nothing to free then.
+      if left.any() and not sys.is_finalizing():
         abort(left)
       self.counters["wall_s"] += time.perf_counter() - t0
       self.counters["requests"] += len(requests)

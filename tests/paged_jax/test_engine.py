@@ -217,6 +217,43 @@ def test_abandoned_stream_releases_its_blocks(llm, dense_greedy):
   assert list(out.token_ids) == dense_greedy(good, 6)[0]
 
 
+def test_a_stream_left_open_refuses_a_second_one_until_closed(llm, dense_greedy):
+  # A stream kept in a variable and left after a few events still holds its slots and
+  # blocks; a second generate used to hand those slots out again and read the first
+  # stream's K/V (wrong tokens, no error). Now it is refused until the first is closed.
+  prompts = _prompts((6, 18, 3, 11), seed=17)
+  params = SamplingParams(max_tokens=10, ignore_eos=True)
+  expected = [dense_greedy(p, 10)[0] for p in prompts]
+  good = _prompts((7,), seed=18)[0]
+  stream = llm.generate_stream(prompts, params)
+  late = llm.generate_stream([good], params)  # made before either runs
+  events = [next(stream)]
+  for call in (lambda: llm.generate([good], params),
+               lambda: llm.generate_stream([good], params)):
+    with pytest.raises(RuntimeError, match=r"still open .* call its \.close\(\)"):
+      call()
+  # Two streams made before either ran: the second is refused at its first event.
+  with pytest.raises(RuntimeError, match="still open"):
+    next(late)
+  # The refusals changed nothing: the first stream finishes as if alone.
+  events += list(stream)
+  got = {}
+  for ev in events:
+    if ev.token_id is not None:
+      got.setdefault(ev.prompt_index, []).append(ev.token_id)
+  assert [got[i] for i in range(len(prompts))] == expected
+  _check_all_free(llm)
+  # Exhausted, it is closed: the engine serves again; and so after an explicit close.
+  out, = llm.generate([good], params)
+  assert list(out.token_ids) == dense_greedy(good, 10)[0]
+  stream = llm.generate_stream(prompts, params)
+  next(stream)
+  stream.close()
+  out, = llm.generate([good], params)
+  assert list(out.token_ids) == dense_greedy(good, 10)[0]
+  _check_all_free(llm)
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
