@@ -265,6 +265,20 @@ def _warn_unread(reader: _CheckpointReader, path: str, config: ModelConfig) -> N
                 UserWarning, stacklevel=3)
 
 
+def _param_dtype(dtype) -> np.dtype:
+  """``dtype=`` of ``load_pretrained``: the parameters' and activations' dtype."""
+  try:
+    canonical = jnp.dtype(dtype)
+  except TypeError:
+    canonical = None
+  if canonical not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    shown = repr(dtype) if canonical is None else canonical.name
+    raise ValueError(f"dtype={shown} must be the model's float dtype: jnp.float32, "
+                     "jnp.bfloat16 or jnp.float16 (a quantised KV cache is the engine's "
+                     "kv_cache_dtype=, e.g. jnp.int8)")
+  return canonical
+
+
 def _default_dtype(config: ModelConfig):
   if config.checkpoint_dtype in ("float32", "bfloat16", "float16"):
     return jnp.dtype(config.checkpoint_dtype)
@@ -307,7 +321,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
   with contextlib.ExitStack() as stack:  # one reader: its files are opened once
     reader = _CheckpointReader(path, stack)
     config = _untie_if_distinct(config, reader)
-    dtype = _default_dtype(config) if dtype is None else jnp.dtype(dtype)
+    dtype = _default_dtype(config) if dtype is None else _param_dtype(dtype)
     abstract = nnx.eval_shape(
         lambda: Decoder(config, dtype=dtype, impl=impl, interpret=interpret, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,11 +25,16 @@ def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
   try:
     canonical = jnp.dtype(dtype)
   except TypeError as e:
-    raise ValueError(f"{name}={dtype!r} is not a dtype; expected a floating dtype such as "
-                     "jnp.bfloat16 or jnp.float32") from e
+    raise ValueError(f"{name}={dtype!r} is not a dtype; expected a floating dtype (jnp."
+                     "float32, jnp.bfloat16, jnp.float16) or a quantised one (jnp.int8, "
+                     "jnp.float8_e4m3fn, jnp.float8_e5m2)") from e
   if not (jnp.issubdtype(canonical, jnp.floating) or layout.is_quantized(canonical)):
     raise ValueError(f"{name}={canonical} must be a floating dtype (float32, bfloat16, "
-                     "float16) or a quantised one (int8, float8_e4m3fn)")
+                     "float16) or a quantised one (int8, float8_e4m3fn, float8_e5m2)")
+  if canonical.itemsize > 4 and not jax.config.jax_enable_x64:
+    # JAX would store float32 pages under a spec that counts 8 bytes per value.
+    raise ValueError(f"{name}={canonical} needs jax_enable_x64 (without it JAX stores "
+                     "float32); use float32, bfloat16 or float16")
   return canonical
 
 

@@ -124,20 +124,15 @@ class LLM:
         mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
         mlp_dim=getattr(config, "mlp_dim", None))
     shards = 1 if self._plan is None else self._plan.data_size
-    for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
-                        ("max_tokens_per_step", max_tokens_per_step),
-                        ("steps_per_call", steps_per_call)):
-      options.check_int(name, value)
-    if num_blocks is not None and kv_budget_bytes is not None:
-      raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
     if free_outside_window is None:
       free_outside_window = kv_budget_bytes is not None
-    options.check_bools(enable_prefix_caching=enable_prefix_caching,
+    options.check_plain(block_size=block_size, max_seqs=max_seqs,
+                        max_tokens_per_step=max_tokens_per_step, steps_per_call=steps_per_call,
+                        num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, seed=seed,
+                        tokenizer=tokenizer, max_traces=max_traces,
+                        enable_prefix_caching=enable_prefix_caching,
                         scrub_on_release=scrub_on_release,
-                        free_outside_window=free_outside_window)
-    if prefix_hash_fn is not None and not callable(prefix_hash_fn):
-      raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
-                       "allocator.chain_hashes")
+                        free_outside_window=free_outside_window, prefix_hash_fn=prefix_hash_fn)
     self.model, self.config, self.tokenizer = model, config, tokenizer
     # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
     self.kv_groups = KVGroups.from_layer_windows(
@@ -194,6 +189,11 @@ class LLM:
     # A block holds the layers of one KV group (all L layers without groups).
     layers = self.kv_groups.layers_per_group
     if kv_budget_bytes is not None:
+      probe = protocol.kv_cache_spec(c, block_size=block_size, num_blocks=1, dtype=kv_dtype)
+      probe = dataclasses.replace(probe, num_layers=layers)
+      options.check_budget(kv_budget_bytes, probe.block_bytes,
+                           f"{layers} layers x {c.num_kv_heads} KV heads x head_dim "
+                           f"{c.head_dim} x block_size {block_size} of {probe.dtype.name}")
       spec = KVCacheSpec.from_budget(kv_budget_bytes, layers, c.num_kv_heads,
                                      c.head_dim, block_size, kv_dtype)
       if shards > 1 and spec.num_blocks >= shards:
@@ -360,7 +360,9 @@ class LLM:
     used for the first time without ``precompile`` is compiled then, timed apart);
     tokens_per_s and requests_per_s divide by it. ``kv_utilization``: tokens stored / token
     slots of the blocks in use, mean over the steps that ran a batch. ``compile_s``: the
-    seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``)."""
+    seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
+    ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
+    counted among the free) describe the pool now, and no reset changes them."""
     r, h = self._scheduler.last_report, self._scheduler.counters
     if r is None:
       steps = busy = preempt = peak = 0
@@ -372,15 +374,18 @@ class LLM:
       util = float(r["utilization_sum"]) / busy if busy else 1.0
     tokens = h["tokens"]
     wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
-    free = self._state.alloc.num_free  # read on demand, outside the serving loop
-    free = int(free if self._plan is None else self._plan.fetch(free).sum())
+    # The pool now (read on demand, outside the serving loop), not since a reset.
+    free, cached = self._state.alloc.num_free, allocator.num_cached(self._state.alloc)
+    if self._plan is not None:
+      free, cached = self._plan.fetch(free), self._plan.fetch(cached)
+    free, cached = int(np.sum(free)), int(np.sum(cached))
     prompt_tokens = 0 if r is None else int(np.sum(r["prompt_tokens"]))
     cached_tokens = 0 if r is None else int(np.sum(r["cached_prompt_tokens"]))
     return dict(
         preemptions=preempt, kv_utilization=util,
         prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
-        cached_blocks=0 if r is None else int(np.sum(r["cached_blocks"])),
+        cached_blocks=cached,
         tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
         requests_per_s=h["requests"] / wall_s if wall_s > 0 else 0.0,
         num_blocks=self.spec.num_blocks, num_free_blocks=free,

@@ -10,7 +10,7 @@ import numpy as np
 
 from paged_jax.spec import _canonical_dtype as canonical_dtype
 
-__all__ = ["check_int", "check_bools", "pool_dtype", "check_token_buckets",
+__all__ = ["check_plain", "check_int", "check_bools", "check_budget", "pool_dtype", "check_token_buckets",
            "check_max_model_len", "limit_note"]
 
 
@@ -18,6 +18,53 @@ def check_int(name: str, value, low: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
     raise ValueError(f"{name}={value!r} must be an int >= {low}")
   return int(value)
+
+
+def check_plain(*, block_size, max_seqs, max_tokens_per_step, steps_per_call, num_blocks,
+                kv_budget_bytes, seed, tokenizer, max_traces, enable_prefix_caching,
+                scrub_on_release, free_outside_window, prefix_hash_fn) -> None:
+  """The options of ``LLM`` checked on their own (the pool's, which depend on the model
+  and each other, are checked as the pool is sized)."""
+  for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
+                      ("max_tokens_per_step", max_tokens_per_step),
+                      ("steps_per_call", steps_per_call)):
+    check_int(name, value)
+  if num_blocks is not None and kv_budget_bytes is not None:
+    raise ValueError(f"{num_blocks=} and {kv_budget_bytes=}: give at most one")
+  check_seed(seed)
+  check_tokenizer(tokenizer)
+  if max_traces is not None:
+    check_int("max_traces", max_traces)
+  check_bools(enable_prefix_caching=enable_prefix_caching, scrub_on_release=scrub_on_release,
+              free_outside_window=free_outside_window)
+  if prefix_hash_fn is not None and not callable(prefix_hash_fn):
+    raise ValueError(f"{prefix_hash_fn=} must be None or a function like "
+                     "allocator.chain_hashes")
+
+
+def check_seed(seed) -> int:
+  """``seed``: seeds numpy's draw of request seeds, an int >= 0."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"{seed=} must be an int >= 0")
+  return int(seed)
+
+
+def check_tokenizer(tokenizer) -> None:
+  """``tokenizer``: None or an object with ``encode(text).ids`` and ``decode(ids)`` (a
+  ``tokenizers.Tokenizer``)."""
+  if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                    and callable(getattr(tokenizer, "decode", None))):
+    raise ValueError(f"tokenizer={type(tokenizer).__name__} must be None or a "
+                     "tokenizers.Tokenizer (encode(text).ids and decode(ids))")
+
+
+def check_budget(kv_budget_bytes, block_bytes: int, what: str) -> None:
+  """``kv_budget_bytes``: an int holding one block at least (``what`` says of which
+  shape)."""
+  if (isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, (int, np.integer))
+      or kv_budget_bytes < block_bytes):
+    raise ValueError(f"{kv_budget_bytes=} must be an int number of bytes >= one KV block "
+                     f"({block_bytes} bytes: {what})")
 
 
 def check_bools(**flags) -> None:
@@ -29,7 +76,7 @@ def check_bools(**flags) -> None:
 def pool_dtype(dtype, kv_cache_dtype):
   """The KV pool's dtype from ``LLM``'s two spellings of it (None: the model's)."""
   if kv_cache_dtype is None:
-    return dtype
+    return None if dtype is None else canonical_dtype(dtype, "dtype")
   kv_cache_dtype = canonical_dtype(kv_cache_dtype, "kv_cache_dtype")
   if dtype is not None and canonical_dtype(dtype) != kv_cache_dtype:
     raise ValueError(f"dtype={jnp.dtype(dtype).name} and kv_cache_dtype="

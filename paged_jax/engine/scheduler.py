@@ -152,6 +152,9 @@ class Scheduler:
         raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
                          "ids") from None
       if dtype is not None:
+        if getattr(prompt, "ndim", 1) != 1:
+          raise ValueError(f"prompts[{i}] has shape {tuple(prompt.shape)}; a prompt is one "
+                           "sequence of token ids (1-D)")
         if not np.issubdtype(np.dtype(dtype), np.integer):
           raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
                            "integers")

@@ -113,6 +113,17 @@ def test_unsupported_model_type(tmp_path):
     models.load_pretrained(tmp_path)
 
 
+def test_a_dtype_that_is_not_a_model_float_is_refused(tmp_path):
+  # int8 weights would only fail later, deep in attention ("q.dtype=int8 must be a
+  # floating dtype"); a quantised KV pool is the engine's kv_cache_dtype.
+  _checkpoint(tmp_path)
+  for dtype, shown in ((jnp.int8, "int8"), ("int8", "int8"), ("fp8", "'fp8'"),
+                       (jnp.float64, "float64")):
+    with pytest.raises(ValueError, match=rf"dtype={shown} must be the model's float dtype.*"
+                                         "kv_cache_dtype"):
+      models.load_pretrained(tmp_path, dtype=dtype)
+
+
 def test_missing_tensor_is_named(tmp_path):
   hf, tensors = _checkpoint(tmp_path)
   del tensors["model.layers.1.mlp.up_proj.weight"]

@@ -259,7 +259,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
                      ("text", "tokenizer"), ([4, 2.0, 5], r"prompts\[1\]\[1\]=2.0 is a float"),
                      (np.array([4.5, 6.0]), "prompts\\[1\\] has dtype float64"),
-                     ([4, True], "is a bool")):
+                     ([4, True], "is a bool"),
+                     (np.array([[4, 5]]), r"prompts\[1\] has shape \(1, 2\); a prompt is "
+                      "one sequence")):
     with pytest.raises(ValueError, match=match):
       llm.generate([good, bad], SamplingParams(max_tokens=4))
   with pytest.raises(ValueError, match="n="):
@@ -311,6 +313,22 @@ def test_engine_options_validation(model, config):
   spec_llm = LLM(model, config, block_size=4, kv_budget_bytes=64 * 2 * 2 * 4 * 2 * 16 * 4,
                  max_seqs=2)
   assert spec_llm.spec.num_blocks == 64
+  # Each refused by the engine's own option name (they were numpy's TypeErrors, a message
+  # naming KVCacheSpec.from_budget's budget_bytes, or accepted and failing later).
+  # One block: 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims x 4 bytes = 2048 bytes.
+  for kwargs, match in ((dict(kv_budget_bytes=2047), r"kv_budget_bytes=2047 must be an int "
+                         r"number of bytes >= one KV block \(2048 bytes: 2 layers"),
+                        (dict(kv_budget_bytes=4096.0), "kv_budget_bytes=4096.0"),
+                        (dict(dtype="garbage"), "dtype='garbage' is not a dtype"),
+                        (dict(kv_cache_dtype="fp8"), r"jnp\.float8_e4m3fn"),
+                        (dict(kv_cache_dtype=jnp.float64), "kv_cache_dtype=float64 needs "
+                         "jax_enable_x64"),
+                        (dict(seed=-1), "seed=-1"), (dict(seed=1.5), "seed=1.5"),
+                        (dict(seed=None), "seed=None"), (dict(tokenizer=1), "tokenizer=int"),
+                        (dict(max_traces=0), "max_traces=0")):
+    budget = "kv_budget_bytes" in kwargs
+    with pytest.raises(ValueError, match=match):
+      LLM(model, config, block_size=4, num_blocks=None if budget else 8, **kwargs)
 
 
 def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_greedy):
