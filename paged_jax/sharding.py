@@ -110,13 +110,20 @@ def _leaf_name(path) -> str:
   return names[-1] if names else ""
 
 
-def _check_mesh(mesh) -> None:
+def _check_mesh(mesh) -> Mesh:
+  """``mesh`` checked, with every axis of type Auto: the engine places values with
+  sharding constraints, which JAX takes only over Auto axes. ``jax.make_mesh`` makes
+  Explicit axes by default; the same devices and names serve as Auto axes."""
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh with axes "
                      f"{(DATA, MODEL)}")
   if sorted(mesh.axis_names) != sorted((DATA, MODEL)):
     raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be "
                      f"{(DATA, MODEL)} (e.g. Mesh(devices.reshape(d, m), {(DATA, MODEL)}))")
+  auto = jax.sharding.AxisType.Auto
+  if any(t != auto for t in mesh.axis_types):
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+  return mesh
 
 
 def load_placement(mesh) -> Callable[[tuple[str, ...], tuple[int, ...]], NamedSharding]:
@@ -124,7 +131,7 @@ def load_placement(mesh) -> Callable[[tuple[str, ...], tuple[int, ...]], NamedSh
   its model slice on the mesh (no device ever holds the whole model). An H, K or I axis
   is split over "model" when its size is a multiple of m, else kept whole (K < m: the KV
   heads are replicated later, by ``ShardingPlan.shard_params``)."""
-  _check_mesh(mesh)
+  mesh = _check_mesh(mesh)
   m = int(mesh.shape[MODEL])
 
   def placement(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
@@ -154,8 +161,9 @@ class ShardingPlan:
   def create(cls, mesh, *, num_kv_heads: int, num_heads: int | None = None,
              mlp_dim: int | None = None) -> "ShardingPlan":
     """Validate ``mesh`` against the model's head counts and MLP width (those a config
-    does not have, None, are checked per parameter by ``shard_model``)."""
-    _check_mesh(mesh)
+    does not have, None, are checked per parameter by ``shard_model``). A mesh with
+    Explicit axes (``jax.make_mesh``'s default) is taken as the same mesh of Auto axes."""
+    mesh = _check_mesh(mesh)
     m = int(mesh.shape[MODEL])
     k = int(num_kv_heads)
     if num_heads is not None and int(num_heads) % m:

@@ -127,9 +127,12 @@ def run_engines(model, cfg, checkpoint):
   result["unsharded_s"] = time.perf_counter() - t0
   for shape in MESHES:
     t0 = time.perf_counter()
-    if shape == FROM_PRETRAINED_MESH:  # the same weights, loaded onto their slices
-      llm = LLM.from_pretrained(checkpoint, mesh=mesh_of(shape), dtype="float32", impl="xla",
-                                **ENGINE)
+    if shape == FROM_PRETRAINED_MESH:  # the same weights, loaded onto their slices; the
+      # mesh as jax.make_mesh makes it, with Explicit axes by default (taken as Auto)
+      d, m = shape
+      mesh = jax.make_mesh(shape, (sharding.DATA, sharding.MODEL),
+                           devices=jax.devices()[:d * m])
+      llm = LLM.from_pretrained(checkpoint, mesh=mesh, dtype="float32", impl="xla", **ENGINE)
     else:  # (8, 1) also scrubs released blocks inside the shard_map'd loop
       llm = LLM(model, cfg, mesh=mesh_of(shape), scrub_on_release=shape == ABORT_MESH,
                 **ENGINE)

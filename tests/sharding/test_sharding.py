@@ -208,6 +208,14 @@ def test_mesh_validation_in_process():
         num_blocks=16, max_seqs=2)
   with pytest.raises(ValueError, match="mesh=ndarray"):
     LLM(model, config, mesh=np.array(jax.devices()[:1]), num_blocks=16, max_seqs=2)
+  # jax.make_mesh's default axes are Explicit, over which the engine's sharding constraints
+  # fail deep in JAX at the first generate; the plan takes the same mesh with Auto axes
+  # (the 2x4 engine of the subprocess above is built from such a mesh, and serves).
+  explicit = jax.make_mesh((1, 1), (sharding.DATA, sharding.MODEL),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  plan = LLM(model, config, mesh=explicit, num_blocks=16, max_seqs=2)._plan
+  assert plan.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+  assert plan.mesh.devices.tolist() == explicit.devices.tolist()
 
 
 def test_with_model_axis_copies_and_keeps_the_original():
