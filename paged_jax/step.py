@@ -241,6 +241,13 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     (zero rows for sequences with no token this step or whose allocation failed), the new
     allocator state and cache, and ``ok_S``.
   """
+  for name in ("block_size", "num_blocks"):
+    # The allocator's slots address this cache's blocks: a cache of another block size
+    # or fewer blocks would be written and read at the wrong places, without an error.
+    have, want = getattr(cache, name, None), getattr(alloc_state, name)
+    if have is not None and int(have) != int(want):
+      raise ValueError(f"cache.{name}={have} must equal alloc_state.{name}={want}: the "
+                       "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
   out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
                             logits_indices=inputs.last_S, **forward_kwargs)
@@ -275,10 +282,11 @@ def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: j
   """
   tokens_S, active_S = jnp.asarray(tokens_S), jnp.asarray(active_S)
   num_seq_rows = alloc_state.max_seqs
-  for name, x in (("tokens", tokens_S), ("active", active_S)):
-    if x.shape != (num_seq_rows,):
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_seq_rows}]")
-  active_S = active_S.astype(jnp.bool_)
+  for name, x, kind, what in (("tokens", tokens_S, jnp.integer, "ints"),
+                              ("active", active_S, jnp.bool_, "bools")):
+    if x.shape != (num_seq_rows,) or not jnp.issubdtype(x.dtype, kind):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} dtype={x.dtype} must be {what} "
+                       f"[S]=[{num_seq_rows}]")
   num_new_S = active_S.astype(jnp.int32)
   tokens_T = _pack_rows(tokens_S.astype(jnp.int32), jnp.ones_like(num_new_S), active_S)
   return forward_step(model, alloc_state, cache, tokens_T, num_new_S, **forward_kwargs)

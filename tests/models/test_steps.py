@@ -214,3 +214,32 @@ def test_tokens_past_the_step_are_refused(model, steps):
   np.testing.assert_array_equal(np.asarray(alloc.seq_lens), [20, 0, 0])
   np.testing.assert_array_equal(np.asarray(logits_SV[1:]), 0.0)
   allocator.validate(alloc)
+
+
+def test_a_cache_the_allocator_does_not_address_is_refused(model):
+  # The allocator hands out slots block_id * Z + offset of ITS pool: a cache of another
+  # block size, or of fewer blocks, was written and read at the wrong places (logits 1.4
+  # off the dense forward, every ok True). Both are seen from the shapes, at trace time.
+  alloc, _ = _fresh(model)
+  tokens_T, num_new_S = _pack(PROMPTS)
+  for block_size, num_blocks, name in ((8, NUM_BLOCKS, "block_size"),
+                                       (BLOCK_SIZE, 2, "num_blocks")):
+    cache = KVCache.create(model.kv_cache_spec(block_size=block_size, num_blocks=num_blocks))
+    want = {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}[name]
+    with pytest.raises(ValueError, match=rf"cache\.{name}=\d+ must equal "
+                                         rf"alloc_state\.{name}={want}"):
+      steps_lib.forward_step(model, alloc, cache, tokens_T, num_new_S)
+
+
+def test_decode_step_refuses_float_tokens_and_non_bool_flags(model):
+  # Float tokens were truncated and 0.5 counted as active, where forward_step refuses a
+  # float tokens_T by name.
+  alloc, cache = _fresh(model)
+  tokens, active = jnp.asarray([5, 6, 7], jnp.int32), jnp.asarray([True, False, True])
+  for bad_tokens, bad_active, match in (
+      (jnp.asarray([1.7, 2.9, 3.0]), active, r"tokens\.shape=\(3,\) dtype=float32 must be ints"),
+      (tokens, jnp.asarray([0.5, 0.0, 1.0]), r"active\.shape=\(3,\) dtype=float32 must be bools"),
+      (tokens, jnp.asarray([2, 0, 1]), r"active\.shape=\(3,\) dtype=int32 must be bools"),
+      (tokens[:2], active[:2], r"tokens\.shape=\(2,\) .* \[S\]=\[3\]")):
+    with pytest.raises(ValueError, match=match):
+      steps_lib.decode_step(model, alloc, cache, bad_tokens, bad_active)
