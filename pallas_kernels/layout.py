@@ -109,7 +109,10 @@ def quantize(x, dtype):
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
   # amax == 0 (all zeros) takes scale 1; a NaN row keeps a NaN scale, so poison survives.
-  scales = jnp.where(amax == 0, 1.0, amax / limit).astype(SCALE_DTYPE)
+  # A row so small that amax / limit is below float32's smallest normal (amax < limit *
+  # 1.2e-38) takes that smallest normal: flushed to 0 it made 0 / 0 = NaN of every zero.
+  scales = jnp.where(amax == 0, 1.0,
+                     jnp.maximum(amax / limit, jnp.finfo(jnp.float32).tiny)).astype(SCALE_DTYPE)
   scaled = jnp.clip(x / scales[..., None], -limit, limit)
   if dtype == jnp.int8:
     scaled = jnp.round(scaled)

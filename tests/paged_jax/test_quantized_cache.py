@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import KVCache, KVCacheSpec
+from paged_jax import KVCache, KVCacheSpec, paged_attention
 from paged_jax.pallas_kernels import layout
 
 QUANTIZED = [jnp.int8, jnp.float8_e4m3fn]
@@ -56,6 +56,26 @@ def test_write_quantises_per_token_and_head(dtype):
   # Layer 0 and the padding row wrote nothing: bits zero, scales one.
   assert not np.asarray(cache.k_bits[0]).any() and (np.asarray(cache.k_scales[0]) == 1).all()
   assert int(jnp.sum(cache.k_scales[1] != 1)) == 4 * 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_a_token_below_the_smallest_scale_is_kept_not_made_nan(dtype):
+  # amax = 1e-36: amax / 448 (float8_e4m3fn) is below float32's smallest normal, 1.18e-38,
+  # and was flushed to a 0 scale, making every zero of the token 0 / 0 = NaN, and the
+  # attention over it NaN. The scale is now at least that smallest normal.
+  cache = KVCache.create(KVCacheSpec(1, 1, 8, 8, 2, dtype))
+  for amax in (1e-36, 1e-37, 1e-30):
+    token = np.zeros((1, 1, 8), np.float32)
+    token[0, 0, 0] = amax
+    written = cache.write(0, jnp.asarray(token), jnp.asarray(-token), jnp.array([0], jnp.int32))
+    k_pages, v_pages = written.dequantized()
+    for got, want in ((k_pages, token), (v_pages, -token)):
+      np.testing.assert_allclose(np.asarray(got[0, 0, 0, 0]), want[0, 0], rtol=0.125, atol=0)
+    q = jnp.ones((1, 1, 8), jnp.float32)
+    out = paged_attention(q, written, 0, jnp.array([1], jnp.int32), jnp.array([[0]], jnp.int32),
+                          jnp.array([0, 1], jnp.int32), jnp.int32(1), impl="xla")
+    np.testing.assert_allclose(np.asarray(out[0, 0]), -token[0, 0], rtol=0.125, atol=0)
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED, ids=ids)
