@@ -232,14 +232,17 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
 
 
 def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
-                              num_seqs) -> None:
-  """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``."""
+                              num_seqs, *, sliding_window: int | None = None) -> None:
+  """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``.
+  With ``sliding_window``, table entries wholly before a sequence's window may be
+  ``NO_BLOCK`` (a sliding KV group gives them back), as in ``checked_paged_attention``."""
   k_pages, v_pages, kv_dtype = _kernel_args(cache)
   validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
                                     cu_q_lens, num_seqs, kv_dtype=kv_dtype,
                                     **_scale_kwargs(cache))
+  validation.static_validate_variants(q.shape[1], sliding_window=sliding_window)
   validation.dynamic_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
-                                     num_seqs)
+                                     num_seqs, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl",

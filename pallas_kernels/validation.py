@@ -187,13 +187,14 @@ def canonical_variants(sliding_window=None, soft_cap=None):
 
 
 def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables_SP,
-                            cu_q_lens, num_seqs) -> None:
+                            cu_q_lens, num_seqs, *, sliding_window: int | None = None) -> None:
   """Host-side value checks (concrete arrays only); raises ``ValueError``.
 
   Checks that the live rows are consistent: ``cu_q_lens`` starts at 0 and never decreases,
   ends within ``T``; each live sequence has ``0 <= q_len <= kv_len <= P * Z``; and every
-  block-table entry a live sequence reads (its first ``ceil(kv_len / Z)``) lies in
-  ``[0, N)``.
+  block-table entry a live sequence reads (its first ``ceil(kv_len / Z)``; with
+  ``sliding_window``, only those that reach its first query's window, as
+  ``checkify_validate_inputs``) lies in ``[0, N)``.
   """
   if isinstance(q_THD, jax.core.Tracer) or isinstance(kv_lens_S, jax.core.Tracer):
     raise ValueError("dynamic_validate_inputs needs concrete arrays; call it outside jit")
@@ -224,6 +225,9 @@ def dynamic_validate_inputs(q_THD, k_pages_LKNZD, layer, kv_lens_S, block_tables
                        f"P * Z={capacity}]")
     used = tables[i, : -(-int(kv_lens[i]) // dims["Z"])]
     bad = (used < 0) | (used >= dims["N"])
+    if sliding_window is not None:  # blocks wholly before the first query's window
+      first = int(kv_lens[i]) - int(q_lens[i]) - sliding_window + 1
+      bad &= (np.arange(len(used)) + 1) * dims["Z"] > first
     if np.any(bad):
       j = int(np.argmax(bad))
       raise ValueError(f"block_tables[{i}, {j}]={used[j]} must be a block id in "

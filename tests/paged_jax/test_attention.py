@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import KVCache, paged_attention, resolve_impl, validate_attention_inputs
+from paged_jax import (KVCache, allocator, checked_paged_attention, paged_attention,
+                       resolve_impl, validate_attention_inputs)
 from paged_jax.pallas_kernels.xla import XlaTiling, ragged_paged_attention as xla_attention
 from tests import attention_cases as cases
 
@@ -375,6 +376,32 @@ def test_validate_attention_inputs_checks_values():
   cu[args["num_seqs"]:] = args["q"].shape[0] + 1
   with pytest.raises(ValueError, match=r"cu_q_lens\[num_seqs\]"):
     validate_attention_inputs(**{**args, "cu_q_lens": jnp.asarray(cu)})
+
+
+def test_validate_attention_inputs_takes_the_window_as_checked_attention_does():
+  # A sliding KV group gives back the blocks wholly behind a sequence's window and marks
+  # them NO_BLOCK (allocator.slide); the host check refused such a table, which the
+  # checkify checks of checked_paged_attention(..., sliding_window=W) accept.
+  args = _good_args()
+  n = int(args["num_seqs"])
+  block_size = args["cache"].block_size
+  cu = np.asarray(args["cu_q_lens"])
+  before_S = np.asarray(args["kv_lens"])[:n] - np.diff(cu[:n + 1])  # positions before q
+  i = int(np.argmax(before_S))
+  assert before_S[i] >= block_size  # block 0 lies wholly before a window of W = 1
+  table = np.asarray(args["block_tables"]).copy()
+  table[i, 0] = allocator.NO_BLOCK
+  args["block_tables"] = jnp.asarray(table)
+  validate_attention_inputs(**args, sliding_window=1)
+  checked_paged_attention(**args, sliding_window=1, impl="xla")
+  wide = int(before_S[i]) + 1  # the first query's window reaches position 0: block 0 read
+  for window in (None, wide):
+    with pytest.raises(ValueError, match=rf"block_tables\[{i}, 0\]=-\d+ must be a block id"):
+      validate_attention_inputs(**args, sliding_window=window)
+    with pytest.raises(ValueError, match=rf"block_tables\[{i}, 0\]"):
+      checked_paged_attention(**args, sliding_window=window, impl="xla")
+  with pytest.raises(ValueError, match="sliding_window=0"):
+    validate_attention_inputs(**args, sliding_window=0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
