@@ -8,7 +8,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import validation
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 from paged_jax.pallas_kernels import xla as xla_kernel
@@ -213,6 +215,12 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
                                         num_seqs, sliding_window=sliding_window)
   if sm_scale is None:
     sm_scale = float(q.shape[-1]) ** -0.5
+  if not isinstance(layer, (int, np.integer)):
+    # A traced layer outside [0, L) (invalid: ``debug`` names it) reads nothing, every row
+    # then padding (zeros): the kernels would read a wrapped layer, or past the pool.
+    layer = jnp.asarray(layer, jnp.int32)
+    layer_ok = (layer >= 0) & (layer < layout.unpack_pages_shape(k_pages.shape)["L"])
+    layer, num_seqs = jnp.where(layer_ok, layer, 0), jnp.where(layer_ok, num_seqs, 0)
   args = (q, k_pages, v_pages, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   variants = _variant_kwargs(sliding_window, soft_cap, sinks, kv_dtype) | _scale_kwargs(cache)
   chosen = (_auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) if impl == "auto"

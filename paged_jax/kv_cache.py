@@ -169,7 +169,7 @@ class KVCache:
     """Store token t's K/V at flat slot ``slots[t] = block_id * Z + offset`` of ``layer``.
 
     Args:
-      layer: int or traced int scalar.
+      layer: int or traced int scalar (a traced one outside ``[0, L)`` writes nothing).
       k, v: [T, K, D]; cast to the cache dtype (quantised with one scale per token and KV
         head for an int8 / float8 pool).
       slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
@@ -191,6 +191,9 @@ class KVCache:
     # Explicitly out of range (jnp would wrap a negative index), then dropped by the scatter.
     safe_T = jnp.where((slots_T >= 0) & (slots_T < num_slots), slots_T, num_slots)
     block_T, offset_T = safe_T // self.block_size, safe_T % self.block_size
+    if not isinstance(layer, (int, np.integer)):  # traced: outside [0, L) writes nothing
+      layer = jnp.asarray(layer, jnp.int32)
+      layer = jnp.where((layer >= 0) & (layer < self.num_layers), layer, self.num_layers)
     # Index [layer, :, block, offset, :]: the advanced indices go first -> [T, K, D].
     if not self.quantized:
       k_bits = self.k_bits.at[layer, :, block_T, offset_T].set(

@@ -75,6 +75,10 @@ def ragged_paged_attention_reference(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer,
   # An id outside [0, N) must not wrap (jnp normalises negative indices before "fill").
   owned_TP &= (ids_TP >= 0) & (ids_TP < num_blocks)
   block_ids_TP = jnp.where(owned_TP, ids_TP, num_blocks)
+  # A traced layer outside [0, L) reads nothing (zeros, as every impl), not a wrapped layer.
+  num_layers = k_pages_LKNZD.shape[0]
+  layer = jnp.asarray(layer, jnp.int32)
+  layer = jnp.where((layer >= 0) & (layer < num_layers), layer, num_layers)
   k_TPKZD = k_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   v_TPKZD = v_pages_LKNZD.at[layer, :, block_ids_TP].get(mode="fill", fill_value=0)
   # What was gathered (never the whole pool) back from storage bits to the logical dtype;

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import KVCache, KVCacheSpec
+from paged_jax import KVCache, KVCacheSpec, paged_attention
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=5,
                    dtype=jnp.float32)
@@ -63,6 +63,42 @@ def test_write_casts_to_cache_dtype_and_accepts_traced_layer():
               jnp.array([3], jnp.int32))
   assert out.k_pages.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(out.k_pages[1, 0, 1, 1], np.float32), 1.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+def test_a_traced_layer_out_of_range_writes_and_reads_nothing(dtype):
+  # A Python int outside [0, L) is refused; a traced one cannot be, and -1 used to wrap:
+  # write stored into layer L - 1 and the reference read it back (the XLA path read
+  # zeros). Now no impl writes or reads a wrapped layer.
+  cache = KVCache.create(KVCacheSpec(2, 1, 8, 4, 2, dtype))
+  ones = jnp.ones((1, 1, 8), jnp.float32)
+  slots = jnp.array([0], jnp.int32)
+  for layer in (-1, -2, 2, 7):
+    written = jax.jit(lambda c, l: c.write(l, ones, ones, slots))(cache, jnp.int32(layer))
+    for got, fresh in zip(jax.tree_util.tree_leaves(written), jax.tree_util.tree_leaves(cache)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(fresh))
+  full = cache.write(1, ones, ones, slots)  # layer 1 (= L - 1) holds a token
+  for impl in ("reference", "xla"):
+    attend = jax.jit(lambda c, l: paged_attention(
+        ones, c, l, jnp.array([1], jnp.int32), jnp.array([[0]], jnp.int32),
+        jnp.array([0, 1], jnp.int32), jnp.int32(1), impl=impl))
+    np.testing.assert_allclose(np.asarray(attend(full, jnp.int32(1))), 1.0, rtol=1e-2)
+    np.testing.assert_array_equal(np.asarray(attend(full, jnp.int32(-1))), 0.0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu"])
+def test_a_traced_layer_out_of_range_reads_nothing_in_the_kernels(impl):
+  # Before, -1 read layer L - 1 (wrapped) and L read past the pool (the interpreters'
+  # out-of-bounds error; on a device, whatever lies there). Now every row is padding: 0.
+  cache = KVCache.create(KVCacheSpec(2, 1, 64, 8, 2, jnp.float32))
+  ones = jnp.ones((1, 1, 64), jnp.float32)
+  cache = cache.write(1, ones, ones, jnp.array([0], jnp.int32))
+  attend = jax.jit(lambda c, l: paged_attention(
+      jnp.ones((8, 1, 64)), c, l, jnp.array([1], jnp.int32), jnp.array([[0]], jnp.int32),
+      jnp.array([0, 1], jnp.int32), jnp.int32(1), impl=impl, interpret=True))
+  np.testing.assert_allclose(np.asarray(attend(cache, jnp.int32(1))[0]), 1.0, rtol=1e-6)
+  for layer in (-1, 2):
+    np.testing.assert_array_equal(np.asarray(attend(cache, jnp.int32(layer))), 0.0)
 
 
 @pytest.mark.parametrize("kwargs,match", [
