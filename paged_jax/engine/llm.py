@@ -15,7 +15,6 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,7 +33,6 @@ from paged_jax.engine.calls import DeviceCalls
 from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
-from paged_jax.spec import KVCacheSpec
 
 __all__ = ["LLM"]
 
@@ -140,8 +138,10 @@ class LLM:
     self.enable_prefix_caching = (bool(enable_prefix_caching)
                                   and allocator.supports_prefix_caching(self.kv_groups.windows))
     self.scrub_on_release = bool(scrub_on_release)
-    self.spec = self._pool_spec(dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
-                                shards)
+    self.spec = options.pool_spec(
+        config, protocol.model_dtype(model) if dtype is None else jnp.dtype(dtype),
+        self.kv_groups.layers_per_group, block_size=block_size, num_blocks=num_blocks,
+        kv_budget_bytes=kv_budget_bytes, max_seqs=max_seqs, shards=shards)
     pool_tokens = self.kv_groups.max_len_in_pool(  # N * Z without sliding groups
         self.spec.num_blocks // shards, self.spec.block_size, max_tokens_per_step,
         max(int(config.max_seq_len), 2))
@@ -180,35 +180,6 @@ class LLM:
                                       pool_tokens, shards),
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
-
-  def _pool_spec(self, dtype, block_size, num_blocks, kv_budget_bytes, max_seqs,
-                 shards) -> KVCacheSpec:
-    """The KV pool's spec; with a mesh each data shard owns N / d blocks of it."""
-    c = self.config
-    kv_dtype = protocol.model_dtype(self.model) if dtype is None else jnp.dtype(dtype)
-    # A block holds the layers of one KV group (all L layers without groups).
-    layers = self.kv_groups.layers_per_group
-    if kv_budget_bytes is not None:
-      probe = protocol.kv_cache_spec(c, block_size=block_size, num_blocks=1, dtype=kv_dtype)
-      probe = dataclasses.replace(probe, num_layers=layers)
-      options.check_budget(kv_budget_bytes, probe.block_bytes,
-                           f"{layers} layers x {c.num_kv_heads} KV heads x head_dim "
-                           f"{c.head_dim} x block_size {block_size} of {probe.dtype.name}")
-      spec = KVCacheSpec.from_budget(kv_budget_bytes, layers, c.num_kv_heads,
-                                     c.head_dim, block_size, kv_dtype)
-      if shards > 1 and spec.num_blocks >= shards:
-        spec = dataclasses.replace(spec, num_blocks=spec.num_blocks - spec.num_blocks % shards)
-    else:
-      if num_blocks is None:
-        num_blocks = max_seqs * math.ceil(min(c.max_seq_len, 2048) / block_size)
-      spec = dataclasses.replace(
-          protocol.kv_cache_spec(c, block_size=block_size, num_blocks=num_blocks,
-                                 dtype=kv_dtype), num_layers=layers)
-    for name, value in (("max_seqs", max_seqs), ("num_blocks", spec.num_blocks)):
-      if value % shards:
-        raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
-                         f"(each data shard owns {name} / {shards})")
-    return spec
 
   @classmethod
   def from_pretrained(cls, path, *, dtype=None, impl: str = "auto", **kwargs) -> "LLM":

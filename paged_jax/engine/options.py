@@ -3,14 +3,17 @@ what was expected, raised before anything is built or compiled."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.spec import _canonical_dtype as canonical_dtype
+from paged_jax import protocol
+from paged_jax.spec import KVCacheSpec, _canonical_dtype as canonical_dtype
 
-__all__ = ["check_plain", "check_int", "check_bools", "check_budget", "pool_dtype", "check_token_buckets",
+__all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_budget", "pool_dtype", "check_token_buckets",
            "check_max_model_len", "limit_note"]
 
 
@@ -128,3 +131,36 @@ def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int)
              f"{len(windows) - windows.count(None)} sliding): one sequence fits in "
              f"{pool_tokens} tokens")
   return note
+
+
+def pool_spec(config, kv_dtype, layers: int, *, block_size: int, num_blocks, kv_budget_bytes,
+              max_seqs: int, shards: int) -> KVCacheSpec:
+  """The KV pool's spec from ``LLM``'s options: ``num_blocks`` blocks, or as many as
+  ``kv_budget_bytes`` holds (rounded down to a multiple of the data shards), or enough
+  for ``max_seqs`` sequences of ``min(config.max_seq_len, 2048)`` tokens. A block holds
+  ``layers`` layers (one KV group's; all L without groups); with a mesh each data shard
+  owns N / d blocks."""
+  c = config
+  if kv_budget_bytes is not None:
+    probe = dataclasses.replace(protocol.kv_cache_spec(c, block_size=block_size, num_blocks=1,
+                                                       dtype=kv_dtype), num_layers=layers)
+    check_budget(kv_budget_bytes, probe.block_bytes,
+                 f"{layers} layers x {c.num_kv_heads} KV heads x head_dim {c.head_dim} x "
+                 f"block_size {block_size} of {probe.dtype.name}")
+    blocks = int(kv_budget_bytes) // probe.block_bytes
+    if blocks < shards:
+      raise ValueError(f"{kv_budget_bytes=} holds {blocks} KV block(s) of "
+                       f"{probe.block_bytes} bytes; each of the mesh's {shards} data shards "
+                       f"needs one at least: >= {shards * probe.block_bytes} bytes")
+    spec = dataclasses.replace(probe, num_blocks=blocks - blocks % shards)
+  else:
+    if num_blocks is None:
+      num_blocks = max_seqs * math.ceil(min(c.max_seq_len, 2048) / block_size)
+    spec = dataclasses.replace(protocol.kv_cache_spec(c, block_size=block_size,
+                                                      num_blocks=num_blocks, dtype=kv_dtype),
+                               num_layers=layers)
+  for name, value in (("max_seqs", max_seqs), ("num_blocks", spec.num_blocks)):
+    if value % shards:
+      raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
+                       f"(each data shard owns {name} / {shards})")
+  return spec

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from paged_jax.models import ModelConfig, init_random, load_pretrained, steps as model_steps  # noqa: E402,E501
-from paged_jax import KVCache, allocator, sharding  # noqa: E402
+from paged_jax import KVCache, allocator, protocol, sharding  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
 from tests.models import helpers  # noqa: E402
 
@@ -241,6 +241,10 @@ def errors(model, cfg):
                                 **{**ENGINE, "max_seqs": 15}))
   catch("num_blocks", lambda: LLM(model, cfg, mesh=mesh_of((8, 1)),
                                   **{**ENGINE, "num_blocks": 100}))
+  block = protocol.kv_cache_spec(cfg, block_size=4, num_blocks=1, dtype="float32").block_bytes
+  budget = {k: v for k, v in ENGINE.items() if k not in ("num_blocks", "max_model_len")}
+  catch("budget", lambda: LLM(model, cfg, mesh=mesh_of((8, 1)), kv_budget_bytes=3 * block,
+                              free_outside_window=False, **budget))
   llm = LLM(model, cfg, mesh=mesh_of((8, 1)), **ENGINE)
   catch("n", lambda: llm.generate([[5, 6]], SamplingParams(n=3)))
   return out

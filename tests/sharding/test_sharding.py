@@ -137,6 +137,8 @@ def test_sharded_paged_forward_matches_unsharded(run, case):
     ("max_seqs", ("max_seqs=15", "mesh.shape['data']=2")),
     ("num_blocks", ("num_blocks=100", "mesh.shape['data']=8")),
     ("n", ("params[0].n=3", "8 data shards")),
+    # The pool a budget buys must split over the data shards (named "num_blocks=3" before).
+    ("budget", ("kv_budget_bytes=", "holds 3 KV block(s)", "8 data shards")),
 ])
 def test_bad_mesh_or_sizes_raise_value_error(run, case, words):
   message = run["errors"][case]
