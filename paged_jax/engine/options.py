@@ -13,7 +13,8 @@ import numpy as np
 from paged_jax import protocol
 from paged_jax.spec import KVCacheSpec, _canonical_dtype as canonical_dtype
 
-__all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_budget", "pool_dtype", "check_token_buckets",
+__all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_seed",
+           "check_tokenizer", "check_budget", "pool_dtype", "check_token_buckets",
            "check_max_model_len", "limit_note"]
 
 
