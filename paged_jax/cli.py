@@ -37,8 +37,23 @@ def _add_plan(subparsers) -> None:
   p.set_defaults(func=_plan)
 
 
+def _check_plan_args(args) -> None:
+  """Plan's numeric options refused by their own names (the planner's messages name its
+  arguments: ``max_len=0``)."""
+  for name in ("block_size", "max_len", "median_len", "num_layers", "num_kv_heads",
+               "head_dim"):
+    value = getattr(args, name, None)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+  if args.seed < 0:
+    raise ValueError(f"--seed={args.seed} must be >= 0")
+  if not args.sigma >= 0 or args.sigma == float("inf"):
+    raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
+
+
 def _plan(args) -> int:
   from paged_jax import planner  # imported here: the CLI parses (and --help answers) at once
+  _check_plan_args(args)
   from paged_jax.spec import KVCacheSpec
   model = planner.model_shape_from_config(args.config) if args.config else planner.LLAMA3_8B
   overrides = {k: v for k, v in (("num_layers", args.num_layers),

@@ -28,6 +28,8 @@ from paged_jax import _words
 from paged_jax.kv_groups import KVGroups
 from paged_jax.spec import KVCacheSpec
 
+MAX_BUDGET_BYTES = 2**60  # 1 EiB: past any device
+MAX_STREAM = 2**23  # sequences the plan draws at most (~0.5 GB of host memory at the peak)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -40,10 +42,12 @@ def parse_bytes(text: str | int) -> int:
   if not match or match.group(2).lower() not in _UNITS:
     raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB' or a byte count")
   try:
-    value = float(match.group(1))
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
   except ValueError as e:
     raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB'") from e
-  return int(value * _UNITS[match.group(2).lower()])
+  if not value < MAX_BUDGET_BYTES:  # inf and nan too
+    raise ValueError(f"budget={text!r} must be below 1 EiB (2**60 bytes)")
+  return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,8 @@ class ModelShape:
   layer_types: tuple[str, ...] = ()
   sliding_window: int | None = None
   notes: tuple[str, ...] = ()  # what the plan assumed of the config, printed under it
-  unknown_dtype: str | None = None  # the config's dtype when not a float one (noted too)
+  unknown_dtype: str | None = None  # the config's dtype when not a float one, "" when it
+                                    # declares none (planned as float32, noted)
 
 
 # The embedded default: Llama-3-8B's attention shape.
@@ -72,6 +77,16 @@ LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bf
                        name="Llama-3-8B shape (embedded default)")
 
 _HF_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def _config_int(path: str, config: dict, key: str) -> int:
+  """``config[key]``, an int >= 1, or a ``ValueError`` naming the key and the file."""
+  if key not in config:
+    raise ValueError(f"config={path!r} lacks {key!r}")
+  value = config[key]
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"config={path!r}: {key}={value!r} must be an int >= 1")
+  return value
 
 
 def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
@@ -88,15 +103,18 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
       raise ValueError(f"config={path!r} is not valid JSON: {e}") from e
   if not isinstance(config, dict):
     raise ValueError(f"config={path!r} must hold a JSON object (a Hugging Face config.json)")
-  try:
-    num_heads = int(config["num_attention_heads"])
-    num_layers = int(config["num_hidden_layers"])
-    hidden = int(config["hidden_size"])
-  except KeyError as e:
-    raise ValueError(f"config={path!r} lacks {e.args[0]!r}") from e
-  num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-  head_dim = int(config.get("head_dim") or hidden // num_heads)
-  dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+  num_heads, num_layers, hidden = (_config_int(path, config, key) for key in (
+      "num_attention_heads", "num_hidden_layers", "hidden_size"))
+  num_kv_heads = config.get("num_key_value_heads")
+  num_kv_heads = num_heads if num_kv_heads is None else _config_int(path, config,
+                                                                    "num_key_value_heads")
+  head_dim = config.get("head_dim")
+  head_dim = hidden // num_heads if head_dim is None else _config_int(path, config, "head_dim")
+  if head_dim < 1:
+    raise ValueError(f"config={path!r}: head_dim={head_dim} (hidden_size / "
+                     "num_attention_heads when not given) must be >= 1")
+  # As load_pretrained reads it: a dtype it does not load, or none, serves as float32.
+  dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "")
   # Lazy: the layer-type defaults of each family live with the model config.
   from paged_jax.models.config import SUPPORTED_MODEL_TYPES, hf_attention_layout
   notes = []
@@ -109,12 +127,12 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   except ValueError as e:
     raise ValueError(f"config={path!r}: {e}") from e
   return ModelShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    dtype=_HF_DTYPES.get(str(dtype_name), jnp.bfloat16),
+                    dtype=_HF_DTYPES.get(dtype_name, jnp.float32),
                     name=config.get("_name_or_path")
                     or os.path.basename(os.path.dirname(os.path.abspath(path))),
                     layer_types=layer_types if window is not None else (),
                     sliding_window=window, notes=tuple(notes),
-                    unknown_dtype=None if str(dtype_name) in _HF_DTYPES else str(dtype_name))
+                    unknown_dtype=None if dtype_name in _HF_DTYPES else dtype_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +151,8 @@ class LengthDistribution:
       raise ValueError(f"sigma={self.sigma} must be >= 0")
     if self.max_len < 1:
       raise ValueError(f"max_len={self.max_len} must be >= 1")
+    if self.seed < 0:
+      raise ValueError(f"seed={self.seed} must be >= 0")
 
   def sample(self, num: int) -> np.ndarray:
     rng = np.random.default_rng(self.seed)
@@ -172,7 +192,11 @@ def _fit_stream(lengths: "LengthDistribution", limit: int, fit) -> list:
     results = fit(lengths.sample(num))
     if num >= limit or all(r[0] < num for r in results):
       return results
-    num = min(limit, 4 * num)
+    if num >= MAX_STREAM:
+      raise ValueError(f"the budget holds more than {MAX_STREAM:,} sequences of this length "
+                       "distribution, more than the plan draws: plan a smaller budget (the "
+                       "counts scale with it)")
+    num = min(limit, 4 * num, MAX_STREAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,18 +248,25 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       "| strategy | sequences that fit | KV utilisation | vs max-length |",
       "|---|---:|---:|---:|",
   ]
-  base = max(plan.contiguous_max.num_seqs, 1)
+  base = plan.contiguous_max.num_seqs
   for p in (plan.paged, plan.contiguous_max, plan.contiguous_oracle):
     lines.append(f"| {p.name} | {p.num_seqs} | {100 * p.utilization:.1f}% | "
-                 f"{p.num_seqs / base:.2f}x |")
+                 f"{_ratio(p.num_seqs, base)} |")
   return "\n".join(lines)
+
+
+def _ratio(num: int, base: int) -> str:
+  """``num / base`` as "1.50x"; "n/a" when the base fits nothing (not a ratio to 1)."""
+  return f"{num / base:.2f}x" if base else "n/a"
 
 
 def _dtype_note(model: ModelShape) -> tuple[str, ...]:
   if model.unknown_dtype is None:
     return ()
-  return (f"the config's dtype {model.unknown_dtype!r} is not a float dtype; planned as "
-          "bfloat16 (--dtype or --kv-cache-dtype to choose)",)
+  what = ("config.json declares no dtype" if not model.unknown_dtype else
+          f"the config's dtype {model.unknown_dtype!r} is not a float dtype")
+  return (f"{what}; planned as float32, the dtype load_pretrained loads it in (--dtype or "
+          "--kv-cache-dtype to choose)",)
 
 
 def _layer_lines(spec: KVCacheSpec, model: ModelShape) -> list[str]:
@@ -333,8 +364,8 @@ def format_windowed(plan: WindowedPlan) -> str:
     held = ("ceil(n / Z)" if w is None else f"min(ceil(n / Z), ceil(({w} - 1 + "
             f"{plan.step_tokens}) / Z) + 1)")
     lines.append(f"| {what} | {count} | {per_token} bytes | {held} |")
-  base = max(plan.without.num_seqs, 1)
+  base = plan.without.num_seqs
   lines += ["", "| windowed freeing | sequences that fit | vs without |", "|---|---:|---:|"]
   for name, p in (("without", plan.without), ("with", plan.with_)):
-    lines.append(f"| {name} ({p.name}) | {p.num_seqs} | {p.num_seqs / base:.2f}x |")
+    lines.append(f"| {name} ({p.name}) | {p.num_seqs} | {_ratio(p.num_seqs, base)} |")
   return "\n".join(lines)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import KVCacheSpec, cli, planner
+from paged_jax import KVCacheSpec, cli, models, planner
 
 
 @pytest.mark.parametrize("text,expected", [("16GiB", 16 * 2**30), ("8GB", 8 * 10**9),
@@ -108,7 +108,8 @@ def test_cli_plan_default_and_config(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "per block  : 2097152 bytes" in out and "blocks     : 8192" in out
   assert "| paged |" in out and "| contiguous, max length | 32 |" in out
-  config = dict(num_attention_heads=4, num_hidden_layers=2, hidden_size=256)
+  config = dict(num_attention_heads=4, num_hidden_layers=2, hidden_size=256,
+                torch_dtype="bfloat16")
   (tmp_path / "config.json").write_text(json.dumps(config))
   assert cli.main(["plan", "--config", str(tmp_path), "--budget", "64MiB",
                    "--block-size", "8", "--max-len", "512", "--median-len", "64"]) == 0
@@ -172,15 +173,17 @@ def test_plan_windowed_gemma3_like_5_to_1_at_8k():
 
 
 def test_plan_notes_what_it_assumed_of_an_unknown_config(tmp_path, capsys):
-  # An int4 torch_dtype is planned as bfloat16 and an unknown model_type from its attention
-  # shape; both said under the model line, the dtype note gone once --dtype chooses.
+  # An int4 torch_dtype is planned as float32 (load_pretrained loads a dtype it does not
+  # know as float32) and an unknown model_type from its attention shape; both said under
+  # the model line, the dtype note gone once --dtype chooses.
   (tmp_path / "config.json").write_text(json.dumps(dict(
       model_type="mamba_like", num_hidden_layers=2, num_attention_heads=4, hidden_size=256,
       torch_dtype="int4")))
   assert cli.main(["plan", "--config", str(tmp_path)]) == 0
   out = capsys.readouterr().out.splitlines()
-  assert out[0].endswith("L=2 K=4 D=64 dtype=bfloat16")
-  assert out[1].startswith("note       : the config's dtype 'int4' is not a float dtype")
+  assert out[0].endswith("L=2 K=4 D=64 dtype=float32")
+  assert out[1].startswith("note       : the config's dtype 'int4' is not a float dtype; "
+                           "planned as float32")
   assert out[2].startswith("note       : model_type='mamba_like' is not a family")
   assert "gemma3_text" in out[2] and out[3].startswith("budget")
   assert cli.main(["plan", "--config", str(tmp_path), "--dtype", "float16"]) == 0
@@ -192,3 +195,67 @@ def test_plan_notes_what_it_assumed_of_an_unknown_config(tmp_path, capsys):
       model_type="qwen3", num_hidden_layers=2, num_attention_heads=4, hidden_size=256,
       torch_dtype="float32")))
   assert planner.model_shape_from_config(tmp_path).notes == ()
+
+
+def test_a_config_without_dtype_is_planned_as_the_engine_serves_it(tmp_path, capsys):
+  # No torch_dtype / dtype: load_pretrained loads float32, so the engine's pool holds half
+  # the blocks a bfloat16 plan promised (36 against 73 in 300,000 bytes). The plan now
+  # says float32, the engine's own count, and notes why.
+  # L=4, K=2, D=16, float32: 2 * 4 * 2 * 16 * 4 = 1024 bytes a token, 8192 a block of 8.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+      hidden_size=64, intermediate_size=96, vocab_size=64)))
+  assert cli.main(["plan", "--config", str(tmp_path), "--budget", "300000",
+                   "--block-size", "8"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("L=4 K=2 D=16 dtype=float32")
+  assert out[1].startswith("note       : config.json declares no dtype; planned as float32")
+  assert "per block  : 8192 bytes" in out[4] and out[5].startswith("blocks     : 36 ")
+  model = planner.model_shape_from_config(tmp_path)
+  engine_spec = KVCacheSpec.from_budget(300000, model.num_layers, model.num_kv_heads,
+                                        model.head_dim, 8, models.loader._default_dtype(
+                                            models.ModelConfig.from_json(
+                                                str(tmp_path / "config.json"))))
+  assert engine_spec.num_blocks == 36
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(num_attention_heads=0), "num_attention_heads=0 must be an int >= 1"),
+    (dict(num_attention_heads="abc"), "num_attention_heads='abc' must be an int >= 1"),
+    (dict(num_key_value_heads=0), "num_key_value_heads=0 must be an int >= 1"),
+    (dict(num_attention_heads=-32), "num_attention_heads=-32"),
+    (dict(hidden_size=None), "hidden_size=None"),
+    (dict(num_attention_heads=128), r"head_dim=0 \(hidden_size / num_attention_heads"),
+])
+def test_config_fields_are_refused_by_their_keys(tmp_path, fields, match):
+  # Before: a ZeroDivisionError, int()'s message naming nothing, and a K of 0 quietly
+  # taken as num_attention_heads.
+  config = dict(model_type="llama", num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, hidden_size=64)
+  (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+  with pytest.raises(ValueError, match=match):
+    planner.model_shape_from_config(tmp_path)
+
+
+def test_budgets_past_what_the_plan_can_draw_are_refused_in_one_line(capsys):
+  # 1e309 was an OverflowError traceback; 1e17 bytes drew lengths until out of memory.
+  for args, match in ((["--budget", "1e309"], "must be below 1 EiB"),
+                      (["--budget", "1e400GiB"], "must be below 1 EiB"),
+                      (["--budget", "1e17"], "holds more than 8,388,608 sequences"),
+                      (["--seed=-1"], "--seed=-1 must be >= 0"),
+                      (["--max-len=0"], "--max-len=0 must be >= 1")):
+    with pytest.raises(SystemExit) as exc:
+      cli.main(["plan", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and match in err and "Traceback" not in err, err
+
+
+def test_a_ratio_to_nothing_is_not_a_ratio():
+  # 16 GiB of Llama-3-8B holds no max-length sequence of 131,072 tokens (16 GiB); paged
+  # holds some. "vs max-length" said 45.00x (a division by max(0, 1)); now n/a.
+  spec = KVCacheSpec.from_budget(4 * 2**30, 32, 8, 128, 16, jnp.bfloat16)
+  dist = planner.LengthDistribution(max_len=131072)
+  plan = planner.plan_capacity(spec, dist)
+  assert plan.contiguous_max.num_seqs == 0 and plan.paged.num_seqs > 0
+  table = planner.format_plan(plan, planner.LLAMA3_8B, 4 * 2**30)
+  assert f"| paged | {plan.paged.num_seqs} |" in table and "| n/a |" in table
