@@ -767,7 +767,9 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   pool). Proposed is the first of them that holds this block's tokens (hash, salt and depth
   agreeing) and hangs off such a block one level up (a root at level 0), so that a stale
   entry (its parent evicted since) does not hide a live one with the same key. NO_BLOCK when
-  none does.
+  none does. The link is checked one level up only: a stale entry hanging off a stale entry
+  that still holds its tokens (an ancestor further up evicted) can still hide the live one,
+  and the walk then stops there (a lost hit; ``test_a_stale_chain_two_levels_deep...``).
 
   A key loses its block (a lost hit, never a wrong one: ``_walk`` confirms every hit) when
   it is neither the highest nor the lowest id of its bucket under both functions. With the
