@@ -103,6 +103,16 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
       raise ValueError(f"config={path!r} is not valid JSON: {e}") from e
   if not isinstance(config, dict):
     raise ValueError(f"config={path!r} must hold a JSON object (a Hugging Face config.json)")
+  notes = []
+  text = config.get("text_config")
+  if "num_attention_heads" not in config and isinstance(text, dict):
+    # A multimodal config (Gemma 3, Llama 4, ...): the KV cache is its text model's.
+    notes.append(f"model_type={config.get('model_type')!r} is multimodal: planned from its "
+                 f"text_config ({text.get('model_type')!r}); load_pretrained reads text-only "
+                 "checkpoints")
+    outer, config = config, {"_name_or_path": config.get("_name_or_path"), **text}
+    for key in ("torch_dtype", "dtype"):
+      config.setdefault(key, outer.get(key))
   num_heads, num_layers, hidden = (_config_int(path, config, key) for key in (
       "num_attention_heads", "num_hidden_layers", "hidden_size"))
   num_kv_heads = config.get("num_key_value_heads")
@@ -117,7 +127,6 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "")
   # Lazy: the layer-type defaults of each family live with the model config.
   from paged_jax.models.config import SUPPORTED_MODEL_TYPES, hf_attention_layout
-  notes = []
   model_type = config.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     notes.append(f"model_type={model_type!r} is not a family paged-jax loads (one of "

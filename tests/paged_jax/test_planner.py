@@ -259,3 +259,20 @@ def test_a_ratio_to_nothing_is_not_a_ratio():
   assert plan.contiguous_max.num_seqs == 0 and plan.paged.num_seqs > 0
   table = planner.format_plan(plan, planner.LLAMA3_8B, 4 * 2**30)
   assert f"| paged | {plan.paged.num_seqs} |" in table and "| n/a |" in table
+
+
+def test_a_multimodal_config_is_planned_from_its_text_config(tmp_path):
+  # Gemma 3 27B as published: the attention shape lives under text_config; the plan said
+  # "lacks 'num_attention_heads'". The dtype is the outer config's.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="gemma3", torch_dtype="bfloat16",
+      text_config=dict(model_type="gemma3_text", num_hidden_layers=62, num_attention_heads=32,
+                       num_key_value_heads=16, head_dim=128, hidden_size=5376,
+                       sliding_window=1024),
+      vision_config=dict(num_attention_heads=16, hidden_size=1152))))
+  model = planner.model_shape_from_config(tmp_path)
+  assert (model.num_layers, model.num_kv_heads, model.head_dim) == (62, 16, 128)
+  assert jnp.dtype(model.dtype) == jnp.bfloat16 and model.unknown_dtype is None
+  # Gemma 3's default pattern: every 6th layer full, the others slide (52 of 62).
+  assert model.layer_types.count("sliding_attention") == 52 and model.sliding_window == 1024
+  assert len(model.notes) == 1 and "multimodal: planned from its text_config" in model.notes[0]
