@@ -328,6 +328,7 @@ class Scheduler:
     """
     self.check_idle()  # two streams made before either ran: the second is refused here
     self._serving = True
+    finalizing = sys.is_finalizing  # a local: module globals may be gone when it is needed
     waiting = list(requests)
     slot_owner: list = [None] * self.max_seqs
     want_S = np.zeros(self.max_seqs, np.int64)
@@ -358,12 +359,14 @@ class Scheduler:
               "scheduling bug, please report it with the engine's options and the prompts' "
               "lengths")
     finally:
-      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       self._serving = False
+      # At interpreter exit (a stream never closed) the modules, JAX among them, may be
+      # torn down already (their globals None): nothing to free then.
+      if finalizing():
+        return
+      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
       left = np.array([o is not None for o in slot_owner])
-      # At interpreter exit (a stream never closed) JAX may already be torn down, and
-      # the engine with it: nothing to free then.
-      if left.any() and not sys.is_finalizing():
+      if left.any():
         abort(left)
       self.counters["wall_s"] += time.perf_counter() - t0
       self.counters["requests"] += len(requests)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import jax
@@ -252,6 +254,24 @@ def test_a_stream_left_open_refuses_a_second_one_until_closed(llm, dense_greedy)
   out, = llm.generate([good], params)
   assert list(out.token_ids) == dense_greedy(good, 10)[0]
   _check_all_free(llm)
+
+
+def test_a_stream_never_closed_exits_quietly():
+  # A stream left open at interpreter exit is finalised after the modules are torn down:
+  # its cleanup used numpy (None by then) and printed "Exception ignored ... TypeError".
+  script = (
+      "from paged_jax import LLM, ModelConfig, SamplingParams\n"
+      "from paged_jax.models import init_random\n"
+      "c = ModelConfig(model_type='llama', vocab_size=64, embed_dim=32, mlp_dim=48, "
+      "num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_seq_len=32)\n"
+      "llm = LLM(init_random(c, seed=0, impl='xla'), c, num_blocks=8, max_seqs=2, "
+      "compilation_cache=False)\n"
+      "stream = llm.generate_stream([[1, 2, 3]], SamplingParams(max_tokens=9))\n"
+      "print('event', next(stream).token_id is not None)\n")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "event True" in proc.stdout, proc.stderr[-2000:]
+  assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
