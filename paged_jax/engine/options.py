@@ -148,12 +148,14 @@ def pool_spec(config, kv_dtype, layers: int, *, block_size: int, num_blocks, kv_
     check_budget(kv_budget_bytes, probe.block_bytes,
                  f"{layers} layers x {c.num_kv_heads} KV heads x head_dim {c.head_dim} x "
                  f"block_size {block_size} of {probe.dtype.name}")
-    blocks = int(kv_budget_bytes) // probe.block_bytes
+    spec = KVCacheSpec.from_budget(kv_budget_bytes, layers, c.num_kv_heads, c.head_dim,
+                                   block_size, kv_dtype)
+    blocks = spec.num_blocks
     if blocks < shards:
       raise ValueError(f"{kv_budget_bytes=} holds {blocks} KV block(s) of "
-                       f"{probe.block_bytes} bytes; each of the mesh's {shards} data shards "
-                       f"needs one at least: >= {shards * probe.block_bytes} bytes")
-    spec = dataclasses.replace(probe, num_blocks=blocks - blocks % shards)
+                       f"{spec.block_bytes} bytes; each of the mesh's {shards} data shards "
+                       f"needs one at least: >= {shards * spec.block_bytes} bytes")
+    spec = dataclasses.replace(spec, num_blocks=blocks - blocks % shards)
   else:
     if num_blocks is None:
       num_blocks = max_seqs * math.ceil(min(c.max_seq_len, 2048) / block_size)
