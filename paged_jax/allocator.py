@@ -764,12 +764,10 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   The anchor group's registered blocks are scattered into B >= 8N buckets (a power of two)
   by a mix of their hash; each bucket keeps its highest and its lowest block id, under two
   bucket functions: up to four blocks per key, in O(N + B + S * P * Z) (no sort of the
-  pool). Proposed is the first of them that holds this block's tokens (hash, salt and depth
-  agreeing) and hangs off such a block one level up (a root at level 0), so that a stale
-  entry (its parent evicted since) does not hide a live one with the same key. NO_BLOCK when
-  none does. The link is checked one level up only: a stale entry hanging off a stale entry
-  that still holds its tokens (an ancestor further up evicted) can still hide the live one,
-  and the walk then stops there (a lost hit; ``test_a_stale_chain_two_levels_deep...``).
+  pool). Proposed is the one that holds this block's tokens (hash, salt and depth agreeing)
+  on the deepest chain of such blocks linking, level by level, to a root (``_chain_pick``),
+  so that a stale entry (an ancestor evicted since, however far up) does not hide a live
+  one with the same key. NO_BLOCK past that chain.
 
   A key loses its block (a lost hit, never a wrong one: ``_walk`` confirms every hit) when
   it is neither the highest nor the lowest id of its bucket under both functions. With the
@@ -795,19 +793,54 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
       holds.append((c_SP >= 0) & (c_SP < n) & (state.block_hash_N[cc_SP] == key_SP)
                    & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
                    & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))
-  shift = lambda x_SP, fill: jnp.concatenate(
-      [jnp.full((x_SP.shape[0], 1), fill, x_SP.dtype), x_SP[:, :-1]], axis=1)
-  pick_SP = jnp.full(key_SP.shape, NO_BLOCK, jnp.int32)
-  for c_SP, h_SP in zip(cands, holds):
-    cc_SP = jnp.clip(c_SP, 0, n - 1)
-    linked_SP = (j_P == 0) & (state.parent_N[cc_SP] == NO_BLOCK)
-    for up_SP, up_holds_SP in zip(cands, holds):  # the candidates one level up
-      up_SP, up_holds_SP = shift(up_SP, NO_BLOCK), shift(up_holds_SP, False)
-      linked_SP |= (up_holds_SP & (state.parent_N[cc_SP] == up_SP)
-                    & (state.parent_gen_N[cc_SP]
-                       == state.generation_N[jnp.clip(up_SP, 0, n - 1)]))
-    pick_SP = jnp.where((pick_SP == NO_BLOCK) & h_SP & linked_SP, c_SP, pick_SP)
-  return pick_SP
+  return _chain_pick(state, jnp.stack(cands, axis=-1), jnp.stack(holds, axis=-1))
+
+
+def _bool_matmul(a, b):
+  """Boolean matrix product over the last two axes: ``(a @ b)[i, k] = any_j a[i, j] & b[j, k]``."""
+  return jnp.any(a[..., :, :, None] & b[..., None, :, :], axis=-2)
+
+
+def _chain_pick(state: AllocatorState, c_SPC: jax.Array, holds_SPC: jax.Array) -> jax.Array:
+  """i32[S, P]: one candidate a level (of the C in ``c_SPC``, those that hold the level's
+  tokens: ``holds_SPC``) forming the deepest chain that links from a root: candidate b at
+  level j links to candidate a at level j - 1 when b hangs off a as a is now (parent id and
+  generation), and a level-0 candidate is a root. NO_BLOCK past the chain's end.
+
+  Exact over the candidates, and no loop over levels: reachability from level 0 is a
+  product of C x C boolean link matrices (``lax.associative_scan`` over P, log P deep),
+  and the chain is read back from its deepest level down by composing, again by a scan, the
+  maps "candidate at j + 1 -> the first reachable candidate at j it hangs off", starting
+  from "none -> the first reachable candidate". A stale entry that still holds its tokens
+  (an ancestor above it evicted and reused) is never reachable, however deep its break."""
+  s, p, c = c_SPC.shape
+  n = state.num_blocks
+  cc_SPC = jnp.clip(c_SPC, 0, n - 1)
+  parent_SPC, parent_gen_SPC = state.parent_N[cc_SPC], state.parent_gen_N[cc_SPC]
+  gen_SPC = state.generation_N[cc_SPC]
+  up = lambda x_SPC, fill: jnp.concatenate(  # level j - 1's values at level j
+      [jnp.full((s, 1, c), fill, x_SPC.dtype), x_SPC[:, :-1]], axis=1)
+  # link_SPAB[s, j, a, b]: candidate b of level j hangs off candidate a of level j - 1.
+  link_SPAB = (holds_SPC[:, :, None, :] & up(holds_SPC, False)[:, :, :, None]
+               & (parent_SPC[:, :, None, :] == up(c_SPC, NO_BLOCK)[:, :, :, None])
+               & (parent_gen_SPC[:, :, None, :] == up(gen_SPC, -1)[:, :, :, None]))
+  root_SC = holds_SPC[:, 0] & (parent_SPC[:, 0] == NO_BLOCK)
+  # Level 0's matrix has every row equal to its roots, so row 0 of the product up to level j
+  # is the set of candidates reachable at level j.
+  step_SPAB = link_SPAB.at[:, 0].set(jnp.broadcast_to(root_SC[:, None, :], (s, c, c)))
+  reach_SPC = jax.lax.associative_scan(_bool_matmul, step_SPAB, axis=1)[:, :, 0, :]
+  first = lambda m_XC: jnp.where(jnp.any(m_XC, axis=-1), jnp.argmax(m_XC, axis=-1), c)
+  # map_SPX[s, j, x]: the candidate of level j under candidate x of level j + 1 (x = C:
+  # none there, so the first reachable one of level j; C: none).
+  below_SPAB = jnp.concatenate([link_SPAB[:, 1:], jnp.zeros((s, 1, c, c), jnp.bool_)], axis=1)
+  map_SPX = jnp.concatenate(
+      [first(jnp.swapaxes(below_SPAB & reach_SPC[..., :, None], -1, -2)),
+       first(reach_SPC)[..., None]], axis=-1).astype(jnp.int32)
+  # F_j = map_j o map_{j+1} o ... o map_{P-1}; the scan in reverse hands (later, earlier).
+  compose = lambda later, earlier: jnp.take_along_axis(earlier, later, axis=-1)
+  pick_SP = jax.lax.associative_scan(compose, map_SPX, axis=1, reverse=True)[..., c]
+  c_SPX = jnp.concatenate([c_SPC, jnp.full((s, p, 1), NO_BLOCK, c_SPC.dtype)], axis=-1)
+  return jnp.take_along_axis(c_SPX, pick_SP[..., None], axis=-1)[..., 0]
 
 
 def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
