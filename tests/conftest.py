@@ -17,13 +17,47 @@ class _NeverRaised(Exception):
   """No test raises this: as ``only_rerun`` it keeps every ordinary failure a failure."""
 
 
-# XLA:CPU (jax 0.10.2) now and then segfaults while compiling the TPU interpreter's program
-# for a test_tpu.py case (in backend_compile_and_load, at the optimisation level 0 the file
-# asks for): up to two cases a CI run (stops 29-32), each time different ones, which passed
-# when run again. Under pytest-xdist such a test gets TWO reruns when its worker dies (at
-# ~1% of the grid's cases crashing per run, one case crashing twice would fail ~2% of CI
-# runs; three times, ~0.02%); an assertion or exception still fails at once (only_rerun
-# names an exception nobody raises), and a crash that repeats still fails.
+# Every program XLA:CPU compiles keeps its code in memory maps of its own (the TPU grid:
+# ~360 maps a test), and JAX's caches keep every program for the life of the process. A
+# worker that ran half the slow grids passed Linux's default limit of 65,530 maps a process
+# (vm.max_map_count); its next compilation then failed: "LLVM compilation error: Cannot
+# allocate memory", or the process aborted inside backend_compile_and_load. That was the
+# "XLA:CPU segfault" of the TPU grid in stops 29-34 (measured: the slow TPU grid alone
+# takes one process from ~900 to ~39,000 maps; a process filled to the limit with other
+# maps fails its first compilation). So every few tests, and at each module's end, the
+# worker counts its maps and empties JAX's caches past MAP_BUDGET (the tests after it
+# compile again what they share, once per emptying).
+MAP_BUDGET = 30_000
+_CHECK_EVERY = 8  # a count reads /proc/self/maps: ~1 ms per thousand maps
+_tests_since_check = 0
+
+
+def _num_maps() -> int | None:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:  # not Linux
+    return None
+
+
+def pytest_runtest_teardown(item, nextitem):
+  global _tests_since_check
+  _tests_since_check += 1
+  same_module = (nextitem is not None
+                 and getattr(nextitem, "module", None) is getattr(item, "module", None))
+  if _tests_since_check < _CHECK_EVERY and same_module:
+    return
+  _tests_since_check = 0
+  maps = _num_maps()
+  if maps is not None and maps > MAP_BUDGET:
+    import jax  # noqa: PLC0415 (imported by then; kept out of this file's import)
+    jax.clear_caches()
+
+
+# The TPU grid's crashes were the map limit above, which the guard should now prevent. Its
+# tests keep TWO reruns when their worker dies, a net for a crash of another cause: an
+# assertion or exception still fails at once (only_rerun names an exception nobody raises),
+# and a crash that repeats still fails.
 _CRASH_RERUN_FILES = ("tests/pallas_kernels/test_tpu.py",)
 
 
