@@ -173,7 +173,9 @@ class KVCache:
       k, v: [T, K, D]; cast to the cache dtype (quantised with one scale per token and KV
         head for an int8 / float8 pool).
       slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
-        it is never clamped or wrapped into a real block.
+        it is never clamped or wrapped into a real block. Slots in range must be distinct:
+        of two tokens given one slot, which is stored is unspecified (K, V and the scales
+        are separate scatters, and on an accelerator each may keep a different token).
     """
     k_TKD, v_TKD, slots_T = k, v, slots
     self._check_layer(layer)
