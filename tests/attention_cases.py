@@ -8,6 +8,7 @@ implementations.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -327,3 +328,22 @@ def tolerance(dtype) -> dict:
   if jnp.dtype(dtype) == jnp.float32:
     return dict(rtol=1e-5, atol=1e-5)
   return dict(rtol=1e-2, atol=1e-2)
+
+
+class CompiledCache:
+  """The last ``keep`` compiled executables, by key, shared between tests. Only a few: each
+  holds host memory and, on a CPU, memory maps of its own, and keeping every one took a
+  worker past Linux's 65,530 maps a process, where compiling fails (tests/conftest.py)."""
+
+  def __init__(self, keep: int):
+    self.keep = keep
+    self._executables = collections.OrderedDict()
+
+  def get(self, key, compile_fn):
+    """The executable under ``key``, compiled by ``compile_fn()`` when not kept."""
+    if key not in self._executables:
+      self._executables[key] = compile_fn()
+      while len(self._executables) > self.keep:
+        self._executables.popitem(last=False)
+    self._executables.move_to_end(key)
+    return self._executables[key]

@@ -17,7 +17,6 @@ with XLA's cheaper CPU settings (``_interpret_run``); the product grid is marked
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import subprocess
@@ -52,8 +51,7 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
 # halve its compile time and change nothing it computes.
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True}
-_COMPILED = collections.OrderedDict()  # the last few compiled interpreters (host memory)
-_COMPILED_KEEP = 4
+_COMPILED = attention_cases.CompiledCache(keep=4)  # the last few compiled interpreters
 
 
 @pytest.fixture(autouse=True)
@@ -75,14 +73,13 @@ def _interpret_run(args, *, count_pages=False, **statics):
                sorted(statics.items(), key=lambda kv: kv[0])))
   traced = {k: v for k, v in statics.items() if isinstance(v, jax.Array)}
   static = {k: v for k, v in statics.items() if not isinstance(v, jax.Array)}
-  if key not in _COMPILED:
+
+  def compile_fn():
     run = mosaic_gpu.copied_pages if count_pages else mosaic_gpu.ragged_paged_attention
     fn = jax.jit(lambda traced_kw, *a: run(*a, interpret=True, **static, **traced_kw))
-    _COMPILED[key] = fn.trace(traced, *args).lower().compile(_FAST_CPU_COMPILE)
-    while len(_COMPILED) > _COMPILED_KEEP:
-      _COMPILED.popitem(last=False)
-  _COMPILED.move_to_end(key)
-  return _COMPILED[key](traced, *args)
+    return fn.trace(traced, *args).lower().compile(_FAST_CPU_COMPILE)
+
+  return _COMPILED.get(key, compile_fn)(traced, *args)
 
 
 def _case(seed, *, dtype, group, head_dim, block_size, num_kv_heads=1, q_lens=None,

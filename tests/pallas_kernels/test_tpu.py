@@ -9,7 +9,6 @@ head dim), and the full product is marked slow. Lowering for real TPUs is checke
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -71,23 +70,16 @@ def _mixed_case(seed, *, dtype, block_size, group, head_dim, num_kv_heads=None, 
 
 # XLA:CPU spends most of an interpret-mode case optimising the interpreter's program; the
 # tests compile it at optimisation level 0 (3x faster) and keep the last few executables.
-# Only a few: each holds ~360 memory maps, and keeping all of them took a worker past
-# Linux's 65,530 maps a process, where compiling fails (tests/conftest.py, MAP_BUDGET).
 _CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
-_EXECUTABLES = collections.OrderedDict()
-_EXECUTABLES_KEEP = 8
+_EXECUTABLES = cases.CompiledCache(keep=8)
 
 
 def _call_fast(key, fn, *args):
   """``fn(*args)`` through a cached, quickly compiled executable (``key``: fn's statics)."""
   avals = tuple((jnp.shape(a), jnp.result_type(a)) for a in args)
-  if (key, avals) not in _EXECUTABLES:
-    lowered = jax.jit(fn).lower(*args)
-    _EXECUTABLES[key, avals] = lowered.compile(_CPU_COMPILE_OPTIONS)
-    while len(_EXECUTABLES) > _EXECUTABLES_KEEP:
-      _EXECUTABLES.popitem(last=False)
-  _EXECUTABLES.move_to_end((key, avals))
-  return _EXECUTABLES[key, avals](*args)
+  compiled = _EXECUTABLES.get(
+      (key, avals), lambda: jax.jit(fn).lower(*args).compile(_CPU_COMPILE_OPTIONS))
+  return compiled(*args)
 
 
 def _run(case: cases.Case, *, tiling=_TILING, interpret=True, sm_scale=None, storage=False,
