@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from paged_jax.cli_run import KV_CACHE_DTYPES, add_run_parser
+from paged_jax.cli_run import KV_CACHE_DTYPES, add_run_parser, check_counts, check_sigma
 
 
 def _add_plan(subparsers) -> None:
@@ -40,15 +40,11 @@ def _add_plan(subparsers) -> None:
 def _check_plan_args(args) -> None:
   """Plan's numeric options refused by their own names (the planner's messages name its
   arguments: ``max_len=0``)."""
-  for name in ("block_size", "max_len", "median_len", "num_layers", "num_kv_heads",
-               "head_dim"):
-    value = getattr(args, name, None)
-    if value is not None and value < 1:
-      raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+  check_counts(args, ("block_size", "max_len", "median_len", "num_layers", "num_kv_heads",
+                      "head_dim"))
   if args.seed < 0:
     raise ValueError(f"--seed={args.seed} must be >= 0")
-  if not args.sigma >= 0 or args.sigma == float("inf"):
-    raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
+  check_sigma(args)
 
 
 def _plan(args) -> int:

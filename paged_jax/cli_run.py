@@ -277,11 +277,9 @@ def _check_args(args) -> None:
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")
-  for name in ("num_requests", "prompt_median", "output_median", "block_size", "max_seqs",
-               "max_tokens_per_step", "steps_per_call", "num_blocks", "max_tokens"):
-    value = getattr(args, name)
-    if value is not None and value < 1:
-      raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+  check_counts(args, ("num_requests", "prompt_median", "output_median", "block_size",
+                      "max_seqs", "max_tokens_per_step", "steps_per_call", "num_blocks",
+                      "max_tokens"))
   # The sampling and workload values, as SamplingParams and Workload would refuse them, but
   # named as options and before JAX loads or anything compiles.
   if not 0 <= args.seed < 2**32:
@@ -292,6 +290,19 @@ def _check_args(args) -> None:
     raise ValueError(f"--top-k={args.top_k} must be >= 0 (0: no top-k)")
   if not 0 < args.top_p <= 1:
     raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
+  check_sigma(args)
+
+
+def check_counts(args, names) -> None:
+  """Options that count something (None: not given) must be >= 1, refused by their flags."""
+  for name in names:
+    value = getattr(args, name, None)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+
+
+def check_sigma(args) -> None:
+  """``--sigma``, the log-normal length draw's spread."""
   if not (math.isfinite(args.sigma) and args.sigma >= 0):
     raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
 
