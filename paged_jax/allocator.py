@@ -756,28 +756,57 @@ def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
 _BUCKET_MIXES = (0, 0x7FEB352D)  # two bucket functions of one key: fewer lost hits
 
 
+def _live_N(state: AllocatorState) -> jax.Array:
+  """bool[N]: the anchor group's registered blocks whose chain links, level by level, up to
+  a root: each parent registered one level up with the generation it had when the child
+  was registered. A block with an ancestor evicted since (however far up) is stale: it can
+  never be part of a hit, and it holds the same key as the live entry of its prefix, if one
+  is registered again. Pointer doubling, ceil(log2 P) gathers over N: each block points at
+  its parent, a root at itself, a broken link at a sink N; a block is live when its pointer,
+  jumped P levels up, has not reached the sink."""
+  n = state.num_blocks
+  reg_N = (state.depth_N >= 0) & (state.group_N == _anchor(state))
+  root_N = state.depth_N == 0
+  pc_N = jnp.clip(state.parent_N, 0, n - 1)
+  link_N = reg_N & jnp.where(
+      root_N, state.parent_N == NO_BLOCK,
+      (state.parent_N >= 0) & (state.parent_N < n) & reg_N[pc_N]
+      & (state.depth_N[pc_N] == state.depth_N - 1)
+      & (state.parent_gen_N == state.generation_N[pc_N]))
+  up_N = jnp.where(link_N, jnp.where(root_N, jnp.arange(n, dtype=jnp.int32), pc_N), n)
+  up_X = jnp.concatenate([up_N, jnp.full((1,), n, jnp.int32)])  # the sink points at itself
+  # After r rounds up_X[b] is b's ancestor 2**r levels up (a root, or the sink, stays put);
+  # a chain has at most P blocks. A loop, not unrolled: XLA fuses a chain of gathers into
+  # one that recomputes each level (2**r reads an entry; 10x slower at r = 9 on a CPU).
+  rounds = (state.max_blocks_per_seq - 1).bit_length()
+  up_X = jax.lax.fori_loop(0, rounds, lambda _, up_X: up_X[up_X], up_X)
+  return up_X[:n] < n
+
+
 def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
                 salt_S: jax.Array) -> jax.Array:
   """i32[S, P]: the anchor-group block proposed for each key, from a table built without a
   sort.
 
-  The anchor group's registered blocks are scattered into B >= 8N buckets (a power of two)
-  by a mix of their hash; each bucket keeps its highest and its lowest block id, under two
-  bucket functions: up to four blocks per key, in O(N + B + S * P * Z) (no sort of the
-  pool). Proposed is the one that holds this block's tokens (hash, salt and depth agreeing)
-  on the deepest chain of such blocks linking, level by level, to a root (``_chain_pick``),
-  so that a stale entry (an ancestor evicted since, however far up) does not hide a live
-  one with the same key. NO_BLOCK past that chain.
+  The anchor group's live registered blocks (``_live_N``: stale ones, an ancestor evicted
+  since, however far up, can never be hit and share their key with the live entry of the
+  same prefix) are scattered into B >= 8N buckets (a power of two) by a mix of their hash;
+  each bucket keeps its highest and its lowest block id, under two bucket functions: up to
+  four blocks per key, in O(N log P + B + S * P * Z) (no sort of the pool). Proposed is the
+  one that holds this block's tokens (hash, salt and depth agreeing) on the deepest chain
+  of such blocks linking, level by level, to a root (``_chain_pick``). NO_BLOCK past that
+  chain.
 
   A key loses its block (a lost hit, never a wrong one: ``_walk`` confirms every hit) when
-  it is neither the highest nor the lowest id of its bucket under both functions. With the
+  it is neither the highest nor the lowest id of its bucket under both functions: with no
+  stale entries in the table, only when distinct live keys share its buckets. With the
   pool full of registered blocks that is about 1e-3 of the keys at 2N buckets (load 0.5:
   64 prefixes of 124 blocks lost levels, the shortest hit 9,
   ``benchmarks/prefix_lookup.py``) and about 6e-6 at 8N (load 0.125). The tables are
   transient: 4 * B int32, 128 bytes per block of the pool."""
   n, p = state.num_blocks, key_SP.shape[1]
   b = 1 << max(1, (8 * n - 1).bit_length())
-  reg_N = (state.depth_N >= 0) & (state.group_N == _anchor(state))
+  reg_N = _live_N(state)
   ids_N = jnp.arange(n, dtype=jnp.int32)
   j_P = jnp.arange(p, dtype=jnp.int32)
   cands, holds = [], []

@@ -395,6 +395,55 @@ def test_a_stale_chain_two_levels_deep_does_not_hide_the_live_one():
     assert np.count_nonzero((depth == level) & (parent == up)) == 1, (level, depth, parent)
 
 
+def test_a_live_entry_between_two_stale_ones_of_its_key_is_found():
+  # One block per token (Z = 1). Twice, a root [a] is registered, a second sequence hangs
+  # its [a, b] block off it, and the root is evicted while that block is held: two stale
+  # depth-1 entries of the key of [a, b]. A live chain [a, b] registered after gets the id
+  # between theirs (blocks 2 < 3 < 6), so a bucket keeping its highest and lowest id held
+  # only the stale two: the lookup stopped at 1 level, and a sequence computing [a, b]
+  # registered it a second time (found by a model of the allocator; README's check).
+  n, s, p = 12, 10, 4
+  a, b = 7, 9
+  grow = lambda st, seq, k: _append(st, jnp.zeros(s, jnp.int32).at[seq].set(k))[0]
+  rows = lambda seq, t: jnp.zeros((s, p), jnp.int32).at[seq, :len(t)].set(jnp.asarray(t))
+  only = lambda *seqs: jnp.zeros(s, jnp.bool_).at[jnp.asarray(seqs)].set(True)
+
+  def churn(st):  # hand every free block out and back: cached entries evicted
+    grown = []
+    for seq in (6, 7, 8):
+      k = min(p, int(st.num_free))
+      if k:
+        st, grown = grow(st, seq, k), grown + [seq]
+    return _release(st, only(*grown))
+
+  st = A.init(n, 1, s, p)
+  for r in range(2):
+    x, y = 2 * r, 2 * r + 1
+    st = _register(grow(st, x, 1), rows(x, [a]))     # x: root [a]
+    st = _register(grow(st, y, 2), rows(y, [a, b]))  # y: [a, b] off x's root
+    st = churn(_release(st, only(x)))                # the root evicted: y's entry stale
+    if r == 0:
+      st = grow(st, 9, 2)  # holds two blocks, so the next stale entry gets a higher id
+  st = churn(_release(st, only(9)))
+  st = _register(grow(st, 4, 2), rows(4, [a, b]))    # the live chain [a, b]
+  A.validate(st)
+  live = np.asarray(st.block_tables)[4, :2].tolist()
+  depth_1 = np.flatnonzero(np.asarray(st.depth_N) == 1).tolist()
+  assert len(depth_1) == 3 and depth_1[0] < live[1] < depth_1[-1], (depth_1, live)
+  assert len({int(st.block_hash_N[i]) for i in depth_1}) == 1
+  blocks, hit = _lookup(st, jnp.zeros((s, p), jnp.int32).at[:, :2].set(jnp.asarray([a, b])),
+                        jnp.full(s, 2, jnp.int32))
+  assert np.asarray(hit).tolist() == [2] * s
+  assert np.asarray(blocks)[:, :2].tolist() == [live] * s
+  # A sequence that computes [a, b] itself registers nothing: the prefix keeps one entry.
+  st = _register(grow(st, 5, 2), rows(5, [a, b]))
+  depth, parent = np.asarray(st.depth_N), np.asarray(st.parent_N)
+  off_root = (parent == live[0]) & (np.asarray(st.parent_gen_N) == int(st.generation_N[live[0]]))
+  assert np.flatnonzero((depth == 1) & off_root).tolist() == [live[1]]
+  assert np.flatnonzero((depth == 0) & (np.asarray(st.block_hash_N)
+                                        == int(st.block_hash_N[live[0]]))).tolist() == [live[0]]
+
+
 @pytest.mark.parametrize("fn", [A.lookup, A.register])
 def test_lookup_and_register_never_sort_the_pool(fn):
   # The cache's table is built by scattering into hash buckets: no O(N log N) sort of the
