@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.pallas_kernels import layout
+from paged_jax.pallas_kernels import layout, validation
 from paged_jax.spec import KVCacheSpec
 
 
@@ -157,14 +157,6 @@ class KVCache:
   def head_dim(self) -> int:
     return self.k_bits.shape[4]
 
-  def _check_layer(self, layer) -> None:
-    if jnp.ndim(layer) != 0:
-      raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
-    if hasattr(layer, "dtype") and not jnp.issubdtype(layer.dtype, jnp.integer):
-      raise ValueError(f"layer.dtype={layer.dtype} must be an integer dtype")
-    if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < self.num_layers:
-      raise ValueError(f"layer={int(layer)} must be in [0, L={self.num_layers})")
-
   def write(self, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> "KVCache":
     """Store token t's K/V at flat slot ``slots[t] = block_id * Z + offset`` of ``layer``.
 
@@ -178,7 +170,7 @@ class KVCache:
         are separate scatters, and on an accelerator each may keep a different token).
     """
     k_TKD, v_TKD, slots_T = k, v, slots
-    self._check_layer(layer)
+    validation.check_layer(layer, self.num_layers)
     expected = (self.num_kv_heads, self.head_dim)
     for name, x in (("k", k_TKD), ("v", v_TKD)):
       if x.ndim != 3 or tuple(x.shape[1:]) != expected:

@@ -77,6 +77,11 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   if num_q_heads % dims["K"] != 0:
     raise ValueError(f"q heads H={num_q_heads} (q.shape[1]) must be a multiple of the "
                      f"cache's KV heads K={dims['K']}")
+  for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),
+                  ("cu_q_lens", cu_q_lens)):
+    if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
+      raise ValueError(f"{name} is a {type(x).__name__}; must be an int32 array (jax or "
+                       "numpy)")
   if block_tables_SP.ndim != 2:
     raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be rank 2 [S, P]")
   num_seq_rows = block_tables_SP.shape[0]
@@ -102,12 +107,22 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
            or isinstance(num_seqs, jax.Array) and not isinstance(num_seqs, jax.core.Tracer))
   if known and not 0 <= int(num_seqs) <= num_seq_rows:
     raise ValueError(f"num_seqs={int(num_seqs)} must be in [0, S={num_seq_rows}]")
-  if hasattr(layer, "dtype") and not jnp.issubdtype(layer.dtype, jnp.integer):
-    raise ValueError(f"layer.dtype={layer.dtype} must be an integer dtype")
+  check_layer(layer, dims["L"])
+
+
+def check_layer(layer, num_layers: int) -> None:
+  """``layer``: a Python or numpy int in ``[0, L)``, or an integer scalar array (a traced
+  one is range-checked by ``dynamic_validate_inputs`` / checkify). A float or a bool is
+  refused, not truncated."""
+  if hasattr(layer, "dtype"):
+    if not jnp.issubdtype(layer.dtype, jnp.integer):
+      raise ValueError(f"layer.dtype={layer.dtype} must be an integer dtype")
+  elif isinstance(layer, bool) or not isinstance(layer, int):
+    raise ValueError(f"layer={layer!r} must be an int (or an integer scalar array)")
   if jnp.ndim(layer) != 0:
     raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
-  if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < dims["L"]:
-    raise ValueError(f"layer={int(layer)} must be in [0, L={dims['L']})")
+  if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < num_layers:
+    raise ValueError(f"layer={int(layer)} must be in [0, L={num_layers})")
 
 
 def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=None,

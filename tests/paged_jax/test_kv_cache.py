@@ -108,6 +108,7 @@ def test_a_traced_layer_out_of_range_reads_nothing_in_the_kernels(impl):
     (dict(slots=jnp.array([0], jnp.int32)), r"slots\.shape"),
     (dict(layer=3), r"layer=3"),
     (dict(layer=jnp.float32(0)), r"layer\.dtype"),
+    (dict(layer=1.5), r"layer=1\.5 must be an int"),
 ])
 def test_write_bad_input(kwargs, match):
   args = dict(layer=0, k=jnp.ones((2, 2, 4)), v=jnp.ones((2, 2, 4)),
