@@ -79,8 +79,8 @@ class SamplingParams:
       raise ValueError(f"{max_tokens=} must be an int >= 1")
     if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
       raise ValueError(f"{temperature=} must be a finite number >= 0")
-    if not _is_int(top_k) or top_k < 0:
-      raise ValueError(f"{top_k=} must be an int >= 0 (0 disables top-k)")
+    if not _is_int(top_k) or not 0 <= top_k < 2**31:
+      raise ValueError(f"{top_k=} must be an int in [0, 2**31) (0 disables top-k)")
     if not _is_real(top_p) or not 0 < top_p <= 1:
       raise ValueError(f"{top_p=} must be a number in (0, 1]")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= _UINT32_MAX):
@@ -153,7 +153,12 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
   hot_S = temperature_S > 0
-  scaled_SV = logits_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
+  # Shifted by the row's maximum first (softmax does not change): a tiny temperature then
+  # sends the other logits to -inf, not the largest ones to +inf, where the draw would
+  # take the first of them instead of the argmax.
+  max_S = jnp.max(logits_SV, axis=-1)
+  shifted_SV = logits_SV - jnp.where(jnp.isfinite(max_S), max_S, 0.0)[:, None]
+  scaled_SV = shifted_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
 
   def truncate(scaled_SV):
     """Top-k then top-p: mask everything below each row's smallest kept value."""

@@ -303,6 +303,7 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_k=-1), "top_k"),
+    (dict(top_k=2**31), r"top_k=2147483648 must be an int in \[0, 2\*\*31\)"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-3), "seed"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"), (dict(n=0), "n"),
     (dict(max_tokens=2.5), "max_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),

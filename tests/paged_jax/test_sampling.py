@@ -50,6 +50,17 @@ def test_temperature_flattens():
   np.testing.assert_allclose(_freq(tokens, 4), want, atol=0.03)
 
 
+def test_a_tiny_temperature_is_the_greedy_limit():
+  # 100 / 1e-37 overflows float32: divided first, logits 50 and 100 both became +inf and
+  # the draw took the first (token 1). Shifted by the row's maximum first, only token 2
+  # stays finite. With top-k too, and a row holding -inf (a masked token) is unharmed.
+  for logits in ([1.0, 50.0, 100.0], [-np.inf, 50.0, 100.0]):
+    for top_k in (0, 2):
+      tokens, lps = _draw(logits, temperature=1e-37, top_k=top_k, rows=64)
+      assert np.all(tokens == 2), (logits, top_k, np.bincount(tokens))
+      assert np.all(np.isfinite(lps))
+
+
 def test_top_k_keeps_the_k_largest():
   # k = 2: {0, 1} renormalised -> 0.625, 0.375.
   tokens, _ = _draw(LOGITS, top_k=2)
