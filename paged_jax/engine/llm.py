@@ -86,7 +86,8 @@ class LLM:
       number (a ``kv_budget_bytes`` pool is rounded down to one), ``n`` at most the slots
       of one shard, and ``allocator_state`` carries a leading data axis. A "model" axis
       of size > 1 needs the model's ``with_model_axis`` (``paged_jax.protocol``).
-    tokenizer: optional ``tokenizers.Tokenizer`` (``from_pretrained`` loads tokenizer.json).
+    tokenizer: optional ``tokenizers.Tokenizer`` (``from_pretrained`` loads tokenizer.json)
+      or a transformers tokenizer: whatever turns a string prompt into ids and back.
     seed: seeds the engine's draw of seeds for requests whose ``SamplingParams.seed`` is None.
     max_traces: when set, the jitted device call is wrapped in ``chex.assert_max_traces``
       with this many traces (tests).

@@ -54,12 +54,14 @@ def check_seed(seed) -> int:
 
 
 def check_tokenizer(tokenizer) -> None:
-  """``tokenizer``: None or an object with ``encode(text).ids`` and ``decode(ids)`` (a
-  ``tokenizers.Tokenizer``)."""
+  """``tokenizer``: None or an object with ``encode(text)`` and ``decode(ids)``: a
+  ``tokenizers.Tokenizer`` (``encode`` gives an Encoding, its ``.ids`` the token ids) or a
+  transformers tokenizer (``encode`` gives the list)."""
   if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
                                     and callable(getattr(tokenizer, "decode", None))):
-    raise ValueError(f"tokenizer={type(tokenizer).__name__} must be None or a "
-                     "tokenizers.Tokenizer (encode(text).ids and decode(ids))")
+    raise ValueError(f"tokenizer={type(tokenizer).__name__} must be None, a "
+                     "tokenizers.Tokenizer or a transformers tokenizer (encode(text) and "
+                     "decode(ids))")
 
 
 def check_budget(kv_budget_bytes, block_bytes: int, what: str) -> None:

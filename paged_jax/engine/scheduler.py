@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import abc
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -143,29 +144,34 @@ class Scheduler:
       if self.tokenizer is None:
         raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
                          "checkpoint has no tokenizer.json): pass token ids")
-      ids = self.tokenizer.encode(prompt).ids
+      encoded = self.tokenizer.encode(prompt)
+      # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
+      prompt = getattr(encoded, "ids", encoded)
+    if isinstance(prompt, (abc.Set, abc.Mapping)):  # a set, a dict, or its keys
+      raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
+                       "tokens: a prompt is a sequence of token ids (a list, tuple or 1-D "
+                       "int array)")
+    dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
+    try:
+      items = list(prompt)
+    except TypeError:
+      raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
+                       "ids") from None
+    if dtype is not None:
+      if getattr(prompt, "ndim", 1) != 1:
+        raise ValueError(f"prompts[{i}] has shape {tuple(prompt.shape)}; a prompt is one "
+                         "sequence of token ids (1-D)")
+      if not np.issubdtype(np.dtype(dtype), np.integer):
+        raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
+                         "integers")
     else:
-      dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
-      try:
-        items = list(prompt)
-      except TypeError:
-        raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
-                         "ids") from None
-      if dtype is not None:
-        if getattr(prompt, "ndim", 1) != 1:
-          raise ValueError(f"prompts[{i}] has shape {tuple(prompt.shape)}; a prompt is one "
-                           "sequence of token ids (1-D)")
-        if not np.issubdtype(np.dtype(dtype), np.integer):
-          raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
-                           "integers")
-      else:
-        for j, t in enumerate(items):
-          scalar_int = (getattr(t, "shape", None) == ()
-                        and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
-          if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
-            raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
-                             "must be ints (a float id is refused, not truncated)")
-      ids = [int(t) for t in items]
+      for j, t in enumerate(items):
+        scalar_int = (getattr(t, "shape", None) == ()
+                      and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
+        if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
+          raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
+                           "must be ints (a float id is refused, not truncated)")
+    ids = [int(t) for t in items]
     if len(ids) == 0:
       raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
     v = self.vocab_size

@@ -68,6 +68,26 @@ def test_greedy_equals_hf_generate_and_text_prompts(checkpoint):
   assert by_config.tokenizer is not None
 
 
+def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
+  # Its encode gives a list (tokenizers' an Encoding with .ids): the same ids either way.
+  path, _ = checkpoint
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=2, max_tokens_per_step=16, steps_per_call=8,
+                            tokenizer=tok)
+  ids = [7, 3, 11, 5]
+  params = SamplingParams(max_tokens=4, ignore_eos=True)
+  by_text, = llm.generate([" ".join(f"w{t}" for t in ids)], params)
+  by_ids, = llm.generate([ids], params)
+  assert by_text.prompt_token_ids == tuple(ids) and by_text.token_ids == by_ids.token_ids
+  assert by_text.text == " ".join(f"w{t}" for t in by_ids.token_ids)
+  # A set or a dict has no order of tokens: refused, not served in its iteration order.
+  for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys()):
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a .*which has no order"):
+      llm.generate([prompt], params)
+  assert llm.stats["num_free_blocks"] == 48
+
+
 def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, checkpoint,
                                                                  capsys):
   import shutil
