@@ -249,11 +249,23 @@ class Decoder(nnx.Module):
     return self._logits(x_TE), cache
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-    """Causal logits ``[B, T, V]`` of a dense batch (positions ``0..T-1``, no cache)."""
+    """Causal logits ``[B, T, V]`` of a dense batch (positions ``0..T-1``, no cache).
+
+    Token ids outside ``[0, V)`` are a ``ValueError`` when ``tokens_BT`` is concrete (an
+    eager call); under ``jit`` they cannot be checked and read the nearest id's embedding.
+    """
     if tokens_BT.ndim != 2:
       raise ValueError(f"tokens.shape={tuple(tokens_BT.shape)} must be [B, T]")
+    if not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+      raise ValueError(f"tokens.dtype={tokens_BT.dtype} must be an integer dtype")
     b, t = tokens_BT.shape
     c = self.config
+    if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
+      ids = np.asarray(tokens_BT)
+      bad = ids[(ids < 0) | (ids >= c.vocab_size)]
+      if bad.size:
+        raise ValueError(f"tokens hold id {int(bad[0])}, outside the vocabulary "
+                         f"[0, vocab_size={c.vocab_size})")
     positions_T = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
     windows = self._windows()
     # The window as data: a full-attention kind's t covers the whole sequence.

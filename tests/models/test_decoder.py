@@ -75,6 +75,22 @@ def test_impl_is_a_model_option(impl):
     models.init_random(helpers.tiny_config(), impl="triton")
 
 
+def test_dense_forward_refuses_ids_outside_the_vocabulary_when_eager():
+  model = models.init_random(helpers.tiny_config(), seed=0, impl="xla")
+  v = helpers.VOCAB
+  for bad in (v, -1):
+    with pytest.raises(ValueError, match=rf"tokens hold id {bad}, outside the vocabulary "
+                                         rf"\[0, vocab_size={v}\)"):
+      model(jnp.asarray([[1, bad, 2]], jnp.int32))
+  with pytest.raises(ValueError, match=r"tokens\.dtype=float32 must be an integer dtype"):
+    model(jnp.asarray([[1.0, 2.0]], jnp.float32))
+  # Under jit the ids are not known; a good batch gives the eager logits.
+  graphdef, params = nnx.split(model)
+  dense = jax.jit(lambda params, t: nnx.merge(graphdef, params)(t))
+  tokens = jnp.asarray([[1, v - 1, 0]], jnp.int32)
+  np.testing.assert_allclose(dense(params, tokens), model(tokens), rtol=1e-5, atol=1e-6)
+
+
 def _decode_jaxpr_size(num_layers: int, model_type: str = "llama") -> tuple[int, int]:
   """(equations, scans) in the jaxpr of a decode-shaped paged forward at ``num_layers``."""
   config = helpers.tiny_config(model_type, num_hidden_layers=num_layers, sliding_window=4)
