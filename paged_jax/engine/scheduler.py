@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections import abc
 import time
+from collections import abc
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
