@@ -249,8 +249,16 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
       raise ValueError(f"cache.{name}={have} must equal alloc_state.{name}={want}: the "
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
-  out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
-                            logits_indices=inputs.last_S, **forward_kwargs)
+  try:
+    out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
+                              logits_indices=inputs.last_S, **forward_kwargs)
+  except ValueError as e:
+    if hasattr(e, "add_note"):  # Python 3.11+: shown under the message
+      dims = tuple(getattr(cache, n, "?") for n in ("num_layers", "num_kv_heads", "head_dim"))
+      e.add_note(f"(raised in {type(model).__name__}.paged_forward; the cache's L, K, D "
+                 f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "
+                 "they must match the model)")
+    raise
   if (not isinstance(out, (tuple, list)) or len(out) != 2
       or not isinstance(out[0], jax.Array) or type(out[1]) is not type(cache)):
     name = lambda x: (f"an array {list(x.shape)}" if isinstance(x, jax.Array)
@@ -259,6 +267,11 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
             if isinstance(out, (tuple, list)) else name(out))
     raise ValueError(f"{type(model).__name__}.paged_forward returned {what}; it must return "
                      f"(logits, cache): the logits array, then the {type(cache).__name__}")
+  if all(a is b for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(cache))):
+    raise ValueError(f"{type(model).__name__}.paged_forward returned the cache it was given: "
+                     "its layers must store their K/V with cache = cache.write(layer, k_TKD, "
+                     "v_TKD, metadata.slots_T) and return that cache (else every later "
+                     "step attends to K/V never written)")
   logits_SV, cache = out
   num_seq_rows = alloc_state.max_seqs
   if logits_SV.ndim != 2 or logits_SV.shape[0] != num_seq_rows:

@@ -198,6 +198,17 @@ class _OldForward(nnx.Module):
     return tokens_T, cache
 
 
+class _ExtraArg(nnx.Module):
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, rng, *, logits_indices=None):
+    raise AssertionError("never called")
+
+
+class _ExtraKeyword(nnx.Module):
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None,
+                    scale):
+    raise AssertionError("never called")
+
+
 class _Returns(nnx.Module):
   """``inner``'s paged_forward with its result passed through ``how`` (a misuse)."""
 
@@ -205,8 +216,12 @@ class _Returns(nnx.Module):
     self.inner, self.how = inner, how
 
   def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+    _INPUT_CACHE[:] = [cache]
     return self.how(*self.inner.paged_forward(tokens_T, positions_T, cache, metadata,
                                               logits_indices=logits_indices))
+
+
+_INPUT_CACHE = []  # the cache _Returns was last given (to return it unwritten)
 
 
 @pytest.mark.parametrize("how, match", [
@@ -215,6 +230,10 @@ class _Returns(nnx.Module):
     (lambda logits, cache: logits, r"returned an array \[2, 96\]; it must return \(logits, "),
     (lambda logits, cache: (logits[:, :10], cache),
      r"logits of shape \(2, 10\): \[S, V\] must have V = config.vocab_size=96"),
+    # A forward that never stores its K/V: every later step would attend to empty pages.
+    (lambda logits, cache: (logits, _INPUT_CACHE[-1]),
+     r"returned the cache it was given: its layers must store their K/V with cache = "
+     r"cache.write"),
 ])
 def test_a_forward_that_returns_the_wrong_thing_is_named(model, config, how, match):
   # Caught as the step traces (before anything runs): a swapped pair, bare logits, and
@@ -233,6 +252,21 @@ def test_protocol_errors_name_what_is_missing(model, config):
     LLM(_NoForward(), config)
   with pytest.raises(ValueError, match=r"_OldForward.paged_forward.*must accept"):
     LLM(_OldForward(), config)
+  with pytest.raises(ValueError, match=r"must accept .* \(the engine passes nothing for rng: "
+                                       r"give it a default\)"):
+    LLM(_ExtraArg(), config)
+  with pytest.raises(ValueError, match=r"the engine passes nothing for scale"):
+    LLM(_ExtraKeyword(), config)
+  # A config that disagrees with the model: the error from inside paged_forward says where
+  # the cache's shape came from.
+  fewer = LLM(model, dataclasses.replace(config, num_layers=1), block_size=4, num_blocks=16,
+              max_seqs=2, max_tokens_per_step=8)
+  with pytest.raises(ValueError, match=r"layer=1 must be in \[0, L=1\)") as caught:
+    fewer.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+  if sys.version_info >= (3, 11):  # exception notes
+    assert any(f"{type(model).__name__}.paged_forward; the cache's L, K, D (1, " in note
+               and "config's num_layers, num_kv_heads and head_dim" in note
+               for note in caught.value.__notes__), caught.value.__notes__
   fields = {f: getattr(config, f) for f in paged_jax.protocol.CONFIG_FIELDS}
   for missing in paged_jax.protocol.CONFIG_FIELDS:
     partial = types.SimpleNamespace(**{k: v for k, v in fields.items() if k != missing})
