@@ -146,8 +146,10 @@ class LLM:
     pool_tokens = self.kv_groups.max_len_in_pool(  # N * Z without sliding groups
         self.spec.num_blocks // shards, self.spec.block_size, max_tokens_per_step,
         max(int(config.max_seq_len), 2))
+    limit = options.limit_note(config.max_seq_len, self.spec, self.kv_groups, pool_tokens,
+                               shards)
     self.max_model_len = options.check_max_model_len(max_model_len, int(config.max_seq_len),
-                                                     pool_tokens, shards)
+                                                     pool_tokens, limit)
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)
@@ -177,8 +179,7 @@ class LLM:
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
         vocab_size=int(config.vocab_size), eos=protocol.eos_token_ids(config),
-        limit_note=options.limit_note(config.max_seq_len, self.spec, self.kv_groups,
-                                      pool_tokens, shards),
+        limit_note=limit,
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
 

@@ -103,19 +103,19 @@ def check_token_buckets(token_buckets, max_tokens_per_step: int) -> tuple[int, .
 
 
 def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
-                        shards: int) -> int:
-  """``max_model_len`` (None: the longest the model and the pool allow) as an int."""
+                        limit: str) -> int:
+  """``max_model_len`` (None: the longest the model and the pool allow) as an int;
+  ``limit``: ``limit_note``'s account of that bound, for the messages."""
+  bound = min(max_seq_len, pool_tokens)
   if max_model_len is None:
-    if min(max_seq_len, pool_tokens) < 2:  # one prompt token and one generated, at least
-      raise ValueError(f"config.max_seq_len={max_seq_len} and the tokens one sequence "
-                       f"can hold in the KV pool (num_blocks * block_size={pool_tokens}) "
-                       "must both be >= 2: a prompt token and a generated one")
-    return int(min(max_seq_len, pool_tokens))
+    if bound < 2:  # one prompt token and one generated, at least
+      raise ValueError(f"the longest sequence this engine could serve is {bound} token(s) "
+                       f"({limit}); it must be >= 2: a prompt token and a generated one")
+    return int(bound)
   if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
-      or not 2 <= max_model_len <= min(max_seq_len, pool_tokens)):
-    per_shard = "" if shards == 1 else f" / {shards} data shards"
-    raise ValueError(f"{max_model_len=} must be an int in [2, min(config.max_seq_len="
-                     f"{max_seq_len}, num_blocks * block_size{per_shard}={pool_tokens})]")
+      or not 2 <= max_model_len <= bound):
+    raise ValueError(f"{max_model_len=} must be an int in [2, {bound}]: the longest sequence "
+                     f"the model and the pool allow ({limit})")
   return int(max_model_len)
 
 
@@ -128,7 +128,9 @@ def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int)
           f"{spec.block_size} tokens")
   if shards > 1:
     note += " per data shard"
-  if not kv_groups.plain:
+  if kv_groups.plain:
+    note += f" = {pool_tokens} tokens"
+  else:
     windows = kv_groups.windows
     note += (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
              f"{len(windows) - windows.count(None)} sliding): one sequence fits in "

@@ -329,7 +329,8 @@ def test_engine_options_validation(model, config):
     LLM(model, config, num_blocks=8, kv_budget_bytes=1 << 20)
   with pytest.raises(ValueError, match="max_seqs"):
     LLM(model, config, num_blocks=8, max_seqs=0)
-  with pytest.raises(ValueError, match=r"num_blocks \* block_size=1\) must both be >= 2"):
+  with pytest.raises(ValueError, match=r"could serve is 1 token\(s\) \(model context 128, KV "
+                                       r"pool 1 blocks x 1 tokens = 1 tokens\); it must be >= 2"):
     LLM(model, config, block_size=1, num_blocks=1)  # nothing could ever be served
   spec_llm = LLM(model, config, block_size=4, kv_budget_bytes=64 * 2 * 2 * 4 * 2 * 16 * 4,
                  max_seqs=2)

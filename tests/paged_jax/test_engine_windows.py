@@ -272,3 +272,10 @@ def test_a_prompt_too_long_for_the_groups_is_refused_saying_why():
       r"12 blocks x 4 tokens shared by 2 KV groups \(1 full, 1 sliding\): one sequence "
       r"fits in 24 tokens\)")):
     llm.generate([[5] * 60], SamplingParams(max_tokens=4))
+  # Asking for more names the same bound (it said num_blocks * block_size=48 before).
+  with pytest.raises(ValueError, match=(
+      r"max_model_len=30 must be an int in \[2, 24\]: the longest sequence the model and the "
+      r"pool allow \(model context 256, KV pool 12 blocks x 4 tokens shared by 2 KV groups "
+      r"\(1 full, 1 sliding\): one sequence fits in 24 tokens\)")):
+    LLM(llm.model, config, block_size=4, num_blocks=12, max_seqs=2, free_outside_window=True,
+        max_model_len=30)
