@@ -93,20 +93,18 @@ def check_model(model) -> None:
     return
   kinds = [p.kind for p in params.values()]
   varargs = inspect.Parameter.VAR_POSITIONAL in kinds
-  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
-                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+  positionals = [p for p in params.values() if p.kind in (
+      inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
   takes_indices = ("logits_indices" in params
                    and params["logits_indices"].kind != inspect.Parameter.POSITIONAL_ONLY
                    or inspect.Parameter.VAR_KEYWORD in kinds)
   # Past the four and logits_indices every parameter needs a default: the engine passes
   # nothing else.
   empty, keyword_only = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
-  positionals = [p for p in params.values() if p.kind in (
-      inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
   required = [p.name for p in positionals[4:] if p.default is empty] + [
       p.name for p in params.values()
       if p.kind is keyword_only and p.default is empty and p.name != "logits_indices"]
-  if (positional < 4 and not varargs) or not takes_indices or required:
+  if (len(positionals) < 4 and not varargs) or not takes_indices or required:
     extra = (f" (the engine passes nothing for {', '.join(required)}: give "
              f"{'it' if len(required) == 1 else 'them'} a default)" if required else "")
     raise ValueError(f"model={name}.paged_forward{inspect.signature(forward)} must accept "
