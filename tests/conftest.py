@@ -27,6 +27,15 @@ if _OPT_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_OPT_FLAG}=0").strip()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_jobs_started(request, tmp_path_factory):
+  """Starts the subprocess jobs the collected tests read (``tests/shared_jobs.py``) as each
+  worker begins, so they run beside other tests; once per run however many workers."""
+  from tests import shared_jobs  # noqa: PLC0415
+  shared_jobs.start_needed(request.session.items,
+                           shared_jobs.folder_for_run(tmp_path_factory))
+
+
 class _NeverRaised(Exception):
   """No test raises this: as ``only_rerun`` it keeps every ordinary failure a failure."""
 

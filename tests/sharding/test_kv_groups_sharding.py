@@ -7,26 +7,16 @@ blocks are given back (no preemption in any run). Slow: six engine compilations 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import shared_jobs
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  out = tmp_path_factory.mktemp("kv_groups") / "kv_groups.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=4").strip()
-  proc = subprocess.run([sys.executable, "-m", "tests.sharding._run_kv_groups", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(out.read_text())
+  # The subprocess (4 CPU devices) was started as the test run began (tests/shared_jobs.py):
+  # one run shared by every worker, beside the other tests.
+  result = shared_jobs.result(shared_jobs.folder_for_run(tmp_path_factory), "kv_groups")
   assert result["num_devices"] == 4
   return result
 

@@ -8,7 +8,6 @@ report merging, validation) are tested here directly.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -23,40 +22,17 @@ from jax.sharding import Mesh, PartitionSpec as P
 from paged_jax.models import ModelConfig, init_random
 from paged_jax import sharding
 from paged_jax.engine import LLM
+from tests import shared_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESHES = ("1x1", "2x4", "1x8", "8x1")
 
 
-def _run_meshes(out):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  partial = out.with_suffix(".partial")
-  proc = subprocess.run([sys.executable, "-m", "tests.sharding._run_meshes", str(partial)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  partial.rename(out)  # only a finished run is ever read
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  # Under pytest-xdist every worker that gets a test of this file would start its own
-  # subprocess; they share one instead (the first to take the lock runs it, the others
-  # read its JSON). The folder is this test run's: the workers' common parent, keyed by
-  # the run's id, or this process's own temporary folder without xdist.
-  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-  base = tmp_path_factory.getbasetemp()
-  folder = base if run_id is None else base.parent / f"sharding-{run_id}"
-  folder.mkdir(exist_ok=True)
-  out = folder / "meshes.json"
-  with open(folder / "meshes.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not out.exists():
-      _run_meshes(out)
-  with open(out) as f:
-    result = json.load(f)
+  # The subprocess (8 CPU devices) was started as the test run began (tests/shared_jobs.py):
+  # one run shared by every worker, beside the other tests.
+  result = shared_jobs.result(shared_jobs.folder_for_run(tmp_path_factory), "meshes")
   assert result["num_devices"] == 8
   return result
 
