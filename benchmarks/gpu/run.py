@@ -480,10 +480,15 @@ def time_fn(fn, arg_sets, sample_s: float, *, calls: int = 1, dispatches: int = 
   arg_list = call_args(arg_sets, calls)
   many = jax.jit(lambda arg_list: [fn(*args) for args in arg_list])
   jax.block_until_ready(many(arg_list))  # compile
-  jax.block_until_ready(many(arg_list))
+  # Interpreted (--smoke-cpu) a call takes seconds and its time means nothing: one sample
+  # shows the plumbing works; on a GPU a warm-up round and at least 5 samples.
+  min_samples = 1 if INTERPRET else 5
+  if not INTERPRET:
+    jax.block_until_ready(many(arg_list))
   samples = []
   start = time.perf_counter()
-  while len(samples) < 5 or (time.perf_counter() - start < sample_s and len(samples) < 200):
+  while len(samples) < min_samples or (time.perf_counter() - start < sample_s
+                                       and len(samples) < 200):
     t0 = time.perf_counter()
     outs = [many(arg_list) for _ in range(dispatches)]
     jax.block_until_ready(outs)
