@@ -17,10 +17,10 @@ os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", "off")
 # backend (LLVM) optimisation level 0: the same HLO, its elementwise math not vectorised,
 # so a result can differ from the default build's in the last bits (measured: exp, tanh and
 # log1p up to 8 float32 ulps apart, relative 1e-6, on 3-4% of elements; a tiny Llama's
-# logits within 1.4e-6), far inside every tolerance here; the suite passes at either level. README's suite
-# took 22% less time (885 s -> 695 s on this 2-core machine). Set before JAX starts its
-# backend; subprocesses the tests start inherit it. README's main job, the CLI and the
-# benchmarks keep XLA's default, and so does a run that sets the option itself
+# logits within 1.4e-6), far inside every tolerance here; the suite passes at either level.
+# README's suite took 22% less time (885 s -> 695 s on this 2-core machine). Set before
+# JAX starts its backend; subprocesses the tests start inherit it. README's main job, the
+# CLI and the benchmarks keep XLA's default, and so does a run that sets the option itself
 # (XLA_FLAGS=--xla_backend_optimization_level=3 python -m pytest ...).
 _OPT_FLAG = "--xla_backend_optimization_level"
 if _OPT_FLAG not in os.environ.get("XLA_FLAGS", ""):
