@@ -32,14 +32,14 @@ _STARTED: list[subprocess.Popen] = []  # kept for the process's life: never coll
 @dataclasses.dataclass(frozen=True)
 class Job:
   test_file: str  # the nodeid prefix of the tests that read it (through a ``run`` fixture)
-  module: str  # run as ``python -m module OUT.json``
-  num_devices: int  # CPU devices it needs (--xla_force_host_platform_device_count)
+  module: str  # run as ``python -m module OUT.json``; it adds the CPU device count it needs
+  # to XLA_FLAGS itself, before JAX starts
 
 
 JOBS = {
-    "meshes": Job("tests/sharding/test_sharding.py", "tests.sharding._run_meshes", 8),
+    "meshes": Job("tests/sharding/test_sharding.py", "tests.sharding._run_meshes"),
     "kv_groups": Job("tests/sharding/test_kv_groups_sharding.py",
-                     "tests.sharding._run_kv_groups", 4),
+                     "tests.sharding._run_kv_groups"),
 }
 
 
@@ -64,8 +64,6 @@ def start_needed(items, folder: pathlib.Path) -> list[str]:
     except FileExistsError:
       continue
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                        f"{JOBS[name].num_devices}").strip()
     with open(folder / f"{name}.log", "w") as log:
       _STARTED.append(subprocess.Popen(
           [sys.executable, "-m", "tests.shared_jobs", str(folder), name], cwd=ROOT, env=env,
