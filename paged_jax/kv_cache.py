@@ -162,8 +162,9 @@ class KVCache:
 
     Args:
       layer: int or traced int scalar (a traced one outside ``[0, L)`` writes nothing).
-      k, v: [T, K, D]; cast to the cache dtype (quantised with one scale per token and KV
-        head for an int8 / float8 pool).
+      k, v: [T, K, D], a floating dtype (integer or bool K/V is refused, not cast); cast to
+        the cache dtype (quantised with one scale per token and KV head for an int8 / float8
+        pool).
       slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
         it is never clamped or wrapped into a real block. Slots in range must be distinct:
         of two tokens given one slot, which is stored is unspecified (K, V and the scales
@@ -176,6 +177,9 @@ class KVCache:
       if x.ndim != 3 or tuple(x.shape[1:]) != expected:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, K, D]=[T, {expected[0]}, "
                          f"{expected[1]}]")
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}.dtype={x.dtype} must be a floating dtype (K/V values, cast "
+                         f"to the pool's {self.dtype.name})")
     if k_TKD.shape != v_TKD.shape:
       raise ValueError(f"v.shape={tuple(v_TKD.shape)} must equal k.shape={tuple(k_TKD.shape)}")
     _check_int32_vector("slots", slots_T)

@@ -104,6 +104,9 @@ def test_a_traced_layer_out_of_range_reads_nothing_in_the_kernels(impl):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(k=jnp.ones((2, 3, 4)), v=jnp.ones((2, 3, 4))), r"k\.shape"),
     (dict(k=jnp.ones((2, 2, 4)), v=jnp.ones((1, 2, 4))), r"v\.shape"),
+    (dict(k=jnp.ones((2, 2, 4), jnp.int32)), r"k\.dtype=int32 must be a floating"),
+    (dict(v=jnp.ones((2, 2, 4), jnp.int8)), r"v\.dtype=int8 must be a floating"),
+    (dict(v=jnp.ones((2, 2, 4), jnp.bool_)), r"v\.dtype=bool must be a floating"),
     (dict(slots=jnp.array([0, 1], jnp.float32)), r"slots\.dtype"),
     (dict(slots=jnp.array([0], jnp.int32)), r"slots\.shape"),
     (dict(layer=3), r"layer=3"),
