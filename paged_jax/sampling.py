@@ -143,6 +143,8 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   """
   if logits_SV.ndim != 2:
     raise ValueError(f"logits.shape={tuple(logits_SV.shape)} must be [S, V]")
+  if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
+    raise ValueError(f"logits.dtype={logits_SV.dtype} must be a floating dtype")
   num_rows, vocab = logits_SV.shape
   for name, x in (("temperature", temperature_S), ("top_k", top_k_S), ("top_p", top_p_S),
                   ("key", key_S)):

@@ -155,6 +155,9 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
                      f"{tuple(logits_SV.shape)}: [S, V] must have V = config.vocab_size="
                      f"{vocab_size}")
+  if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
+    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of dtype "
+                     f"{logits_SV.dtype}: they must be a floating dtype")
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
     alloc = jax.lax.cond(

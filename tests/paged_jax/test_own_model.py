@@ -230,6 +230,8 @@ _INPUT_CACHE = []  # the cache _Returns was last given (to return it unwritten)
     (lambda logits, cache: logits, r"returned an array \[2, 96\]; it must return \(logits, "),
     (lambda logits, cache: (logits[:, :10], cache),
      r"logits of shape \(2, 10\): \[S, V\] must have V = config.vocab_size=96"),
+    (lambda logits, cache: (jnp.argsort(logits, axis=-1), cache),
+     r"returned logits of dtype int32: they must be a floating dtype"),
     # A forward that never stores its K/V: every later step would attend to empty pages.
     (lambda logits, cache: (logits, _INPUT_CACHE[-1]),
      r"returned the cache it was given: its layers must store their K/V with cache = "

@@ -99,3 +99,6 @@ def test_shape_validation():
     sample(jnp.zeros((2, 4)), jnp.zeros(2), jnp.zeros(3, jnp.int32), jnp.ones(2), keys)
   with pytest.raises(ValueError, match="logits"):
     sample(jnp.zeros(4), jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys)
+  with pytest.raises(ValueError, match="logits.dtype=int32 must be a floating dtype"):
+    sample(jnp.zeros((2, 4), jnp.int32), jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2),
+           keys)
