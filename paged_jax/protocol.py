@@ -15,7 +15,9 @@ metadata.num_seqs)``. Nothing else is required; the built-in decoders
 
 A config is any object with the int fields ``num_layers``, ``num_kv_heads``, ``head_dim``
 (the KV cache's shape), ``vocab_size`` (prompt validation) and ``max_seq_len`` (longest
-sequence), and optionally ``eos_token_ids`` (a tuple of ints; default none).
+sequence), and optionally ``eos_token_ids`` (a tuple of ints; default none). A model that
+keeps its own config as ``model.config`` (the built-in decoders do) must agree with the
+given one on ``num_layers``, ``num_kv_heads`` and ``head_dim``.
 
 Optional, for sliding-window layers that give blocks back: ``config.layer_windows``, one
 entry per layer, None (full attention) or the layer's window W (the layer passes
@@ -50,7 +52,8 @@ from flax import nnx
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["CONFIG_FIELDS", "ModelConfigLike", "PagedModel", "check_config", "check_model",
-           "eos_token_ids", "kv_cache_spec", "layer_windows", "model_dtype"]
+           "check_model_config", "eos_token_ids", "kv_cache_spec", "layer_windows",
+           "model_dtype"]
 
 CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
 """The int fields (>= 1) a config must have."""
@@ -123,6 +126,28 @@ def check_config(config) -> None:
       raise ValueError(f"config.{field}={value!r} must be an int >= 1")
   eos_token_ids(config)
   layer_windows(config)
+
+
+# The config fields that shape the KV cache.
+_CACHE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def check_model_config(model, config) -> None:
+  """``ValueError`` when ``model`` keeps a config of its own (``model.config``, as the
+  built-in decoders do) whose cache fields differ from ``config``'s: the cache would have
+  the given config's shape, and more layers than the model writes would only waste KV
+  memory (fewer fail inside the forward). A model without ``.config`` is not checked."""
+  own = getattr(model, "config", None)
+  if own is None or own is config:
+    return
+  for field in _CACHE_FIELDS:
+    mine = getattr(own, field, None)
+    if isinstance(mine, bool) or not isinstance(mine, (int, np.integer)):
+      continue
+    if int(mine) != int(getattr(config, field)):
+      raise ValueError(f"config.{field}={getattr(config, field)} disagrees with the model's "
+                       f"own {type(model).__name__}.config.{field}={mine}: the KV cache "
+                       f"takes the config's shape")
 
 
 def layer_windows(config) -> tuple | None:

@@ -119,6 +119,7 @@ class LLM:
     protocol.check_model(model)
     dtype = options.pool_dtype(dtype, kv_cache_dtype)
     protocol.check_config(config)
+    protocol.check_model_config(model, config)
     self._plan = None if mesh is None else mesh_sharding.ShardingPlan.create(
         mesh, num_kv_heads=config.num_kv_heads, num_heads=getattr(config, "num_heads", None),
         mlp_dim=getattr(config, "mlp_dim", None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -351,6 +352,15 @@ def test_engine_options_validation(model, config):
     budget = "kv_budget_bytes" in kwargs
     with pytest.raises(ValueError, match=match):
       LLM(model, config, block_size=4, num_blocks=None if budget else 8, **kwargs)
+  # A config whose cache fields disagree with the model's own (model.config): more layers
+  # were accepted (KV memory no layer writes), fewer failed only inside the first step.
+  for field, value in (("num_layers", 3), ("num_layers", 1), ("num_kv_heads", 4),
+                       ("head_dim", 8)):
+    with pytest.raises(ValueError, match=rf"config.{field}={value} disagrees with the model's "
+                                         rf"own Decoder.config.{field}="):
+      LLM(model, dataclasses.replace(config, **{field: value}), num_blocks=8)
+  # Fields that do not shape the cache may differ (a shorter context, other stop ids).
+  LLM(model, dataclasses.replace(config, max_seq_len=64, eos_token_ids=()), num_blocks=8)
 
 
 def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_greedy):
