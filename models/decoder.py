@@ -184,7 +184,9 @@ class Decoder(nnx.Module):
     """Run a ragged batch of new tokens against the paged cache.
 
     Args:
-      tokens_T: i32[T] token ids (padding rows: any id).
+      tokens_T: i32[T] token ids (padding rows: any id). Called eagerly, an id of a live
+        row outside ``[0, vocab_size)`` is a ``ValueError``; under ``jit`` it cannot be
+        checked and reads the nearest id's embedding.
       positions_T: i32[T] position of each token in its sequence.
       cache: the ``KVCache`` (``kv_cache_spec``); donate it under jit.
       metadata: ``AttentionMetadata`` of this batch.
@@ -217,6 +219,12 @@ class Decoder(nnx.Module):
     if metadata.slots_T.shape != tokens_T.shape:
       raise ValueError(f"metadata.slots_T.shape={tuple(metadata.slots_T.shape)} must be "
                        f"[T]=[{tokens_T.shape[0]}]")
+    if not any(isinstance(x, jax.core.Tracer)
+               for x in (tokens_T, metadata.cu_q_lens, metadata.num_seqs)):
+      # An eager call: the live rows' ids are checked (padding rows may hold any id).
+      cu = np.asarray(metadata.cu_q_lens)
+      live = int(cu[int(np.clip(int(metadata.num_seqs), 0, cu.shape[0] - 1))])
+      _check_token_ids(tokens_T[:max(live, 0)], c.vocab_size)
     impl = self.impl if impl is None else impl
     m = metadata
     # One paged_attention call per distinct window (static), chosen by the layer's kind.
@@ -260,12 +268,7 @@ class Decoder(nnx.Module):
       raise ValueError(f"tokens.dtype={tokens_BT.dtype} must be an integer dtype")
     b, t = tokens_BT.shape
     c = self.config
-    if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-      ids = np.asarray(tokens_BT)
-      bad = ids[(ids < 0) | (ids >= c.vocab_size)]
-      if bad.size:
-        raise ValueError(f"tokens hold id {int(bad[0])}, outside the vocabulary "
-                         f"[0, vocab_size={c.vocab_size})")
+    _check_token_ids(tokens_BT, c.vocab_size)
     positions_T = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
     windows = self._windows()
     # The window as data: a full-attention kind's t covers the whole sequence.
@@ -293,6 +296,18 @@ _FAN_IN_AXES = {"q_EHD": (0, 1), "k_EKD": (0, 1), "v_EKD": (0, 1), "o_HDE": (0, 
                 "gate_EI": (0, 1), "up_EI": (0, 1), "down_IE": (0, 1), "lm_head_EV": (0, 1),
                 "router_EO": (0, 1), "gate_OEI": (1, 2), "up_OEI": (1, 2),
                 "down_OIE": (1, 2)}
+
+
+def _check_token_ids(tokens, vocab_size: int) -> None:
+  """Concrete token ids outside ``[0, vocab_size)`` are a ``ValueError`` (an embedding
+  lookup would clamp them to the nearest id); traced ones cannot be checked."""
+  if isinstance(tokens, jax.core.Tracer) or not tokens.size:
+    return
+  ids = np.asarray(tokens)
+  bad = ids[(ids < 0) | (ids >= vocab_size)]
+  if bad.size:
+    raise ValueError(f"tokens hold id {int(bad[0])}, outside the vocabulary "
+                     f"[0, vocab_size={vocab_size})")
 
 
 def init_random(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32, impl: str = "auto",

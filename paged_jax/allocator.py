@@ -193,8 +193,9 @@ def _check_positive_int(name: str, value) -> int:
   return int(value)
 
 
-def _check_int32_range(name: str, x) -> None:
-  """A concrete (host) integer input must fit int32: JAX would wrap it silently."""
+def check_int32_range(name: str, x) -> None:
+  """A concrete (host) integer input must fit int32: JAX would wrap it silently (also used
+  by ``paged_jax.step`` on what it passes on to ``append``)."""
   if isinstance(x, jax.Array):  # tracers too
     return  # already a JAX integer array (int32 unless x64 is on)
   host = np.asarray(x)
@@ -207,7 +208,7 @@ def _check_int32_range(name: str, x) -> None:
 def _check_vector(name: str, x, length: int, kind: str) -> jax.Array:
   """``x`` as an array of shape ``[length]``; kind "int" (cast to int32) or "bool"."""
   if kind == "int":
-    _check_int32_range(name, x)
+    check_int32_range(name, x)
   x = jnp.asarray(x)
   if x.shape != (length,):
     raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({length},)")
@@ -508,7 +509,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   the result has a leading g axis: each group's slots (its blocks differ).
   """
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
-    _check_int32_range(name, x)
+    check_int32_range(name, x)
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -564,8 +565,8 @@ def fork(state: AllocatorState, src,
   copies in every group (its demand is g fresh tail blocks) and the copy pairs are
   i32[g * F], group-major (all of group 0's forks, then group 1's, ...).
   """
-  _check_int32_range("src", src)
-  _check_int32_range("dst", dst)
+  check_int32_range("src", src)
+  check_int32_range("dst", dst)
   src_F, dst_F = jnp.asarray(src), jnp.asarray(dst)
   if src_F.ndim != 1:
     raise ValueError(f"src.shape={tuple(src_F.shape)} must be rank 1 ([F])")
@@ -630,7 +631,7 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
   ``(state, preempted_S)``; nothing is released when ``num_free >= needed`` already.
   """
   prio_S = _check_vector("priority", priority, state.max_seqs, "int")
-  _check_int32_range("needed", needed)
+  check_int32_range("needed", needed)
   needed = jnp.asarray(needed)
   if needed.ndim != 0 or not jnp.issubdtype(needed.dtype, jnp.integer):
     raise ValueError(f"needed.shape={tuple(needed.shape)}, needed.dtype={needed.dtype}: "

@@ -36,11 +36,14 @@ A jitted greedy decode loop over your own model::
       alloc, cache, tokens_S = carry
       logits_SV, alloc, cache, ok_S = step.decode_step(model, alloc, cache, tokens_S,
                                                        active_S)
-      tokens_S = jnp.where(ok_S & active_S, jnp.argmax(logits_SV, axis=-1), -1)
-      tokens_S = tokens_S.astype(jnp.int32)  # -1: inactive, or dropped (no block)
-      return (alloc, cache, tokens_S), tokens_S
-    (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S), length=8)
-    return per_step.T, alloc, cache  # [S, 8] tokens first, as examples/own_model.py
+      decoded_S = ok_S & active_S  # False: inactive, or dropped (no block was free)
+      next_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+      # A dropped sequence keeps its pending token for a later step; -1 marks no token.
+      tokens_S = jnp.where(decoded_S, next_S, tokens_S)
+      return (alloc, cache, tokens_S), jnp.where(decoded_S, next_S, -1)
+    (alloc, cache, tokens_S), per_step = jax.lax.scan(body, (alloc, cache, tokens_S),
+                                                      length=8)
+    return per_step.T, tokens_S, alloc, cache  # [S, 8] tokens, the pending ones, ...
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from paged_jax import allocator
@@ -127,9 +131,15 @@ class StepInputs:
   last_S: jax.Array
 
 
-def _exclusive_cumsum(x_S: jax.Array) -> jax.Array:
-  """i32[S + 1]: 0, x0, x0 + x1, ..."""
-  return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(x_S, dtype=jnp.int32)])
+def _exclusive_cumsum(x_S: jax.Array, cap: int | None = None) -> jax.Array:
+  """i32[S + 1]: 0, x0, x0 + x1, ...; with ``cap``, each sum is ``min(sum, cap)`` (the
+  non-negative counts are clipped to ``cap`` first), so huge counts cannot wrap int32."""
+  if cap is None:
+    sums_S = jnp.cumsum(x_S, dtype=jnp.int32)
+  else:  # min(a + b, cap) is associative for a, b in [0, cap]; 2 * cap fits int32
+    sums_S = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap),
+                                      jnp.clip(x_S.astype(jnp.int32), 0, cap))
+  return jnp.concatenate([jnp.zeros(1, jnp.int32), sums_S])
 
 
 def _row_owner(cu: jax.Array, num_rows: int) -> jax.Array:
@@ -146,13 +156,20 @@ def _pack_rows(values_T: jax.Array, counts_S: jax.Array, keep_S: jax.Array) -> j
   become 0.
   """
   num_rows = values_T.shape[0]
-  cu = _exclusive_cumsum(counts_S)
+  cu = _exclusive_cumsum(counts_S, cap=num_rows + 1)
   cu_kept = _exclusive_cumsum(jnp.where(keep_S, counts_S, 0))
   t = jnp.arange(num_rows, dtype=jnp.int32)
   seq_T = _row_owner(cu, num_rows)
   live_T = (t < cu[-1]) & keep_S[seq_T]
   dest_T = jnp.where(live_T, cu_kept[seq_T] + t - cu[seq_T], num_rows)
   return jnp.zeros_like(values_T).at[dest_T].set(values_T, mode="drop")
+
+
+def _as_int_array(name: str, x) -> jax.Array:
+  """``x`` as a JAX array; a host integer array whose values do not fit int32 is refused
+  (cast, they would wrap: 2**32 + 3 new tokens taken as 3)."""
+  allocator.check_int32_range(name, x)
+  return jnp.asarray(x)
 
 
 def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
@@ -185,7 +202,7 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
     whose ``append`` failed, or whose tokens would run past ``T``, has ``ok_S`` False, no
     rows, no new K/V and an unchanged length; the others' rows are packed without a gap.
   """
-  tokens_T, num_new_S = jnp.asarray(tokens_T), jnp.asarray(num_new_S)
+  tokens_T, num_new_S = _as_int_array("tokens", tokens_T), _as_int_array("num_new", num_new_S)
   _check_step_args(alloc_state, tokens_T, num_new_S)
   grouped = alloc_state.num_groups > 1
   if grouped and (kv_groups is None or tuple(kv_groups.windows) != alloc_state.windows):
@@ -195,9 +212,11 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
   num_tokens = tokens_T.shape[0]
   old_lens_S = alloc_state.seq_lens
   # A sequence whose tokens would run past T is refused rather than given K/V slots that
-  # nothing writes. Negative requests: refused by append.
+  # nothing writes (the running sums saturate past T: 2**31 - 1 tokens cannot wrap them).
+  # A request of 0 always fits. Negative requests: refused by append.
   counts_S = jnp.maximum(num_new_S, 0)
-  fits_S = jnp.cumsum(counts_S) <= num_tokens
+  fits_S = (_exclusive_cumsum(counts_S, cap=num_tokens + 1)[1:] <= num_tokens) | (
+      counts_S == 0)
   alloc_state, ok_S = allocator.append(alloc_state, jnp.where(fits_S, num_new_S, 0))
   ok_S &= fits_S
   q_lens_S = jnp.where(ok_S, counts_S, 0)
@@ -241,6 +260,10 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     (zero rows for sequences with no token this step or whose allocation failed), the new
     allocator state and cache, and ``ok_S``.
   """
+  protocol.check_model(model)
+  if jnp.ndim(tokens_T) == 1 and jnp.shape(tokens_T)[0] == 0:
+    raise ValueError("tokens.shape=(0,): a forward step needs T >= 1 rows (its logits are "
+                     "read at each sequence's last row)")
   for name in ("block_size", "num_blocks"):
     # The allocator's slots address this cache's blocks: a cache of another block size
     # or fewer blocks would be written and read at the wrong places, without an error.
@@ -293,7 +316,7 @@ def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: j
   Returns:
     ``(logits_SV, alloc_state, cache, ok_S)`` as ``forward_step``.
   """
-  tokens_S, active_S = jnp.asarray(tokens_S), jnp.asarray(active_S)
+  tokens_S, active_S = _as_int_array("tokens", tokens_S), jnp.asarray(active_S)
   num_seq_rows = alloc_state.max_seqs
   for name, x, kind, what in (("tokens", tokens_S, jnp.integer, "ints"),
                               ("active", active_S, jnp.bool_, "bools")):
@@ -310,19 +333,41 @@ def tokens_from_history(tokens_SM: jax.Array, start_S: jax.Array, num_new_S: jax
   """i32[T]: the new tokens ``tokens_SM[s, start_S[s] : start_S[s] + num_new_S[s]]`` of
   every sequence, packed in slot order (``prepare_step``'s layout), zero padded to
   ``num_tokens``. Typically ``start_S`` is the allocator's ``seq_lens`` (the tokens
-  already cached) and ``tokens_SM`` each sequence's history."""
-  if tokens_SM.ndim != 2:
-    raise ValueError(f"tokens_SM.shape={tuple(tokens_SM.shape)} must be [S, M]")
+  already cached) and ``tokens_SM`` each sequence's history.
+
+  A window must lie inside the history (``0 <= start`` and ``start + num_new <= M`` where
+  ``num_new > 0``): concrete inputs that break this are a ``ValueError``; under ``jit``
+  positions outside ``[0, M)`` give token 0, never a neighbouring column's token.
+  """
+  if (isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer))
+      or num_tokens < 1):
+    raise ValueError(f"{num_tokens=} must be an int >= 1 (the step's rows, static)")
+  tokens_SM = _as_int_array("tokens_SM", tokens_SM)
+  start_S, num_new_S = _as_int_array("start", start_S), _as_int_array("num_new", num_new_S)
+  if tokens_SM.ndim != 2 or not jnp.issubdtype(tokens_SM.dtype, jnp.integer):
+    raise ValueError(f"tokens_SM.shape={tuple(tokens_SM.shape)} dtype={tokens_SM.dtype} must "
+                     "be an integer [S, M]")
   num_seq_rows, max_len = tokens_SM.shape
   for name, x in (("start", start_S), ("num_new", num_new_S)):
-    if x.shape != (num_seq_rows,):
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_seq_rows}]")
+    if x.shape != (num_seq_rows,) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} dtype={x.dtype} must be an integer "
+                       f"[S]=[{num_seq_rows}]")
+  if not any(isinstance(x, jax.core.Tracer) for x in (start_S, num_new_S)):
+    start, count = np.asarray(start_S, np.int64), np.asarray(num_new_S, np.int64)
+    bad = np.flatnonzero((count > 0) & ((start < 0) | (start + count > max_len)))
+    if bad.size:
+      s = int(bad[0])
+      raise ValueError(f"start[{s}]={start[s]}, num_new[{s}]={count[s]}: the window "
+                       f"[{start[s]}, {start[s] + count[s]}) must lie inside the history "
+                       f"[0, M={max_len})")
   counts_S = jnp.maximum(num_new_S.astype(jnp.int32), 0)
-  cu = _exclusive_cumsum(counts_S)
+  cu = _exclusive_cumsum(counts_S, cap=num_tokens + 1)
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   seq_T = _row_owner(cu, num_tokens)
-  pos_T = start_S[seq_T] + t - cu[seq_T]
-  return jnp.where(t < cu[-1], tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0)
+  pos_T = start_S.astype(jnp.int32)[seq_T] + t - cu[seq_T]
+  inside_T = (t < cu[-1]) & (pos_T >= 0) & (pos_T < max_len)
+  return jnp.where(inside_T, tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0
+                   ).astype(jnp.int32)
 
 
 def _frozen(kwargs: dict) -> tuple:

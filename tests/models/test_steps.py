@@ -243,3 +243,100 @@ def test_decode_step_refuses_float_tokens_and_non_bool_flags(model):
       (tokens[:2], active[:2], r"tokens\.shape=\(2,\) .* \[S\]=\[3\]")):
     with pytest.raises(ValueError, match=match):
       steps_lib.decode_step(model, alloc, cache, bad_tokens, bad_active)
+
+
+def test_request_counts_that_would_wrap_int32_are_refused(model):
+  # The running sum of the requests used to wrap: [2**31 - 1, 5, 0] made sequence 1 look
+  # as if it fit, granted it 5 tokens read from rows that held none of its tokens, with
+  # ok True. Now the sums saturate past T; an idle sequence (a request of 0) is always ok.
+  tokens_T = jnp.arange(1, PREFILL_TOKENS + 1, dtype=jnp.int32)
+  for num_new, want_ok in (([2**31 - 1, 5, 0], [False, False, True]),
+                           ([2**30, 2**30, 3], [False, False, False]),
+                           ([PREFILL_TOKENS + 1, 0, 0], [False, True, True]),
+                           ([3, 2**31 - 1, 4], [True, False, False])):
+    alloc, _ = _fresh(model)
+    alloc, inputs = steps_lib.prepare_step(alloc, tokens_T, jnp.asarray(num_new, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(inputs.ok_S), want_ok)
+    kept = [n if ok else 0 for n, ok in zip(num_new, want_ok)]
+    np.testing.assert_array_equal(np.asarray(alloc.seq_lens), kept)
+    np.testing.assert_array_equal(np.asarray(inputs.q_lens_S), kept)
+    # Only the kept sequence's rows (the first 3 tokens for the last case) are live.
+    live = sum(kept)
+    np.testing.assert_array_equal(np.asarray(inputs.tokens_T)[:live], np.arange(1, live + 1))
+    np.testing.assert_array_equal(np.asarray(inputs.tokens_T)[live:], 0)
+    allocator.validate(alloc)
+
+
+def test_host_integers_that_do_not_fit_int32_are_refused(model):
+  # jnp.asarray of an int64 array wraps it to int32 (2**32 + 3 new tokens were taken as
+  # 3, token id 2**32 + 5 as 5), where allocator.append refuses the same request.
+  alloc, cache = _fresh(model)
+  tokens_T = np.arange(PREFILL_TOKENS, dtype=np.int64)
+  big = np.array([2**32 + 3, 0, 0], np.int64)
+  with pytest.raises(ValueError, match="num_new holds 4294967299, which does not fit int32"):
+    steps_lib.prepare_step(alloc, tokens_T, big)
+  with pytest.raises(ValueError, match="num_new holds 4294967299"):
+    steps_lib.forward_step(model, alloc, cache, tokens_T, big)
+  tokens_T[1] = 2**32 + 5
+  with pytest.raises(ValueError, match="tokens holds 4294967301"):
+    steps_lib.prepare_step(alloc, tokens_T, np.array([3, 0, 0], np.int64))
+  with pytest.raises(ValueError, match="tokens holds 4294967301"):
+    steps_lib.decode_step(model, alloc, cache, tokens_T[:3], np.ones(3, bool))
+  with pytest.raises(ValueError, match="start holds -4294967296"):
+    steps_lib.tokens_from_history(np.zeros((3, 8), np.int32), np.array([-2**32, 0, 0]),
+                                  np.array([1, 0, 0]), 4)
+
+
+def test_tokens_from_history_packs_windows_inside_the_history():
+  history_SM = jnp.asarray(np.arange(3 * 6).reshape(3, 6) + 100, jnp.int32)
+  pack = steps_lib.tokens_from_history
+  # Sequence 0: columns 4..5, sequence 1: none, sequence 2: columns 0..2; then padding.
+  got = pack(history_SM, [4, 3, 0], [2, 0, 3], 8)  # lists are taken as arrays
+  np.testing.assert_array_equal(np.asarray(got), [104, 105, 112, 113, 114, 0, 0, 0])
+  # A window past the history was filled with its last column repeated ([104, 105, 105,
+  # 105]) and one before it with column 0: concrete, now a ValueError naming it.
+  for start, num_new, match in (([4, 0, 0], [4, 0, 0], r"start\[0\]=4, num_new\[0\]=4: the "
+                                 r"window \[4, 8\) must lie inside the history \[0, M=6\)"),
+                                ([0, -2, 0], [0, 3, 0], r"start\[1\]=-2, num_new\[1\]=3")):
+    with pytest.raises(ValueError, match=match):
+      pack(history_SM, jnp.asarray(start), jnp.asarray(num_new), 8)
+  # Under jit they cannot be refused: the positions outside the history give token 0.
+  traced = jax.jit(pack, static_argnums=3)(history_SM, jnp.asarray([4, -2, 0]),
+                                           jnp.asarray([4, 3, 0]), 8)
+  np.testing.assert_array_equal(np.asarray(traced), [104, 105, 0, 0, 0, 0, 106, 0])
+  for args, match in (((history_SM, jnp.asarray([0.0, 0, 0]), jnp.zeros(3, jnp.int32), 4),
+                       r"start\.shape=\(3,\) dtype=float32 must be an integer \[S\]=\[3\]"),
+                      ((history_SM.astype(jnp.float32), jnp.zeros(3, jnp.int32),
+                        jnp.zeros(3, jnp.int32), 4), r"tokens_SM\.shape=\(3, 6\) dtype=float32"),
+                      ((history_SM, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 0),
+                       r"num_tokens=0 must be an int >= 1"),
+                      ((history_SM, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 8.0),
+                       r"num_tokens=8.0 must be an int >= 1")):
+    with pytest.raises(ValueError, match=match):
+      pack(*args)
+
+
+def test_step_functions_name_a_bad_model_an_empty_step_and_unknown_ids(model):
+  alloc, cache = _fresh(model)
+  tokens_T, num_new_S = _pack(PROMPTS)
+  # The model was used before it was checked: AttributeError 'paged_forward'.
+  with pytest.raises(ValueError, match="model=object must be a flax.nnx.Module"):
+    steps_lib.forward_step(object(), alloc, cache, tokens_T, num_new_S)
+  with pytest.raises(ValueError, match="model=object must be a flax.nnx.Module"):
+    steps_lib.decode_step(object(), alloc, cache, jnp.zeros(3, jnp.int32), jnp.ones(3, bool))
+  # T = 0: jnp.take's IndexError before.
+  with pytest.raises(ValueError, match=r"tokens.shape=\(0,\): a forward step needs T >= 1"):
+    steps_lib.forward_step(model, alloc, cache, jnp.zeros(0, jnp.int32), num_new_S)
+  # Ids outside the vocabulary were clamped to the nearest one (ok True, the logits of id
+  # V - 1); called eagerly, a live row's id is refused as the dense forward refuses it.
+  # Padding rows may hold any id.
+  bad = tokens_T.at[2].set(helpers.VOCAB)
+  with pytest.raises(ValueError, match=rf"tokens hold id {helpers.VOCAB}, outside the "
+                                       rf"vocabulary \[0, vocab_size={helpers.VOCAB}\)"):
+    steps_lib.forward_step(model, alloc, cache, bad, num_new_S)
+  with pytest.raises(ValueError, match="tokens hold id -1"):
+    steps_lib.decode_step(model, alloc, cache, jnp.asarray([3, -1, 4], jnp.int32),
+                          jnp.ones(3, bool))
+  padded = tokens_T.at[PREFILL_TOKENS - 1].set(-7)  # a padding row
+  _, alloc, cache, ok = steps_lib.forward_step(model, alloc, cache, padded, num_new_S)
+  assert bool(ok.all())
