@@ -156,19 +156,22 @@ def prefill(model, alloc, cache, tokens_T, num_new_S):
 
 @nnx.jit(donate_argnums=(1, 2), static_argnames="num_steps")
 def decode(model, alloc, cache, tokens_S, active_S, *, num_steps):
-  """``num_steps`` greedy decode steps in one ``lax.scan``: ``[S, num_steps]`` tokens."""
+  """``num_steps`` greedy decode steps in one ``lax.scan``: ``[S, num_steps]`` tokens (-1
+  where a sequence made none), and each sequence's next input token."""
 
   def body(carry, _):
     alloc, cache, tokens_S = carry
     logits_SV, alloc, cache, ok_S = paged_jax.decode_step(model, alloc, cache, tokens_S,
                                                           active_S)
-    tokens_S = jnp.where(ok_S & active_S, jnp.argmax(logits_SV, axis=-1), -1)
-    tokens_S = tokens_S.astype(jnp.int32)  # -1: inactive, or dropped (no block)
-    return (alloc, cache, tokens_S), tokens_S
+    decoded_S = ok_S & active_S  # False: inactive, or dropped (no block was free)
+    next_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    # A dropped sequence keeps its pending token for a later step; -1 marks no token.
+    tokens_S = jnp.where(decoded_S, next_S, tokens_S)
+    return (alloc, cache, tokens_S), jnp.where(decoded_S, next_S, -1)
 
-  (alloc, cache, _), per_step = jax.lax.scan(body, (alloc, cache, tokens_S),
-                                             length=num_steps)
-  return per_step.T, alloc, cache
+  (alloc, cache, tokens_S), per_step = jax.lax.scan(body, (alloc, cache, tokens_S),
+                                                    length=num_steps)
+  return per_step.T, tokens_S, alloc, cache
 
 
 def main(num_steps: int = 8) -> list[list[int]]:
@@ -188,7 +191,7 @@ def main(num_steps: int = 8) -> list[list[int]]:
   first_S, alloc, cache, ok_S = prefill(model, alloc, cache, tokens_T,
                                         jnp.asarray([len(p) for p in prompts], jnp.int32))
   assert bool(ok_S.all())
-  rest, alloc, cache = decode(model, alloc, cache, first_S, jnp.ones(num_seqs, bool),
+  rest, _, alloc, cache = decode(model, alloc, cache, first_S, jnp.ones(num_seqs, bool),
                                  num_steps=num_steps - 1)
   allocator.validate(alloc)
   got = np.concatenate([np.asarray(first_S)[:, None], np.asarray(rest)], axis=1).tolist()

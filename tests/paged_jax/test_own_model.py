@@ -365,3 +365,35 @@ def test_layer_windows_are_checked_and_misuse_is_loud(examples):
   assert llm.kv_groups.num_groups == 2
   with pytest.raises(ValueError, match=r"layer=1 must be in \[0, L=1\)"):
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_documented_decode_loop_keeps_a_dropped_sequences_token(examples, model, config):
+  # examples/own_model.py's decode (README and paged_jax.step show the same loop). Two
+  # 4-token prompts fill one block each of a 3-block pool: at the first decode step only
+  # sequence 0 gets the last block, sequence 1 is dropped at every step of the first call.
+  # The loop used to carry -1 as its next token; once blocks came free (sequence 0
+  # released) sequence 1 decoded from token -1 (read as id 0), silently off the dense
+  # greedy tokens. Now it keeps its pending token and resumes where it stopped.
+  own = examples.own
+  block_size, num_blocks = 4, 3
+  alloc = allocator.init(num_blocks=num_blocks, block_size=block_size, max_seqs=2,
+                         max_blocks_per_seq=config.max_seq_len // block_size)
+  cache = paged_jax.KVCache.create(paged_jax.KVCacheSpec(
+      config.num_layers, config.num_kv_heads, config.head_dim, block_size, num_blocks,
+      jnp.float32))
+  prompts = [[5, 17, 33, 2], [7, 7, 40, 1]]
+  first_S, alloc, cache, ok_S = own.prefill(model, alloc, cache,
+                                            jnp.asarray(prompts[0] + prompts[1], jnp.int32),
+                                            jnp.asarray([4, 4], jnp.int32))
+  assert bool(ok_S.all())
+  out1, pending_S, alloc, cache = own.decode(model, alloc, cache, first_S,
+                                             jnp.ones(2, bool), num_steps=3)
+  np.testing.assert_array_equal(np.asarray(out1)[1], -1)  # dropped: no token made
+  assert int(pending_S[1]) == int(first_S[1])             # ... and none lost
+  alloc = allocator.release(alloc, jnp.asarray([True, False]))
+  out2, _, alloc, cache = own.decode(model, alloc, cache, pending_S,
+                                     jnp.asarray([False, True]), num_steps=3)
+  got = [int(first_S[1])] + [t for t in np.asarray(out2)[1].tolist() if t >= 0]
+  want, _ = own.dense_greedy(model, prompts[1], 4)
+  assert got == want
+  allocator.validate(alloc)
