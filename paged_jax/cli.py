@@ -57,14 +57,27 @@ def _plan(args) -> int:
                                  ("head_dim", args.head_dim),
                                  ("dtype", args.dtype))
                if v is not None}
+  if overrides:  # the model line says what the options changed
+    overrides["name"] = f"{model.name} with " + ", ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
   if args.dtype is not None:  # chosen: the config's dtype, known or not, no longer applies
     overrides["unknown_dtype"] = None
-  if args.num_layers is not None and args.num_layers != model.num_layers:
+  if (args.num_layers is not None and args.num_layers != model.num_layers
+      and model.layer_types):
     overrides["layer_types"] = ()  # the config's per-layer kinds no longer apply
+    overrides["notes"] = model.notes + (
+        f"--num-layers {args.num_layers} differs from the config's {model.num_layers} "
+        "layers: its per-layer sliding-window pattern no longer applies, every layer is "
+        "planned as full attention",)
   if overrides:
     model = planner.dataclasses.replace(model, **overrides)
-  budget = planner.parse_bytes(args.budget)
+  budget = planner.parse_bytes(args.budget, name="--budget")
   kv_dtype = args.kv_cache_dtype or model.dtype  # the pool's; the model line keeps its own
+  block = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, args.block_size,
+                      1, kv_dtype).block_bytes
+  if budget < block:
+    raise ValueError(f"--budget={args.budget} is smaller than one KV block ({block} bytes at "
+                     f"--block-size {args.block_size})")
   spec = KVCacheSpec.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim,
                                  args.block_size, kv_dtype)
   dist = planner.LengthDistribution(median_len=args.median_len, sigma=args.sigma,

@@ -34,20 +34,30 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str | int) -> int:
-  """``"16GiB"``, ``"8GB"``, ``"1.5e9"`` or an int -> bytes."""
+def parse_bytes(text: str | int, name: str = "budget") -> int:
+  """``"16GiB"``, ``"8GB"``, ``"1.5e9"`` or an int -> bytes; errors name ``name`` (the
+  CLI passes its option, ``--budget``)."""
   if isinstance(text, (int, np.integer)):
     return int(text)
   match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
   if not match or match.group(2).lower() not in _UNITS:
-    raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB' or a byte count")
+    raise ValueError(f"{name}={text!r} must be a size like '16GiB', '8GB' or a byte count")
   try:
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
   except ValueError as e:
-    raise ValueError(f"budget={text!r} must be a size like '16GiB', '8GB'") from e
+    raise ValueError(f"{name}={text!r} must be a size like '16GiB', '8GB'") from e
   if not value < MAX_BUDGET_BYTES:  # inf and nan too
-    raise ValueError(f"budget={text!r} must be below 1 EiB (2**60 bytes)")
+    raise ValueError(f"{name}={text!r} must be below 1 EiB (2**60 bytes)")
   return int(value)
+
+
+def format_bytes(num_bytes: float) -> str:
+  """A size in the largest binary unit it reaches: "16.00 GiB", "24.0 KiB", "512 bytes"."""
+  for unit, digits in (("GiB", 2), ("MiB", 1), ("KiB", 1)):
+    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+    if num_bytes >= scale:
+      return f"{num_bytes / scale:.{digits}f} {unit}"
+  return f"{int(num_bytes)} bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +106,8 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
     path = os.path.join(path, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"config={path!r} does not exist")
+  if not os.path.isfile(path):
+    raise ValueError(f"config={path!r} is not a file (a Hugging Face config.json)")
   with open(path, encoding="utf-8") as f:
     try:
       config = json.load(f)
@@ -235,19 +247,18 @@ def plan_capacity(spec: KVCacheSpec, lengths: LengthDistribution) -> CapacityPla
 
 def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str:
   spec, dist = plan.spec, plan.lengths
-  mib = 2**20
   lines = [
       f"model      : {model.name}: L={spec.num_layers} K={spec.num_kv_heads} "
       f"D={spec.head_dim} dtype={jnp.dtype(model.dtype).name}"
       + ("" if jnp.dtype(spec.dtype) == jnp.dtype(model.dtype)
          else f", KV pool {jnp.dtype(spec.dtype).name}"),
       *(f"note       : {note}" for note in _dtype_note(model) + model.notes),
-      f"budget     : {budget_bytes / 2**30:.2f} GiB ({budget_bytes} bytes)",
+      f"budget     : {format_bytes(budget_bytes)} ({budget_bytes} bytes)",
       f"per token  : {spec.token_bytes} bytes ({spec.token_bytes / 1024:.1f} KiB)"
       + (", float32 scales per token and KV head included" if spec.quantized else ""),
-      f"per block  : {spec.block_bytes} bytes ({spec.block_bytes / mib:.3f} MiB), "
+      f"per block  : {spec.block_bytes} bytes ({format_bytes(spec.block_bytes)}), "
       f"Z={spec.block_size} tokens",
-      f"blocks     : {spec.num_blocks}  ({spec.total_bytes / 2**30:.2f} GiB used)",
+      f"blocks     : {spec.num_blocks}  ({format_bytes(spec.total_bytes)} used)",
       f"tokens     : {spec.max_tokens}",
       f"lengths    : log-normal, median {dist.median_len}, sigma {dist.sigma}, clipped to "
       f"[1, {dist.max_len}], seed {dist.seed}",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -119,10 +121,43 @@ def test_cli_plan_default_and_config(tmp_path, capsys):
 
 
 def test_cli_plan_errors_exit_2(capsys):
-  with pytest.raises(SystemExit) as exc:
-    cli.main(["plan", "--budget", "10"])
-  assert exc.value.code == 2
-  assert "budget_bytes=10" in capsys.readouterr().err
+  # Each named by the option (they named the planner's budget_bytes / budget), and a
+  # config.json that is a directory is an error line, not IsADirectoryError's traceback.
+  # One block of the Llama-3-8B shape: 2 * 32 layers * 8 heads * 128 dims * 16 * 2 bytes.
+  for argv, message in ((["--budget", "10"], "--budget=10 is smaller than one KV block "
+                         "(2097152 bytes at --block-size 16)"),
+                        (["--budget", "1e300"], "--budget='1e300' must be below 1 EiB"),
+                        (["--budget", "lots"], "--budget='lots' must be a size like"),
+                        (["--config", "DIR"], "config.json' is not a file")):
+    if argv[0] == "--config":
+      folder = pathlib.Path(tempfile.mkdtemp())
+      (folder / "config.json").mkdir()
+      argv = ["--config", str(folder)]
+    with pytest.raises(SystemExit) as exc:
+      cli.main(["plan", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_cli_plan_says_what_the_options_override(tmp_path, capsys):
+  # The model line kept the default's title under overrides, and --num-layers dropped a
+  # config's sliding-window pattern without a word; sizes under 1 GiB read as 0.00 GiB.
+  assert cli.main(["plan", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "32",
+                   "--dtype", "float32", "--budget", "1MiB"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("model      : Llama-3-8B shape (embedded default) with --num-layers 2, "
+                        "--num-kv-heads 2, --head-dim 32, --dtype float32: L=2 K=2 D=32")
+  assert "budget     : 1.0 MiB (1048576 bytes)" in out
+  assert "per block  : 16384 bytes (16.0 KiB)" in out and "(1.0 MiB used)" in out
+  config = dict(model_type="gemma3_text", num_hidden_layers=6, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, hidden_size=32, sliding_window=8)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert cli.main(["plan", "--config", str(tmp_path), "--num-layers", "12",
+                   "--budget", "1MiB"]) == 0
+  out = capsys.readouterr().out
+  assert ("--num-layers 12 differs from the config's 6 layers: its per-layer sliding-window "
+          "pattern no longer applies, every layer is planned as full attention") in out
 
 
 def test_cli_plan_shows_per_layer_kv_cost_of_sliding_and_full_layers(tmp_path, capsys):
