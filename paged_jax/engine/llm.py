@@ -205,7 +205,11 @@ class LLM:
       except ImportError:  # optional dependency
         tokenizers = None
       if tokenizers is not None:
-        tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+        try:
+          tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+        except Exception as e:  # the library raises a bare Exception on a bad file
+          raise ValueError(f"{tok_path} is not a tokenizer the tokenizers library reads "
+                           f"({e}); replace it, or remove it to serve token ids only") from None
     return cls(model, config, tokenizer=tokenizer, **kwargs)
 
   # --- state and compilation ---
@@ -297,6 +301,12 @@ class LLM:
     closes it; a stream kept in a variable needs ``.close()``). ``cache_salt`` as for
     ``generate``."""
     return self._serve(self._scheduler.requests(prompts, params, cache_salt))
+
+  def check_requests(self, prompts, params=None, *, cache_salt=None) -> None:
+    """The ``ValueError`` ``generate`` would raise for these arguments (an empty prompt, one
+    too long for ``max_model_len``, a bad id, ...), without compiling or serving anything;
+    None when they would be served. Draws no seeds: sampling is as if it had not run."""
+    self._scheduler.check(prompts, params, cache_salt)
 
   def generate(self, prompts, params=None, *, cache_salt=None) -> list[Output]:
     """Serve ``prompts`` (token-id lists, or strings with a tokenizer) with ``params`` (one

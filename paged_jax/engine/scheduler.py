@@ -202,6 +202,15 @@ class Scheduler:
         raise ValueError(f"cache_salt[{i}]={salt!r} must be a str or None")
     return ids
 
+  def check(self, prompts, params, cache_salt=None) -> None:
+    """``requests``' checks alone: the seeds it would draw for unseeded requests are not
+    drawn (a later ``generate`` samples as if this had not run)."""
+    rng_state = self._rng.bit_generator.state
+    try:
+      self.requests(prompts, params, cache_salt)
+    finally:
+      self._rng.bit_generator.state = rng_state
+
   def requests(self, prompts, params, cache_salt=None) -> list[Request]:
     """Validate a ``generate`` call's arguments (``ValueError`` naming the request)."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):

@@ -99,3 +99,39 @@ def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, check
   with pytest.raises(SystemExit):
     cli.main(["run", "--model", str(bare), "--prompt", "w3 w4", "--no-progress"])
   assert f"--model={str(bare)!r} has no tokenizer.json" in capsys.readouterr().err
+
+
+def test_an_unreadable_tokenizer_json_is_named(tmp_path, checkpoint, capsys):
+  # A git-lfs pointer (or any file the tokenizers library cannot read) in place of
+  # tokenizer.json: a traceback ending in a bare "Exception: expected value at line 1
+  # column 1" before; now one error line naming the file, from the API and the CLI.
+  import shutil
+
+  from paged_jax import cli
+  path, _ = checkpoint
+  broken = tmp_path / "broken"
+  shutil.copytree(path, broken)
+  (broken / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\n")
+  with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer the tokenizers "
+                                       r"library reads \(.*\); replace it, or remove it"):
+    LLM.from_pretrained(broken, num_blocks=8, max_seqs=2)
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["run", "--model", str(broken), "--no-progress"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"{broken / 'tokenizer.json'} is not a tokenizer" in err and "Traceback" not in err
+
+
+def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys):
+  # An empty prompt, or one too long for the model, was refused only after every device
+  # call had compiled (tens of seconds on a real checkpoint).
+  from paged_jax import cli, cli_run
+  path, _ = checkpoint
+  monkeypatch.setattr(cli_run, "_precompile", lambda *a: pytest.fail("compiled"))
+  for prompt, message in (("", "prompts[0] is empty"),
+                          (" ".join(["w3"] * 300), "prompts[0] has 300 tokens; must be < "
+                                                   "max_model_len=")):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(["run", "--model", str(path), "--prompt", prompt, "--no-progress"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
