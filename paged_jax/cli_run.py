@@ -35,13 +35,15 @@ def add_run_parser(subparsers) -> None:
                  "embedded tiny Llama)")
   p.add_argument("--prompt", help="generate from this text instead of the synthetic workload "
                  "(needs --model with a tokenizer.json; default: none)")
-  p.add_argument("--num-requests", type=int, default=w.num_requests,
+  # The workload's options default to None (Workload's values, filled in by _workload_args)
+  # so that --prompt can refuse them when given.
+  p.add_argument("--num-requests", type=int, default=None,
                  help=f"synthetic requests (default {w.num_requests})")
-  p.add_argument("--prompt-median", type=int, default=w.prompt_median,
+  p.add_argument("--prompt-median", type=int, default=None,
                  help=f"median prompt length (default {w.prompt_median})")
-  p.add_argument("--output-median", type=int, default=w.output_median,
+  p.add_argument("--output-median", type=int, default=None,
                  help=f"median output length (default {w.output_median})")
-  p.add_argument("--sigma", type=float, default=w.prompt_sigma,
+  p.add_argument("--sigma", type=float, default=None,
                  help=f"log-normal sigma of both lengths (default {w.prompt_sigma})")
   p.add_argument("--seed", type=int, default=0,
                  help="workload, weight and sampling seed (default 0; request i samples "
@@ -77,8 +79,9 @@ def add_run_parser(subparsers) -> None:
                  "float8_e5m2 (one byte per value plus a float32 scale per token and KV head; "
                  "about twice the sequences of bfloat16) (default: the model dtype)")
   p.add_argument("--compilation-cache", default=None, metavar="DIR",
-                 help="persistent compilation cache directory, or 'off' (default: "
-                 "$PAGED_JAX_COMPILATION_CACHE, else ~/.cache/paged_jax/jax)")
+                 help="persistent compilation cache directory, or 'off'; given, it "
+                 "replaces $JAX_COMPILATION_CACHE_DIR (default: $JAX_COMPILATION_CACHE_DIR, "
+                 "else $PAGED_JAX_COMPILATION_CACHE, else ~/.cache/paged_jax/jax)")
   p.add_argument("--no-progress", action="store_true",
                  help="no progress lines on stderr (default: progress on)")
   p.set_defaults(func=_run)
@@ -111,7 +114,7 @@ class _Progress:
     if self.enabled and (now - self.last >= self.every_s or done == self.total):
       self.last = now
       rate = tokens / now if now > 0 else 0.0
-      sys.stderr.write(f"\r  served {done}/{self.total} requests, {tokens} tokens, "
+      sys.stderr.write(f"\r  served {done}/{self.total} requests, {count(tokens, 'token')}, "
                        f"{rate:.0f} tokens/s, {now:.1f} s ")
       sys.stderr.flush()
 
@@ -151,9 +154,11 @@ def _engine(args):
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_budget_bytes=budget,
               max_seqs=args.max_seqs,
               max_tokens_per_step=args.max_tokens_per_step, steps_per_call=args.steps_per_call,
-              kv_cache_dtype=args.kv_cache_dtype,
-              compilation_cache=(True if args.compilation_cache is None
-                                 else args.compilation_cache))
+              kv_cache_dtype=args.kv_cache_dtype, compilation_cache=True)
+  if args.compilation_cache is not None:  # given: it wins over JAX_COMPILATION_CACHE_DIR
+    from paged_jax import compile_cache
+    compile_cache.enable(args.compilation_cache, override=True)
+    opts["compilation_cache"] = False  # the engine then keeps what was just set
   if args.model:
     return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)
   from paged_jax.models import ModelConfig, init_random
@@ -190,6 +195,7 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
                   steady_tokens_per_s: float | None = None, notes=(),
                   device: str | None = None) -> str:
   """The serving report printed by ``paged-jax run``."""
+  from paged_jax.planner import format_bytes
   rows = []
   if device is not None:
     rows.append(("device", device))
@@ -209,9 +215,9 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
           f"{stats['num_blocks'] - free} blocks still held")
   rows += [
       ("requests/s", f"{stats['requests_per_s']:.2f}"),
-      ("KV pool", f"{stats['num_blocks']} blocks of {stats['block_size']} tokens, "
+      ("KV pool", f"{count(stats['num_blocks'], 'block')} of {stats['block_size']} tokens, "
                   f"{_pool_dtype(stats['kv_cache_dtype'])}, "
-                  f"{stats['kv_pool_bytes'] / 2**20:.1f} MiB"),
+                  f"{format_bytes(stats['kv_pool_bytes'])}"),
       *_kv_groups_rows(stats),
       ("KV blocks free", f"{free} at the end ({leak})"),
       ("peak blocks in use", f"{stats['peak_blocks_in_use']}"),
@@ -220,7 +226,7 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
                          "in use, mean over steps)"),
       ("preemptions", f"{stats['preemptions']}"),
       ("prefix hit rate", f"{stats['prefix_hit_rate']:.1%}" + _prefix_caching_note(stats)),
-      ("engine steps", f"{stats['steps']} in {stats['device_calls']} device calls"),
+      ("engine steps", f"{stats['steps']} in {count(stats['device_calls'], 'device call')}"),
       ("host syncs", f"{stats['host_syncs']}"),
       ("host syncs per token", f"{stats['host_syncs_per_token']:.3f}"),
   ]
@@ -262,11 +268,7 @@ def _kv_budget_bytes(args) -> int | None:
   if args.kv_budget is None:
     return None
   from paged_jax.planner import parse_bytes
-  try:
-    return parse_bytes(args.kv_budget)
-  except ValueError:
-    raise ValueError(f"--kv-budget={args.kv_budget!r} must be a size like '64MiB', '1GB' "
-                     "or a byte count") from None
+  return parse_bytes(args.kv_budget, name="--kv-budget")
 
 
 def _check_args(args) -> None:
@@ -277,6 +279,12 @@ def _check_args(args) -> None:
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")
+  if args.prompt is not None:
+    for name in ("num_requests", "prompt_median", "output_median", "sigma"):
+      if getattr(args, name) is not None:
+        raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} applies to the "
+                         "synthetic workload only; --prompt serves that one prompt (set "
+                         "--max-tokens for its length)")
   check_counts(args, ("num_requests", "prompt_median", "output_median", "block_size",
                       "max_seqs", "max_tokens_per_step", "steps_per_call", "num_blocks",
                       "max_tokens"))
@@ -302,8 +310,8 @@ def check_counts(args, names) -> None:
 
 
 def check_sigma(args) -> None:
-  """``--sigma``, the log-normal length draw's spread."""
-  if not (math.isfinite(args.sigma) and args.sigma >= 0):
+  """``--sigma``, the log-normal length draw's spread (None: not given)."""
+  if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma >= 0):
     raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
 
 
@@ -312,16 +320,30 @@ def _precompile(llm, progress: bool) -> float:
   t0 = time.perf_counter()
 
   def say(i, n, what):
-    _say(progress, f"  compiling {i + 1}/{n}: {what} ({time.perf_counter() - t0:.1f} s)")
+    if i == 0:
+      _say(progress, f"  {count(n, 'device call')} to compile (a warm compilation cache "
+           "loads them instead):")
+    _say(progress, f"  compiling {i + 1}/{n}: {what} (at {time.perf_counter() - t0:.1f} s)")
 
   llm.precompile(progress=say)
   return time.perf_counter() - t0
+
+
+def _workload_args(args) -> None:
+  """The workload options not given take ``Workload()``'s values."""
+  from paged_jax.workload import Workload
+  w = Workload()
+  for name, value in (("num_requests", w.num_requests), ("prompt_median", w.prompt_median),
+                      ("output_median", w.output_median), ("sigma", w.prompt_sigma)):
+    if getattr(args, name) is None:
+      setattr(args, name, value)
 
 
 def _run(args) -> int:
   progress = not args.no_progress
   t_start = time.perf_counter()
   _check_args(args)
+  _workload_args(args)
   _say(progress, "paged-jax run: loading JAX and building the engine ...")
   from paged_jax.sampling import SamplingParams
   from paged_jax.workload import Workload, make_requests
@@ -331,8 +353,9 @@ def _run(args) -> int:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     first = str(e).strip().splitlines()[0]
-    raise ValueError(f"the model and its KV pool do not fit the device's memory ({first}); "
-                     "lower --kv-budget or --num-blocks") from None
+    raise ValueError(f"the model, its KV pool and the state of --max-seqs={args.max_seqs} "
+                     f"sequences do not fit the device's memory ({first}); lower --kv-budget "
+                     "or --num-blocks, or --max-seqs") from None
   source = args.model or "embedded tiny Llama (random weights)"
   device = describe_device(llm.model)
   _say(progress, f"  {source}: {llm.stats['num_blocks']} KV blocks of {args.block_size} "
@@ -343,12 +366,15 @@ def _run(args) -> int:
                      "tokenizer.json beside its config.json" if args.model else
                      "--prompt needs --model DIR with a tokenizer.json (the embedded model "
                      "has no tokenizer)")
-  compile_s = _precompile(llm, progress)
   sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed)
+  if args.prompt is not None:  # an empty or too long prompt: said before compiling
+    prompt_params = SamplingParams(max_tokens=32 if args.max_tokens is None
+                                   else args.max_tokens, **sampling)
+    llm.check_requests([args.prompt], prompt_params)
+  compile_s = _precompile(llm, progress)
   if args.prompt is not None:
-    max_tokens = 32 if args.max_tokens is None else args.max_tokens
-    out, = llm.generate([args.prompt], SamplingParams(max_tokens=max_tokens, **sampling))
+    out, = llm.generate([args.prompt], prompt_params)
     print(f"prompt:     {args.prompt}")
     print(f"completion: {out.text}")
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "

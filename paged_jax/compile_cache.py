@@ -6,7 +6,8 @@ user's cache directory (``$XDG_CACHE_HOME/paged_jax/jax`` or ``~/.cache/paged_ja
 Move it with ``LLM(..., compilation_cache="DIR")`` or the environment variable
 ``PAGED_JAX_COMPILATION_CACHE=DIR``; disable it with ``compilation_cache=False`` or
 ``PAGED_JAX_COMPILATION_CACHE=off``. A cache directory the user already gave JAX
-(``jax_compilation_cache_dir``) is left as it is.
+(``jax_compilation_cache_dir``, e.g. from ``JAX_COMPILATION_CACHE_DIR``) is left as it is,
+except by the CLI's explicit ``--compilation-cache DIR|off``, which replaces it.
 """
 
 from __future__ import annotations
@@ -49,23 +50,39 @@ def resolve(setting: bool | str | os.PathLike | None = True) -> pathlib.Path | N
   raise ValueError(f"compilation_cache={setting!r} must be True, False or a directory path")
 
 
-def enable(setting: bool | str | os.PathLike | None = True) -> pathlib.Path | None:
+def enable(setting: bool | str | os.PathLike | None = True, *,
+           override: bool = False) -> pathlib.Path | None:
   """Point JAX's persistent compilation cache at the directory ``setting`` selects.
 
   Returns the directory in use (None when off). Leaves a directory the user already set
-  through ``jax.config`` alone, and returns it.
+  through ``jax.config`` alone, and returns it, unless ``override`` (a setting the user
+  gave explicitly, as the CLI's ``--compilation-cache``): then ``setting`` replaces it, and
+  an "off" setting turns JAX's cache off.
   """
   directory = resolve(setting)
   current = jax.config.jax_compilation_cache_dir
-  if current:
+  if current and not override:
     return pathlib.Path(current)
   if directory is None:
+    if current:
+      _point_jax_at(None)
     return None
   try:
     directory.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise ValueError(f"compilation_cache={str(directory)!r} cannot be created: {e}") from e
-  jax.config.update("jax_compilation_cache_dir", str(directory))
+  _point_jax_at(str(directory))
   if jax.config.jax_persistent_cache_min_compile_time_secs > _MIN_COMPILE_SECS:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", _MIN_COMPILE_SECS)
   return directory
+
+
+def _point_jax_at(directory: str | None) -> None:
+  """Set JAX's cache directory (None: no cache). JAX opens its cache once, at the first
+  compilation after a directory is set: a cache already open elsewhere is closed, so the
+  next compilation opens the new one."""
+  opened = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", directory)
+  if opened and opened != directory:
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()

@@ -150,8 +150,9 @@ def pool_spec(config, kv_dtype, layers: int, *, block_size: int, num_blocks, kv_
     probe = dataclasses.replace(protocol.kv_cache_spec(c, block_size=block_size, num_blocks=1,
                                                        dtype=kv_dtype), num_layers=layers)
     check_budget(kv_budget_bytes, probe.block_bytes,
-                 f"{layers} layers x {c.num_kv_heads} KV heads x head_dim {c.head_dim} x "
-                 f"block_size {block_size} of {probe.dtype.name}")
+                 f"K and V x {layers} layers x {c.num_kv_heads} KV heads x head_dim "
+                 f"{c.head_dim} x block_size {block_size} of {probe.dtype.name}"
+                 + (", with their scales" if probe.quantized else ""))
     spec = KVCacheSpec.from_budget(kv_budget_bytes, layers, c.num_kv_heads, c.head_dim,
                                    block_size, kv_dtype)
     blocks = spec.num_blocks

@@ -285,6 +285,13 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
                       "one sequence")):
     with pytest.raises(ValueError, match=match):
       llm.generate([good, bad], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=match):  # the same, with nothing served
+      llm.check_requests([good, bad], SamplingParams(max_tokens=4))
+  # check_requests draws no seeds: unseeded sampling afterwards is as if it had not run.
+  rng = llm._scheduler._rng
+  before = rng.bit_generator.state
+  assert llm.check_requests([good, good], SamplingParams(temperature=1.0)) is None
+  assert rng.bit_generator.state == before
   with pytest.raises(ValueError, match="n="):
     llm.generate([good], SamplingParams(n=4))  # max_seqs is 3
   with pytest.raises(ValueError, match="len"):
@@ -340,7 +347,8 @@ def test_engine_options_validation(model, config):
   # naming KVCacheSpec.from_budget's budget_bytes, or accepted and failing later).
   # One block: 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims x 4 bytes = 2048 bytes.
   for kwargs, match in ((dict(kv_budget_bytes=2047), r"kv_budget_bytes=2047 must be an int "
-                         r"number of bytes >= one KV block \(2048 bytes: 2 layers"),
+                         r"number of bytes >= one KV block \(2048 bytes: K and V x 2 layers x 2 KV heads "
+                         r"x head_dim 16 x block_size 4 of float32\)"),
                         (dict(kv_budget_bytes=4096.0), "kv_budget_bytes=4096.0"),
                         (dict(dtype="garbage"), "dtype='garbage' is not a dtype"),
                         (dict(kv_cache_dtype="fp8"), r"jnp\.float8_e4m3fn"),
@@ -479,8 +487,11 @@ def test_cli_run_names_the_options_when_the_pool_outgrows_the_device(monkeypatch
 
   monkeypatch.setattr(cli_run, "_engine", out_of_memory)
   args = _run_args("--kv-budget", "20GiB")
-  with pytest.raises(ValueError, match=r"do not fit the device's memory \(RESOURCE_EXHAUSTED: "
-                     r"Out of memory while trying to allocate 21.5GiB.\); lower --kv-budget"):
+  # The sequences' state is named too (--max-seqs 1e9 was blamed on the pool alone).
+  with pytest.raises(ValueError, match=r"the model, its KV pool and the state of "
+                     r"--max-seqs=16 sequences do not fit the device's memory "
+                     r"\(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 21.5GiB.\); "
+                     r"lower --kv-budget or --num-blocks, or --max-seqs"):
     args.func(args)
   monkeypatch.setattr(cli_run, "_engine", lambda args: 1 / 0)  # other errors pass through
   with pytest.raises(ZeroDivisionError):

@@ -7,6 +7,9 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import pytest
@@ -138,6 +141,12 @@ def test_run_report_names_a_quantised_pool():
   stats.update(kv_group_windows=(16, None))  # turned off by the user
   report = cli_run.format_report(stats, title="t", compile_s=2.0)
   assert "0.0% (prefix caching off)" in report
+  # One block of a small pool: "1 blocks ... 0.0 MiB" and "1 device calls" before.
+  stats.update(num_blocks=1, num_free_blocks=1, kv_pool_bytes=24 * 1024)
+  report = cli_run.format_report(stats, title="t")
+  assert "1 block of 16 tokens, int8 with a float32 scale per token and KV head, 24.0 KiB" \
+      in report
+  assert "4 in 1 device call\n" in report
 
 
 def test_run_int8_pool_end_to_end(capsys):
@@ -206,7 +215,13 @@ def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--kv-budget", "1MiB", "--num-blocks", "64"], "--kv-budget=1MiB and --num-blocks=64"),
-    (["--kv-budget", "lots"], "--kv-budget='lots' must be a size like '64MiB'")])
+    (["--kv-budget", "lots"], "--kv-budget='lots' must be a size like '16GiB'"),
+    # The parser's own reason (it said "must be a size like" of 1e300 too).
+    (["--kv-budget", "1e300"], "--kv-budget='1e300' must be below 1 EiB"),
+    # --prompt serves one prompt: the workload's options were ignored without a word.
+    (["--prompt", "hi", "--num-requests", "5"], "--num-requests=5 applies to the synthetic "
+     "workload only; --prompt serves that one prompt"),
+    (["--prompt", "hi", "--sigma", "0.5"], "--sigma=0.5 applies to the synthetic workload")])
 def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):
   with pytest.raises(SystemExit) as exc:
     cli.main(["run", *argv, "--no-progress"])
@@ -231,3 +246,35 @@ def test_version_and_counts_read_as_english(capsys):
   assert count(1, "synthetic request") == "1 synthetic request"
   assert count(64, "request") == "64 requests"
   assert (count(1, "group"), count(2, "layer")) == ("1 group", "2 layers")
+
+
+def test_an_explicit_cache_setting_replaces_jax_compilation_cache_dir(tmp_path):
+  # `paged-jax run --compilation-cache DIR|off` was ignored when JAX_COMPILATION_CACHE_DIR
+  # was set (the library keeps a directory the user gave JAX; the CLI's explicit flag now
+  # wins). One subprocess: JAX's cache directory is process-wide.
+  script = textwrap.dedent("""
+      import os, sys
+      import jax, jax.numpy as jnp
+      from paged_jax import compile_cache
+      env_dir, own_dir = sys.argv[1:3]
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+      assert compile_cache.enable(True) == compile_cache.pathlib.Path(env_dir)  # kept
+      jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()
+      before = len(os.listdir(env_dir))
+      assert before > 0
+      assert str(compile_cache.enable(own_dir, override=True)) == own_dir
+      jax.jit(lambda x: x * 3)(jnp.ones(4)).block_until_ready()
+      assert len(os.listdir(own_dir)) > 0 and len(os.listdir(env_dir)) == before
+      assert compile_cache.enable("off", override=True) is None
+      assert not jax.config.jax_compilation_cache_dir
+      written = len(os.listdir(own_dir))
+      jax.jit(lambda x: x - 5)(jnp.ones(6)).block_until_ready()
+      assert len(os.listdir(own_dir)) == written and len(os.listdir(env_dir)) == before
+      print("ok")
+  """)
+  env_dir, own_dir = tmp_path / "env", tmp_path / "own"
+  env_dir.mkdir()
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(env_dir))
+  out = subprocess.run([sys.executable, "-c", script, str(env_dir), str(own_dir)], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
