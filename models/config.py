@@ -21,6 +21,9 @@ Supported ``model_type``s, each read as transformers (5.x) reads its ``config.js
   rest slide); sliding layers rotate with ``rope_local_base_freq`` (10k), global ones with
   ``rope_theta`` (1M) and ``rope_scaling``; transformers 5 writes both as
   ``rope_parameters[layer_type]``.
+- "gemma3" (the multimodal Gemma 3 checkpoints, 4B and up): their text decoder, a
+  "gemma3_text" read from ``text_config`` over transformers' defaults
+  (``GEMMA3_TEXT_DEFAULTS``); the vision tower's weights are not loaded (text prompts only).
 - "gpt_oss": a mixture-of-experts MLP (``num_local_experts`` experts, the top
   ``num_experts_per_tok`` per token, ``models.moe``), a learned sink logit per query head,
   biases on q/k/v/o (``attention_bias``, default True), ``layer_types`` (default: even
@@ -54,6 +57,16 @@ from paged_jax.models.rope import YarnScaling
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
                          "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Gemma 3's multimodal checkpoints (model_type "gemma3": the 4B, 12B and 27B models) keep
+# the text decoder's config in ``text_config``, writing only what differs from
+# transformers' ``Gemma3TextConfig`` defaults: these are those defaults (checked against
+# transformers in tests/models/test_gemma3_multimodal.py).
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, sliding_window=4096,
+    query_pre_attn_scalar=256, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    pad_token_id=0, eos_token_id=1, bos_token_id=2)
 FULL, SLIDING = "full_attention", "sliding_attention"
 """The per-layer attention kinds of transformers' ``layer_types``."""
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -317,6 +330,7 @@ class ModelConfig:
     """
     if not isinstance(hf, Mapping):
       raise ValueError(f"hf={type(hf).__name__} must be a mapping (a parsed config.json)")
+    hf = text_config_of(hf)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type={model_type!r} in config.json is not supported; expected "
@@ -439,6 +453,23 @@ class ModelConfig:
       if eos is not None:
         hf = dict(hf, eos_token_id=eos)
     return cls.from_hf_dict(hf, max_seq_len=max_seq_len)
+
+
+def text_config_of(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The text decoder's config of a multimodal Gemma 3 ``config.json`` (``model_type``
+  "gemma3" with a ``text_config``) as a "gemma3_text" dict: transformers' defaults, then
+  the ``text_config``, the dtype when only the top level names it, and the top level's
+  EOS / BOS / pad ids (those generation uses). Any other config is returned as it is."""
+  text = hf.get("text_config")
+  if hf.get("model_type") != "gemma3" or not isinstance(text, Mapping):
+    return hf
+  merged = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text"}
+  if merged.get("torch_dtype") is None and merged.get("dtype") is None:
+    merged["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype")
+  for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+    if hf.get(key) is not None:
+      merged[key] = hf[key]
+  return merged
 
 
 def _read_json(path: str) -> dict:

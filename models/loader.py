@@ -38,6 +38,14 @@ _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16}
 # Checkpoint tensors no model reads and transformers loads without a word: the RoPE
 # frequencies older exports saved as buffers (they are recomputed from the config).
 _IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Where a multimodal Gemma 3 checkpoint keeps its text decoder's tensors (transformers
+# 4.52 and later; 4.50-4.51), as (our name's prefix, the checkpoint's) pairs, and the
+# tensors of its vision tower, which serving text does not read.
+_TEXT_PREFIXES = (
+    (("model.", "model.language_model."),),
+    (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+)
+_VISION_TENSORS = re.compile(r"(^|\.)(vision_tower|multi_modal_projector)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +184,19 @@ class _CheckpointReader:
     else:
       raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "
                               f"directory {path!r}")
+    self._prefixes = ()  # a multimodal checkpoint's text decoder: its names' prefixes
+    if EMBED not in self._weight_map:
+      for prefixes in _TEXT_PREFIXES:
+        if self._checkpoint_name(EMBED, prefixes) in self._weight_map:
+          self._prefixes = prefixes
+          break
+
+  def _checkpoint_name(self, name: str, prefixes=None) -> str:
+    """The checkpoint's name of tensor ``name`` (as a text-only checkpoint names it)."""
+    for ours, theirs in self._prefixes if prefixes is None else prefixes:
+      if name.startswith(ours):
+        return theirs + name[len(ours):]
+    return name
 
   def _open(self, file: str):
     if file not in self._handles:
@@ -214,16 +235,18 @@ class _CheckpointReader:
     return self._headers[file]
 
   def __contains__(self, name: str) -> bool:
-    return name in self._weight_map
+    return self._checkpoint_name(name) in self._weight_map
 
   def unread(self) -> list[str]:
     """The checkpoint's tensors not read so far, less those no model reads
-    (``_IGNORED_TENSORS``), in checkpoint order."""
+    (``_IGNORED_TENSORS``; a multimodal checkpoint's vision tower), in checkpoint order."""
     return [name for name in self._weight_map
-            if name not in self.names_read and not _IGNORED_TENSORS.search(name)]
+            if name not in self.names_read and not _IGNORED_TENSORS.search(name)
+            and not (self._prefixes and _VISION_TENSORS.search(name))]
 
   def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``name`` as numpy, after checking its shape (before reading its data)."""
+    name = self._checkpoint_name(name)
     if name not in self._weight_map:
       if name + "_blocks" in self._weight_map:
         raise ValueError(f"tensor {name!r} is stored MXFP4-quantised ({name}_blocks, "

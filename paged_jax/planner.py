@@ -119,10 +119,14 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   text = config.get("text_config")
   if "num_attention_heads" not in config and isinstance(text, dict):
     # A multimodal config (Gemma 3, Llama 4, ...): the KV cache is its text model's.
+    from paged_jax.models.config import text_config_of
+    gemma3 = config.get("model_type") == "gemma3"  # served: its text decoder
     notes.append(f"model_type={config.get('model_type')!r} is multimodal: planned from its "
-                 f"text_config ({text.get('model_type')!r}); load_pretrained reads text-only "
-                 "checkpoints")
-    outer, config = config, {"_name_or_path": config.get("_name_or_path"), **text}
+                 f"text_config ({text.get('model_type')!r})" + (
+                     ", the text decoder load_pretrained serves" if gemma3 else ""))
+    outer = config
+    config = {"_name_or_path": config.get("_name_or_path"),
+              **(text_config_of(config) if gemma3 else text)}
     for key in ("torch_dtype", "dtype"):
       config.setdefault(key, outer.get(key))
   num_heads, num_layers, hidden = (_config_int(path, config, key) for key in (

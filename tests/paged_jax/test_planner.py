@@ -311,3 +311,20 @@ def test_a_multimodal_config_is_planned_from_its_text_config(tmp_path):
   # Gemma 3's default pattern: every 6th layer full, the others slide (52 of 62).
   assert model.layer_types.count("sliding_attention") == 52 and model.sliding_window == 1024
   assert len(model.notes) == 1 and "multimodal: planned from its text_config" in model.notes[0]
+
+
+def test_a_sparse_gemma3_text_config_takes_transformers_defaults(tmp_path):
+  # Gemma 3 4B as published lists only what differs from transformers' Gemma3TextConfig:
+  # no heads, no head_dim ("lacks 'num_attention_heads'" before); defaults 8, 4 and 256.
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      model_type="gemma3", torch_dtype="bfloat16", eos_token_id=[1, 106],
+      text_config=dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=34, sliding_window=1024,
+                       rope_scaling=dict(factor=8.0, rope_type="linear")))))
+  model = planner.model_shape_from_config(tmp_path)
+  assert (model.num_layers, model.num_kv_heads, model.head_dim) == (34, 4, 256)
+  assert model.layer_types.count("full_attention") == 5 and model.sliding_window == 1024
+  assert "the text decoder load_pretrained serves" in model.notes[0]
+  config = models.ModelConfig.from_json(tmp_path)  # what load_pretrained would build
+  assert (config.model_type, config.num_heads, config.vocab_size) == ("gemma3_text", 8, 262_208)
+  assert config.eos_token_ids == (1, 106) and config.rope_scaling == models.LinearRopeScaling(8.0)
