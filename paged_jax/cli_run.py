@@ -387,9 +387,11 @@ def _run(args) -> int:
   if (max_prompt, max_output) != (default.max_prompt_len, default.max_output_len):
     bound = ("the model's context" if llm.max_model_len >= llm.config.max_seq_len
              else "what one sequence can hold in the KV pool")
+    lowered = [f"{what} <= {cap} tokens (default {was})" for what, cap, was in (
+        ("prompts", max_prompt, default.max_prompt_len),
+        ("outputs", max_output, default.max_output_len)) if cap != was]
     notes.append(f"workload caps lowered to fit max_model_len={llm.max_model_len} ({bound}): "
-                 f"prompts <= {max_prompt} tokens (default {default.max_prompt_len}), "
-                 f"outputs <= {max_output} (default {default.max_output_len})")
+                 + ", ".join(lowered))
   for option, median, cap in (("--prompt-median", args.prompt_median, max_prompt),
                               ("--output-median", args.output_median, max_output)):
     if median > cap:

@@ -446,7 +446,7 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
               "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests",
               "workload caps lowered to fit max_model_len=256 (what one sequence can hold "
-              "in the KV pool): prompts <= 128 tokens (default 192)",
+              "in the KV pool): prompts <= 128 tokens (default 192)\n",  # outputs: not cut
               "--output-median 200 is above the cap of 96 tokens"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
