@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "sample", "request_keys"]
+__all__ = ["SamplingParams", "sample", "request_keys", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 
@@ -126,6 +126,26 @@ def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> ja
                        index_S.astype(jnp.int32))
 
 
+def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
+             truncates_S: jax.Array) -> jax.Array:
+  """Top-k then top-p: ``scaled_SV`` with everything below each row's smallest kept value
+  at -inf, in the rows where ``truncates_S``; the other rows as they are (a row's draw never
+  depends on another row's top-k or top-p). A top-p of 1 keeps every token (the cumulative
+  mass of a long tail can round to 1 before its last tokens)."""
+  vocab = scaled_SV.shape[-1]
+  sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
+  k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
+  in_k_SV = jnp.arange(vocab)[None, :] < k_S[:, None]
+  sorted_SV = jnp.where(in_k_SV, sorted_SV, -jnp.inf)
+  probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
+  before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
+  in_p_SV = (before_SV < top_p_S[:, None]) | (top_p_S >= 1)[:, None]
+  num_keep_S = jnp.maximum(jnp.sum(in_p_SV & in_k_SV, axis=-1), 1)
+  threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
+  kept_SV = (scaled_SV >= threshold_S[:, None]) | ~truncates_S[:, None]
+  return jnp.where(kept_SV, scaled_SV, -jnp.inf)
+
+
 def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
            top_p_S: jax.Array, key_S: jax.Array) -> tuple[jax.Array, jax.Array]:
   """One token per row (module docstring for the semantics); jit-able.
@@ -145,7 +165,7 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
     raise ValueError(f"logits.shape={tuple(logits_SV.shape)} must be [S, V]")
   if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
     raise ValueError(f"logits.dtype={logits_SV.dtype} must be a floating dtype")
-  num_rows, vocab = logits_SV.shape
+  num_rows = logits_SV.shape[0]
   for name, x in (("temperature", temperature_S), ("top_k", top_k_S), ("top_p", top_p_S),
                   ("key", key_S)):
     if x.shape != (num_rows,):
@@ -162,23 +182,13 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   shifted_SV = logits_SV - jnp.where(jnp.isfinite(max_S), max_S, 0.0)[:, None]
   scaled_SV = shifted_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
 
-  def truncate(scaled_SV):
-    """Top-k then top-p: mask everything below each row's smallest kept value."""
-    sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
-    k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
-    rank_V = jnp.arange(vocab)
-    in_k_SV = rank_V[None, :] < k_S[:, None]
-    sorted_SV = jnp.where(in_k_SV, sorted_SV, -jnp.inf)
-    probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
-    before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
-    num_keep_S = jnp.maximum(jnp.sum((before_SV < top_p_S[:, None]) & in_k_SV, axis=-1), 1)
-    threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, -jnp.inf)
+  truncates_S = hot_S & ((top_k_S > 0) | (top_p_S < 1))
 
   def draw():
     # The sort over V only runs when some sampled row truncates its distribution.
-    truncating = jnp.any(hot_S & ((top_k_S > 0) | (top_p_S < 1)))
-    masked_SV = jax.lax.cond(truncating, truncate, lambda x: x, scaled_SV)
+    truncating = jnp.any(truncates_S)
+    masked_SV = jax.lax.cond(truncating, lambda x: truncate(x, top_k_S, top_p_S, truncates_S),
+                             lambda x: x, scaled_SV)
     return jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
 
   # Random draws (S x V of them) only when some row samples: an all-greedy batch skips them.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampling import request_keys, sample
+from paged_jax.sampling import request_keys, sample, truncate
 
 ROWS = 4000
 
@@ -102,3 +102,18 @@ def test_shape_validation():
   with pytest.raises(ValueError, match="logits.dtype=int32 must be a floating dtype"):
     sample(jnp.zeros((2, 4), jnp.int32), jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2),
            keys)
+
+
+def test_truncation_touches_only_the_rows_that_ask_for_it():
+  # Token 0 holds all but ~1e-8 of the mass: the cumulative mass before token 1 rounds to
+  # 1.0 in float32, so "before < top_p" with top_p = 1 dropped every other token. Row 0
+  # (top-k 3, top-p 1) keeps its top 3; row 1 (neither) keeps every token although row 0
+  # makes the batch truncate; row 2 (top-p 0.5) keeps token 0 alone.
+  tail = jnp.asarray([0.0, -18.5, -19.0, -19.5, -20.0])
+  scaled_SV = jnp.stack([tail, tail, tail])
+  got = truncate(scaled_SV, jnp.asarray([3, 0, 0]), jnp.asarray([1.0, 1.0, 0.5]),
+                 jnp.asarray([True, False, True]))
+  inf = -jnp.inf
+  np.testing.assert_array_equal(np.asarray(got), [
+      [0.0, -18.5, -19.0, inf, inf], [0.0, -18.5, -19.0, -19.5, -20.0],
+      [0.0, inf, inf, inf, inf]])
