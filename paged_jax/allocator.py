@@ -589,8 +589,8 @@ def fork(state: AllocatorState, src,
   ok_F = _grant_in_order(g * need_F, valid_F, state.num_free)
   copy_F = ok_F & (need_F == 1)
   grant_F = g * copy_F.astype(jnp.int32)
-  rank_F = jnp.cumsum(grant_F) - grant_F  # fork f takes free-order positions from rank_f
-  total = jnp.sum(grant_F)
+  rank_F = jnp.cumsum(grant_F, dtype=jnp.int32) - grant_F  # fork f takes positions from rank_f
+  total = jnp.sum(grant_F, dtype=jnp.int32)
   rank_gF = rank_F[None, :] + jnp.arange(g, dtype=jnp.int32)[:, None]
   new_block_gF, taken_N = _take(state, total, jnp.clip(rank_gF, 0, n - 1))
 

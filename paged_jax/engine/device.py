@@ -215,8 +215,10 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
       peak_blocks_in_use=jnp.maximum(st.peak_blocks_in_use, blocks_in_use),
       utilization_sum=st.utilization_sum + jnp.where(busy, utilization, 0.0),
       busy_steps=st.busy_steps + busy.astype(jnp.int32),
-      prompt_tokens=st.prompt_tokens + jnp.sum(jnp.where(first_S, st.len_S, 0)),
-      cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(jnp.where(first_S, hit_S * z, 0)),
+      prompt_tokens=st.prompt_tokens + jnp.sum(jnp.where(first_S, st.len_S, 0),
+                                               dtype=jnp.int32),
+      cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(
+          jnp.where(first_S, hit_S * z, 0), dtype=jnp.int32),
   )
 
 
