@@ -52,7 +52,9 @@ class SamplingParams:
     seed: None (the engine draws one) or an int in [0, 2**32): the request's PRNG stream,
       reproducible regardless of batch composition.
     stop_token_ids: extra ids that finish the request with "stop" (not included in the
-      output), like the checkpoint's EOS ids.
+      output), like the checkpoint's EOS ids. The engine keeps at most 16 distinct stop
+      ids a request, its EOS ids included (``engine.state.MAX_STOP_IDS``: a fixed-size row
+      on the device); more is a ``ValueError`` naming the request.
     ignore_eos: do not stop at the EOS ids (stop_token_ids still stop).
     logprobs: report the log-probability of each generated token (``Output.logprobs``)
       under the model's own distribution: ``log_softmax`` of the logits before temperature,

@@ -341,8 +341,10 @@ class LLM:
   def stats(self) -> dict[str, Any]:
     """Counters since the engine was built or ``reset_stats``. ``wall_s``: the time spent
     inside generate / generate_stream, less the compilations they waited for (a device call
-    used for the first time without ``precompile`` is compiled then, timed apart);
-    tokens_per_s and requests_per_s divide by it. ``kv_utilization``: tokens stored / token
+    used for the first time without ``precompile`` is compiled then, timed apart) and less
+    the time a stream's consumer held its events; tokens_per_s and requests_per_s divide by
+    it. ``requests``: those whose every completion finished (a closed stream's unfinished
+    ones are not counted); ``generated_tokens``: every token the device generated. ``kv_utilization``: tokens stored / token
     slots of the blocks in use, mean over the steps that ran a batch. ``compile_s``: the
     seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,

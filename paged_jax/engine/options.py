@@ -124,17 +124,18 @@ def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int)
   context and the longest sequence the pool holds alone (with KV groups every group holds
   a block per logical block, its window's in a sliding one, so that is less than the
   pool's token slots)."""
-  note = (f"model context {max_seq_len}, KV pool {spec.num_blocks // shards} blocks x "
-          f"{spec.block_size} tokens")
+  blocks = spec.num_blocks // shards
+  note = f"model context {max_seq_len}, KV pool {blocks} blocks x {spec.block_size} tokens"
   if shards > 1:
     note += " per data shard"
   if kv_groups.plain:
-    note += f" = {pool_tokens} tokens"
+    note += f" = {blocks * spec.block_size} tokens"  # pool_tokens is capped at the context
   else:
     windows = kv_groups.windows
+    fits = (f"{pool_tokens} tokens" if pool_tokens < max_seq_len
+            else "the whole context or more")
     note += (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
-             f"{len(windows) - windows.count(None)} sliding): one sequence fits in "
-             f"{pool_tokens} tokens")
+             f"{len(windows) - windows.count(None)} sliding): one sequence fits in {fits}")
   return note
 
 

@@ -348,6 +348,8 @@ class Scheduler:
     slot_owner: list = [None] * self.max_seqs
     want_S = np.zeros(self.max_seqs, np.int64)
     t0 = time.perf_counter()
+    suspended = 0.0  # seconds the stream spent handed to its consumer: not serving time
+    finished = dict.fromkeys((r.index for r in requests), 0)  # completions done, delivered
     last, stalled = None, 0
     try:
       while waiting or any(o is not None for o in slot_owner):
@@ -358,7 +360,14 @@ class Scheduler:
         events, clear = self._read_report(report, slot_owner)
         if clear.any():
           admit(clear, host_rows(self.max_seqs, self.max_model_len))
-        yield from events
+        for event in events:
+          if event.token_id is None:
+            finished[event.prompt_index] += 1
+          handed = time.perf_counter()
+          try:
+            yield event
+          finally:  # a close() resumes the stream here with GeneratorExit
+            suspended += time.perf_counter() - handed
         want_S = np.array(report["want_S"], np.int64)
         # A device call that changed nothing, with nothing admitted before it, leaves the
         # next call the same state: it would loop for ever. Never expected; a loud error
@@ -383,5 +392,5 @@ class Scheduler:
       left = np.array([o is not None for o in slot_owner])
       if left.any():
         abort(left)
-      self.counters["wall_s"] += time.perf_counter() - t0
-      self.counters["requests"] += len(requests)
+      self.counters["wall_s"] += time.perf_counter() - t0 - suspended
+      self.counters["requests"] += sum(finished[r.index] == r.params.n for r in requests)

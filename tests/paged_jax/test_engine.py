@@ -210,11 +210,15 @@ def test_streaming_yields_the_generated_tokens(llm):
 
 
 def test_abandoned_stream_releases_its_blocks(llm, dense_greedy):
+  llm.reset_stats()
   stream = llm.generate_stream(_prompts((6, 18, 3, 11), seed=15),
                                SamplingParams(max_tokens=20, ignore_eos=True))
   next(stream)
+  time.sleep(0.5)  # the consumer holds the event: not the engine's serving time
   stream.close()
   _check_all_free(llm)
+  # Before: wall_s counted the consumer's 0.5 s and all 4 requests counted as served.
+  assert llm.stats["wall_s"] < 0.5 and llm.stats["requests"] == 0
   good = _prompts((7,), seed=16)[0]
   out, = llm.generate([good], SamplingParams(max_tokens=6, ignore_eos=True))
   assert list(out.token_ids) == dense_greedy(good, 6)[0]
@@ -287,6 +291,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
       llm.generate([good, bad], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=match):  # the same, with nothing served
       llm.check_requests([good, bad], SamplingParams(max_tokens=4))
+  # The bound is named with the pool's own size (it printed 64 x 4 = 128, the context).
+  with pytest.raises(ValueError, match=r"must be < max_model_len=128 \(model context 128, KV "
+                                       r"pool 64 blocks x 4 tokens = 256 tokens\)"):
+    llm.check_requests([[3] * 128])
   # check_requests draws no seeds: unseeded sampling afterwards is as if it had not run.
   rng = llm._scheduler._rng
   before = rng.bit_generator.state
