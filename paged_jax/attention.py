@@ -184,8 +184,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       and it takes these shapes (``mosaic_gpu.unsupported_reason``); otherwise XLA.
     interpret: run a Pallas impl in its interpret mode (on CPU).
     debug: also check the values (block ids a live sequence reads in ``[0, N)``, lengths
-      consistent) with ``jax.experimental.checkify`` checks. Under ``jit`` wrap the caller in
-      ``checkify.checkify`` and ``throw`` the error (or use ``checked_paged_attention``);
+      consistent) with ``jax.experimental.checkify`` checks. Called eagerly, a failed check
+      is a ``ValueError`` naming the argument (as ``checked_paged_attention``); under
+      ``jit`` wrap the caller in ``checkify.checkify`` and ``throw`` the error;
       without ``debug`` nothing is checked at run time and a bad block id reads as an empty
       block (zeros), never as a clamped real block.
 
@@ -210,6 +211,13 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   if not isinstance(interpret, bool):
     raise ValueError(f"{interpret=} must be a bool")
   sm_scale = validation.static_scale(sm_scale)
+  if debug and not _traced(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs):
+    # Called eagerly: a failed check would surface as checkify's JaxRuntimeError; the
+    # checked wrapper raises the ValueError naming the argument instead.
+    return checked_paged_attention(q, cache, layer, kv_lens, block_tables, cu_q_lens,
+                                   num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                   soft_cap=soft_cap, sinks=sinks, impl=impl,
+                                   interpret=interpret)
   if debug:
     validation.checkify_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
                                         num_seqs, sliding_window=sliding_window)
@@ -268,6 +276,11 @@ def _checked(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks,
                                    num_seqs)
 
 
+def _traced(*args) -> bool:
+  """Whether any array in ``args`` (pytrees too) is a tracer: a call under a transform."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args))
+
+
 def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens,
                             num_seqs, *, sm_scale: float | None = None,
                             sliding_window: int | None = None, soft_cap: float | None = None,
@@ -278,6 +291,11 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
   block id a live sequence reads, inconsistent ``kv_lens`` / ``cu_q_lens``, ``num_seqs`` or
   ``layer`` out of range) after the call, instead of returning a silently masked result.
   """
+  if _traced(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks):
+    raise ValueError("checked_paged_attention raises after its call, so it cannot run "
+                     "inside jit (or another transformation): there, call paged_attention("
+                     "..., debug=True) inside jax.experimental.checkify.checkify and throw "
+                     "the error it returns")
   sm_scale = validation.static_scale(sm_scale)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)

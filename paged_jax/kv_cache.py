@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.pallas_kernels import layout, validation
-from paged_jax.spec import KVCacheSpec
+from paged_jax.spec import KVCacheSpec, _canonical_dtype
 
 
 def _check_int32_vector(name: str, x) -> None:
@@ -17,6 +17,11 @@ def _check_int32_vector(name: str, x) -> None:
     raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 1")
   if jnp.dtype(x.dtype) != jnp.int32:
     raise ValueError(f"{name}.dtype={x.dtype} must be int32")
+
+
+def _check_is_array(name: str, x) -> None:
+  if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
+    raise ValueError(f"{name} is a {type(x).__name__}; must be an array (jax or numpy)")
 
 
 def _is_array(x) -> bool:
@@ -47,7 +52,15 @@ class KVCache:
 
   def __init__(self, k_pages, v_pages, dtype=None, k_scales=None, v_scales=None):
     if _is_array(k_pages) and _is_array(v_pages):
-      logical = jnp.dtype(dtype if dtype is not None else k_pages.dtype)
+      if k_pages.shape != v_pages.shape:
+        raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal k_pages.shape="
+                         f"{tuple(k_pages.shape)}")
+      if k_pages.ndim != 5:
+        raise ValueError(f"k_pages.shape={tuple(k_pages.shape)} must be [L, K, N, Z, D] "
+                         "(KVCache.create(spec) builds one from a KVCacheSpec)")
+      # What a KVCacheSpec takes (an int32 pool truncated every value it was given).
+      logical = _canonical_dtype(dtype if dtype is not None else k_pages.dtype,
+                                 "dtype" if dtype is not None else "k_pages.dtype")
       stored = layout.storage_dtype(logical)
       quantized = layout.is_quantized(logical)
       holds_bits = jnp.dtype(k_pages.dtype) == stored and (
@@ -171,6 +184,8 @@ class KVCache:
         are separate scatters, and on an accelerator each may keep a different token).
     """
     k_TKD, v_TKD, slots_T = k, v, slots
+    for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
+      _check_is_array(name, x)
     validation.check_layer(layer, self.num_layers)
     expected = (self.num_kv_heads, self.head_dim)
     for name, x in (("k", k_TKD), ("v", v_TKD)):
@@ -215,6 +230,8 @@ class KVCache:
     reads happen before any write.
     """
     src_C, dst_C = src, dst
+    _check_is_array("src", src_C)
+    _check_is_array("dst", dst_C)
     _check_int32_vector("src", src_C)
     _check_int32_vector("dst", dst_C)
     if src_C.shape != dst_C.shape:

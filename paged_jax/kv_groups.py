@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["KVGroups", "layer_windows_of", "sliding_blocks"]
 
@@ -73,6 +74,11 @@ class KVGroups:
     layer_windows = tuple(layer_windows)
     if not layer_windows:
       raise ValueError(f"layer_windows={layer_windows!r} must name at least one layer")
+    for layer, w in enumerate(layer_windows):
+      if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                            or w < 1):
+        raise ValueError(f"layer_windows[{layer}]={w!r} must be None (full attention) or "
+                         "an int window >= 1")
     num_layers = len(layer_windows)
     if not free_outside_window:
       return cls((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)

@@ -21,6 +21,10 @@ import numpy as np
 from paged_jax.pallas_kernels import layout
 
 
+_POOL_FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16,
+                                             jnp.float64))
+
+
 def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
   try:
     canonical = jnp.dtype(dtype)
@@ -28,7 +32,9 @@ def _canonical_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     raise ValueError(f"{name}={dtype!r} is not a dtype; expected a floating dtype (jnp."
                      "float32, jnp.bfloat16, jnp.float16) or a quantised one (jnp.int8, "
                      "jnp.float8_e4m3fn, jnp.float8_e5m2)") from e
-  if not (jnp.issubdtype(canonical, jnp.floating) or layout.is_quantized(canonical)):
+  # Other float8 / float4 formats (fnuz, e8m0, e2m1, ...) cannot hold K/V unscaled: a
+  # value past their range, or a sign, reads back as NaN.
+  if canonical not in _POOL_FLOATS and not layout.is_quantized(canonical):
     raise ValueError(f"{name}={canonical} must be a floating dtype (float32, bfloat16, "
                      "float16) or a quantised one (int8, float8_e4m3fn, float8_e5m2)")
   if canonical.itemsize > 4 and not jax.config.jax_enable_x64:

@@ -104,8 +104,18 @@ class AttentionMetadata:
     that is ``(layer, self.slots_T, self.block_tables_SP)``."""
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
-    g = self.group_L[layer]
-    return self.cache_layer_L[layer], self.slots_gT[g], self.block_tables_gSP[g]
+    # Indexing would clamp a layer past L to layer L - 1 (another layer's K/V, no error).
+    num_layers = self.group_L.shape[0]
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+      if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} must be in [0, L={num_layers})")
+      g = self.group_L[layer]
+      return self.cache_layer_L[layer], self.slots_gT[g], self.block_tables_gSP[g]
+    inside = (layer >= 0) & (layer < num_layers)  # traced: outside, a cache layer of -1,
+    clipped = jnp.clip(layer, 0, num_layers - 1)   # which writes and reads nothing
+    g = self.group_L[clipped]
+    return (jnp.where(inside, self.cache_layer_L[clipped], -1), self.slots_gT[g],
+            self.block_tables_gSP[g])
 
 
 @jax.tree_util.register_dataclass

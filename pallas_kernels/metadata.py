@@ -29,7 +29,9 @@ def token_sequence_ids(cu_q_lens, num_seqs, num_tokens: int):
   """
   num_seq_rows = cu_q_lens.shape[0] - 1
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  # Clipped to [0, S]: a traced -1 would index cu_q_lens[-1] (every row live, all read as
+  # sequence 0's); the kernels treat it as no live sequence.
+  num_seqs = jnp.clip(jnp.asarray(num_seqs, jnp.int32), 0, num_seq_rows)
   end = cu_q_lens[num_seqs]
   live_cu = jnp.where(jnp.arange(num_seq_rows + 1) <= num_seqs, cu_q_lens, end)
   seq_T = search_right(live_cu, t) - 1

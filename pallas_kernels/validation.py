@@ -28,6 +28,9 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   dtype must then be ``layout.storage_dtype(kv_dtype)``. A quantised ``kv_dtype`` (int8,
   float8) needs ``k_scales`` and ``v_scales``, float32 ``[L, K, N, Z]``; others take none.
   """
+  if not (hasattr(q_THD, "ndim") and hasattr(q_THD, "dtype")):
+    raise ValueError(f"q is a {type(q_THD).__name__}; must be an array [T, H, D] (jax or "
+                     "numpy)")
   if kv_dtype is not None:
     try:
       logical = jnp.dtype(kv_dtype)
@@ -84,6 +87,12 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                        "numpy)")
   if block_tables_SP.ndim != 2:
     raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be rank 2 [S, P]")
+  if 0 in block_tables_SP.shape:
+    raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be [S, P] with "
+                     "S >= 1 and P >= 1 (num_seqs=0 marks an empty batch)")
+  if isinstance(num_seqs, float) or (hasattr(num_seqs, "dtype")
+                                     and not jnp.issubdtype(num_seqs.dtype, jnp.integer)):
+    raise ValueError(f"num_seqs={num_seqs!r} must be an int32 scalar")
   num_seq_rows = block_tables_SP.shape[0]
   if kv_lens_S.ndim != 1 or kv_lens_S.shape[0] != num_seq_rows:
     raise ValueError(f"kv_lens.shape={tuple(kv_lens_S.shape)} must be [S]=[{num_seq_rows}], "

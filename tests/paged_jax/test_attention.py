@@ -343,6 +343,16 @@ def _call(**overrides):
     ("sm_scale nan", lambda a: dict(sm_scale=float("nan")), r"sm_scale=nan must be finite"),
     ("sm_scale inf", lambda a: dict(sm_scale=np.inf), r"sm_scale=inf must be finite"),
     ("interpret", lambda a: dict(interpret="yes"), r"interpret='yes' must be a bool"),
+    # Empty tables: a gather's TypeError or an IndexError before, each impl its own.
+    ("no sequence rows", lambda a: dict(block_tables=a["block_tables"][:0],
+                                        kv_lens=a["kv_lens"][:0], cu_q_lens=a["cu_q_lens"][:1],
+                                        num_seqs=0),
+     r"block_tables\.shape=\(0, \d+\) must be \[S, P\] with S >= 1 and P >= 1"),
+    ("no pages", lambda a: dict(block_tables=a["block_tables"][:, :0]),
+     r"block_tables\.shape=\(\d+, 0\) must be \[S, P\]"),
+    ("num_seqs a float", lambda a: dict(num_seqs=1.0), r"num_seqs=1\.0 must be an int32"),
+    ("q a list", lambda a: dict(q=np.asarray(a["q"]).tolist()), r"q is a list; must be an "
+     r"array \[T, H, D\]"),
 ])
 def test_bad_input_raises_value_error(name, make, match):
   with pytest.raises(ValueError, match=match):
@@ -434,3 +444,13 @@ def test_mosaic_gpu_through_the_entry_point_matches_the_reference():
   assert not jnp.isnan(out).any()
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_a_traced_negative_num_seqs_reads_nothing(impl):
+  # Invalid (debug names it), but not silently wrong: cu_q_lens[-1] made every row live
+  # and the reference read sequence 0's K/V for every row; now no row is live (zeros), as
+  # in the kernels.
+  args = _good_args()
+  attend = jax.jit(lambda n: paged_attention(**{**args, "num_seqs": n}, impl=impl))
+  np.testing.assert_array_equal(np.asarray(attend(jnp.int32(-1))), 0.0)

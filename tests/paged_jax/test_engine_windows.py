@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -42,6 +44,34 @@ def test_kv_groups_of_layer_patterns():
   assert g.blocks_held(220, 4, 20) == 10 and g.max_len_in_pool(12, 4, 20, 256) == 256
   g = KVGroups.from_layer_windows((16, None))
   assert g.blocks_held(40, 4, 20) == 10 + 10 and g.max_len_in_pool(20, 4, 20, 256) == 40
+  # A window must be an int >= 1 (0, -2, 2.5 were taken, and failed later in the
+  # allocator naming its own windows[0]).
+  for bad in (0, -2, 2.5, "x", True):
+    with pytest.raises(ValueError, match=r"layer_windows\[1\]=.* must be None \(full "
+                                         r"attention\) or an int window >= 1"):
+      KVGroups.from_layer_windows((8, bad))
+
+
+def test_for_layer_refuses_a_layer_past_the_groups():
+  # With groups, metadata.for_layer(L) returned layer L - 1's cache layer, slots and
+  # tables (indexing clamps): an off-by-one loop read and wrote another layer's K/V.
+  from paged_jax import AttentionMetadata
+  g = KVGroups.from_layer_windows((8, None, 8, None))
+  group_L, cache_layer_L = g.layer_arrays()
+  tables_gSP = jnp.arange(2 * 2 * 3, dtype=jnp.int32).reshape(2, 2, 3)
+  slots_gT = jnp.arange(2 * 5, dtype=jnp.int32).reshape(2, 5)
+  m = AttentionMetadata(slots_T=slots_gT[0], kv_lens_S=jnp.zeros(2, jnp.int32),
+                        block_tables_SP=tables_gSP[0], cu_q_lens=jnp.zeros(3, jnp.int32),
+                        num_seqs=jnp.int32(2), block_tables_gSP=tables_gSP, slots_gT=slots_gT,
+                        group_L=group_L, cache_layer_L=cache_layer_L)
+  cache_layer, slots_T, tables_SP = m.for_layer(3)
+  assert int(cache_layer) == 1 and (slots_T == slots_gT[1]).all()
+  for layer in (4, 10, -1):
+    with pytest.raises(ValueError, match=rf"layer={layer} must be in \[0, L=4\)"):
+      m.for_layer(layer)
+  # Traced: a cache layer of -1, which cache.write and paged_attention treat as nothing.
+  traced = jax.jit(lambda layer: m.for_layer(layer)[0])
+  assert int(traced(jnp.int32(2))) == 1 and int(traced(jnp.int32(4))) == -1
 
 
 def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:

@@ -138,6 +138,30 @@ def test_copy_blocks_copies_every_layer_and_ignores_no_block():
   np.testing.assert_array_equal(np.asarray(out.v_pages), expected_v)
 
 
+def test_the_constructor_refuses_what_a_spec_refuses():
+  # An int32 pool was taken and write truncated every value (2.7 stored as 2); pages of
+  # different shapes, or of another rank, failed only inside paged_attention.
+  pages = jnp.zeros((1, 1, 2, 4, 8), jnp.float32)
+  for kwargs, match in ((dict(k_pages=pages.astype(jnp.int32), v_pages=pages.astype(jnp.int32)),
+                         r"k_pages\.dtype=int32 must be a floating dtype"),
+                        (dict(k_pages=pages, v_pages=pages[:, :, :1]),
+                         r"v_pages\.shape=\(1, 1, 1, 4, 8\) must equal k_pages\.shape"),
+                        (dict(k_pages=pages[0], v_pages=pages[0]),
+                         r"k_pages\.shape=\(1, 2, 4, 8\) must be \[L, K, N, Z, D\]"),
+                        (dict(k_pages=pages, v_pages=pages, dtype=jnp.float8_e4m3fnuz),
+                         r"dtype=float8_e4m3fnuz must be a floating dtype")):
+    with pytest.raises(ValueError, match=match):
+      KVCache(**kwargs)
+  # Lists: AttributeError 'list' object has no attribute 'ndim' before.
+  cache = KVCache.create(SPEC)
+  with pytest.raises(ValueError, match="slots is a list; must be an array"):
+    cache.write(0, jnp.ones((1, 2, 4)), jnp.ones((1, 2, 4)), [0])
+  with pytest.raises(ValueError, match="k is a list; must be an array"):
+    cache.write(0, [[[1.0] * 4] * 2], jnp.ones((1, 2, 4)), jnp.zeros(1, jnp.int32))
+  with pytest.raises(ValueError, match="src is a list; must be an array"):
+    cache.copy_blocks([0], jnp.zeros(1, jnp.int32))
+
+
 def test_copy_blocks_bad_input():
   cache = KVCache.create(SPEC)
   with pytest.raises(ValueError, match=r"dst\.shape"):

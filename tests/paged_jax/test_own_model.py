@@ -108,6 +108,11 @@ def test_paged_matches_dense_over_ragged_batches(model, config):
   with pytest.raises(AssertionError, match="differ from dense"):
     testing.assert_paged_matches_dense(model, config, sequences, seed=3,
                                        dense=lambda t: dense(model, t))
+  # A float8 pool's quantisation error is its own: the default bound is float8's (the
+  # 2e-2 of other dtypes failed this correct model at 2.6e-2).
+  report = testing.assert_paged_matches_dense(model, config, sequences, seed=3,
+                                              cache_dtype=jnp.float8_e4m3fn)
+  assert 1e-3 < report["max_rel_error"] < 6e-2
 
 
 def _dense_last(examples, model, sequences):

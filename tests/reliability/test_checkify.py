@@ -70,6 +70,14 @@ def test_host_validation_and_checkify_catch_bad_ids(bad):
   f = checkify.checkify(jax.jit(lambda a: paged_attention(**a, impl="xla", debug=True)))
   err, _ = f(args)
   assert "block_tables[5, 2]" in err.get()
+  # debug=True called eagerly: the same ValueError (checkify's JaxRuntimeError before).
+  with pytest.raises(ValueError, match=match):
+    paged_attention(**args, impl="xla", debug=True)
+  # checked_paged_attention inside a user's jit cannot raise after its call: it says what
+  # to do there (err.get() on a tracer raised TracerBoolConversionError before).
+  with pytest.raises(ValueError, match=r"checked_paged_attention raises after its call, so "
+                                       r"it cannot run inside jit"):
+    jax.jit(lambda a: checked_paged_attention(**a, impl="xla"))(args)
 
 
 def test_checkify_catches_inconsistent_lengths():
