@@ -344,8 +344,9 @@ class LLM:
     used for the first time without ``precompile`` is compiled then, timed apart) and less
     the time a stream's consumer held its events; tokens_per_s and requests_per_s divide by
     it. ``requests``: those whose every completion finished (a closed stream's unfinished
-    ones are not counted); ``generated_tokens``: every token the device generated. ``kv_utilization``: tokens stored / token
-    slots of the blocks in use, mean over the steps that ran a batch. ``compile_s``: the
+    ones are not counted); ``generated_tokens``: every token the device generated.
+    ``kv_utilization``: tokens stored / token slots of the blocks in use, mean over the
+    steps that ran a batch. ``compile_s``: the
     seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
     counted among the free) describe the pool now, and no reset changes them."""

@@ -355,8 +355,8 @@ def test_engine_options_validation(model, config):
   # naming KVCacheSpec.from_budget's budget_bytes, or accepted and failing later).
   # One block: 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims x 4 bytes = 2048 bytes.
   for kwargs, match in ((dict(kv_budget_bytes=2047), r"kv_budget_bytes=2047 must be an int "
-                         r"number of bytes >= one KV block \(2048 bytes: K and V x 2 layers x 2 KV heads "
-                         r"x head_dim 16 x block_size 4 of float32\)"),
+                         r"number of bytes >= one KV block \(2048 bytes: K and V x 2 layers "
+                         r"x 2 KV heads x head_dim 16 x block_size 4 of float32\)"),
                         (dict(kv_budget_bytes=4096.0), "kv_budget_bytes=4096.0"),
                         (dict(dtype="garbage"), "dtype='garbage' is not a dtype"),
                         (dict(kv_cache_dtype="fp8"), r"jnp\.float8_e4m3fn"),
