@@ -19,11 +19,6 @@ def _check_int32_vector(name: str, x) -> None:
     raise ValueError(f"{name}.dtype={x.dtype} must be int32")
 
 
-def _check_is_array(name: str, x) -> None:
-  if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
-    raise ValueError(f"{name} is a {type(x).__name__}; must be an array (jax or numpy)")
-
-
 def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
@@ -185,7 +180,7 @@ class KVCache:
     """
     k_TKD, v_TKD, slots_T = k, v, slots
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
-      _check_is_array(name, x)
+      validation.check_is_array(name, x)
     validation.check_layer(layer, self.num_layers)
     expected = (self.num_kv_heads, self.head_dim)
     for name, x in (("k", k_TKD), ("v", v_TKD)):
@@ -230,8 +225,8 @@ class KVCache:
     reads happen before any write.
     """
     src_C, dst_C = src, dst
-    _check_is_array("src", src_C)
-    _check_is_array("dst", dst_C)
+    validation.check_is_array("src", src_C)
+    validation.check_is_array("dst", dst_C)
     _check_int32_vector("src", src_C)
     _check_int32_vector("dst", dst_C)
     if src_C.shape != dst_C.shape:

@@ -19,6 +19,13 @@ def _is_int32(x) -> bool:
   return jnp.dtype(x.dtype) == jnp.int32
 
 
+def check_is_array(name: str, x, what: str = "an array") -> None:
+  """``ValueError`` unless ``x`` is an array (anything with ``ndim`` and ``dtype``): a list
+  would fail later as an AttributeError."""
+  if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
+    raise ValueError(f"{name} is a {type(x).__name__}; must be {what} (jax or numpy)")
+
+
 def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S,
                            block_tables_SP, cu_q_lens, num_seqs, *, kv_dtype=None,
                            k_scales=None, v_scales=None) -> None:
@@ -28,9 +35,7 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
   dtype must then be ``layout.storage_dtype(kv_dtype)``. A quantised ``kv_dtype`` (int8,
   float8) needs ``k_scales`` and ``v_scales``, float32 ``[L, K, N, Z]``; others take none.
   """
-  if not (hasattr(q_THD, "ndim") and hasattr(q_THD, "dtype")):
-    raise ValueError(f"q is a {type(q_THD).__name__}; must be an array [T, H, D] (jax or "
-                     "numpy)")
+  check_is_array("q", q_THD, "an array [T, H, D]")
   if kv_dtype is not None:
     try:
       logical = jnp.dtype(kv_dtype)
@@ -82,9 +87,7 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                      f"cache's KV heads K={dims['K']}")
   for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),
                   ("cu_q_lens", cu_q_lens)):
-    if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
-      raise ValueError(f"{name} is a {type(x).__name__}; must be an int32 array (jax or "
-                       "numpy)")
+    check_is_array(name, x, "an int32 array")
   if block_tables_SP.ndim != 2:
     raise ValueError(f"block_tables.shape={tuple(block_tables_SP.shape)} must be rank 2 [S, P]")
   if 0 in block_tables_SP.shape:
