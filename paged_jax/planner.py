@@ -54,7 +54,7 @@ def parse_bytes(text: str | int, name: str = "budget") -> int:
 def format_bytes(num_bytes: float) -> str:
   """A size in the largest binary unit it reaches: "16.00 GiB", "24.0 KiB", "512 bytes"."""
   for unit, digits in (("GiB", 2), ("MiB", 1), ("KiB", 1)):
-    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+    scale = _UNITS[unit.lower()]  # the parser's units
     if num_bytes >= scale:
       return f"{num_bytes / scale:.{digits}f} {unit}"
   return f"{int(num_bytes)} bytes"
