@@ -297,6 +297,12 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
                      "..., debug=True) inside jax.experimental.checkify.checkify and throw "
                      "the error it returns")
   sm_scale = validation.static_scale(sm_scale)
+  # The same static checks paged_attention makes, before jit converts the arguments (a
+  # numpy int64 kv_lens, refused there, would otherwise pass here).
+  k_pages, v_pages, kv_dtype = _kernel_args(cache)
+  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)

@@ -392,6 +392,17 @@ def test_validate_attention_inputs_checks_values():
     validate_attention_inputs(**{**args, "cu_q_lens": jnp.asarray(cu)})
 
 
+def test_checked_attention_makes_the_static_checks_paged_attention_makes():
+  # Its jit converted a numpy int64 kv_lens to int32 before any check saw it, so the
+  # checked call accepted what paged_attention refuses.
+  args = _good_args()
+  args["kv_lens"] = np.asarray(args["kv_lens"]).astype(np.int64)
+  with pytest.raises(ValueError, match=r"kv_lens\.dtype"):
+    paged_attention(**args, impl="xla")
+  with pytest.raises(ValueError, match=r"kv_lens\.dtype"):
+    checked_paged_attention(**args, impl="xla")
+
+
 def test_validate_attention_inputs_takes_the_window_as_checked_attention_does():
   # A sliding KV group gives back the blocks wholly behind a sequence's window and marks
   # them NO_BLOCK (allocator.slide); the host check refused such a table, which the
