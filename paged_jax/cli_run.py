@@ -159,15 +159,22 @@ def _engine(args):
     from paged_jax import compile_cache
     compile_cache.enable(args.compilation_cache, override=True)
     opts["compilation_cache"] = False  # the engine then keeps what was just set
-  if args.model:
-    return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)
-  from paged_jax.models import ModelConfig, init_random
-  config = ModelConfig(**TINY_LLAMA)
-  dtype = jnp.float32 if args.dtype is None else jnp.dtype(args.dtype)
-  model = init_random(config, seed=args.seed, dtype=dtype)
-  if opts["num_blocks"] is None and budget is None:
-    opts["num_blocks"] = 64
-  return LLM(model, config, **opts)
+  try:
+    if args.model:
+      return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)
+    from paged_jax.models import ModelConfig, init_random
+    config = ModelConfig(**TINY_LLAMA)
+    dtype = jnp.float32 if args.dtype is None else jnp.dtype(args.dtype)
+    model = init_random(config, seed=args.seed, dtype=dtype)
+    if opts["num_blocks"] is None and budget is None:
+      opts["num_blocks"] = 64
+    return LLM(model, config, **opts)
+  except ValueError as e:  # a budget under one block of this model: named as the option
+    message = str(e)
+    if not message.startswith("kv_budget_bytes="):
+      raise
+    raise ValueError(f"--kv-budget={args.kv_budget} ({budget} bytes)"
+                     + message[message.index(" "):]) from None
 
 
 def describe_device(model) -> str:
@@ -275,7 +282,8 @@ def _check_args(args) -> None:
   if args.kv_budget is not None and args.num_blocks is not None:
     raise ValueError(f"--kv-budget={args.kv_budget} and --num-blocks={args.num_blocks}: "
                      "give at most one (both size the KV pool)")
-  _kv_budget_bytes(args)  # an unreadable size is refused before JAX loads
+  if _kv_budget_bytes(args) == 0:  # an unreadable or empty size is refused before JAX loads
+    raise ValueError(f"--kv-budget={args.kv_budget} must hold one KV block at least")
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")

@@ -486,6 +486,14 @@ def test_cli_run_refuses_bad_options_before_building_anything(monkeypatch, argv,
     args.func(args)
 
 
+def test_cli_run_names_the_option_of_a_budget_under_one_block():
+  # The engine's message named its argument, kv_budget_bytes=1024, not the flag.
+  from paged_jax import cli_run
+  with pytest.raises(ValueError, match=r"^--kv-budget=1KiB \(1024 bytes\) must be an int "
+                     r"number of bytes >= one KV block \(16384 bytes: K and V x 2 layers"):
+    cli_run._engine(_run_args("--kv-budget", "1KiB"))
+
+
 def test_cli_run_names_the_options_when_the_pool_outgrows_the_device(monkeypatch):
   from paged_jax import cli_run
 

@@ -218,6 +218,7 @@ def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
     (["--kv-budget", "lots"], "--kv-budget='lots' must be a size like '16GiB'"),
     # The parser's own reason (it said "must be a size like" of 1e300 too).
     (["--kv-budget", "1e300"], "--kv-budget='1e300' must be below 1 EiB"),
+    (["--kv-budget", "0.4"], "--kv-budget=0.4 must hold one KV block at least"),
     # --prompt serves one prompt: the workload's options were ignored without a word.
     (["--prompt", "hi", "--num-requests", "5"], "--num-requests=5 applies to the synthetic "
      "workload only; --prompt serves that one prompt"),
