@@ -93,6 +93,7 @@ __all__ = [
     "StreamEvent",
     "allocator",
     "attention",
+    "checked_paged_attention",
     "decode_step",
     "default_token_buckets",
     "engine",

@@ -101,6 +101,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The ``paged-jax`` parser: ``run`` and ``plan`` subcommands, ``--version``."""
   parser = argparse.ArgumentParser(
       prog="paged-jax", description="Paged attention for JAX: serve a model with a paged KV "
       "cache (run) or plan KV capacity for a memory budget (plan).")
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """The ``paged-jax`` console script: parse ``argv`` (``sys.argv[1:]`` when None), run the
+  subcommand; a bad argument exits 2 with one error line."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:

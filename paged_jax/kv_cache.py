@@ -101,6 +101,7 @@ class KVCache:
 
   @property
   def quantized(self) -> bool:
+    """True for int8 / float8 pools, which keep a scale per token and KV head."""
     return layout.is_quantized(self.dtype)
 
   def __repr__(self) -> str:

@@ -109,6 +109,7 @@ class KVGroups:
 
   @property
   def slides(self) -> bool:
+    """Static: whether any group has a sliding window (its blocks then go back)."""
     return any(w is not None for w in self.windows)
 
   def blocks_held(self, seq_len: int, block_size: int, step_tokens: int) -> int:

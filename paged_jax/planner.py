@@ -180,6 +180,7 @@ class LengthDistribution:
       raise ValueError(f"seed={self.seed} must be >= 0")
 
   def sample(self, num: int) -> np.ndarray:
+    """i64[num] lengths drawn with ``seed`` (a longer draw starts with a shorter one)."""
     rng = np.random.default_rng(self.seed)
     lengths = np.exp(rng.normal(np.log(self.median_len), self.sigma, size=num))
     return np.clip(np.ceil(lengths), 1, self.max_len).astype(np.int64)
@@ -196,6 +197,7 @@ class Placement:
 
   @property
   def utilization(self) -> float:
+    """Tokens held / tokens reserved (0 when nothing is placed)."""
     return self.tokens_held / self.tokens_reserved if self.tokens_reserved else 0.0
 
 
@@ -226,6 +228,10 @@ def _fit_stream(lengths: "LengthDistribution", limit: int, fit) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
+  """``plan_capacity``'s result: the pool, the length distribution, and how many sampled
+  sequences each strategy holds (paged blocks; contiguous at the maximum length; contiguous
+  at each sequence's exact length, an oracle no server has)."""
+
   spec: KVCacheSpec
   lengths: LengthDistribution
   paged: Placement
@@ -250,6 +256,8 @@ def plan_capacity(spec: KVCacheSpec, lengths: LengthDistribution) -> CapacityPla
 
 
 def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str:
+  """The report ``paged-jax plan`` prints for ``plan``: the model, the pool, and a table of
+  the three strategies (sequences held, tokens, utilisation)."""
   spec, dist = plan.spec, plan.lengths
   lines = [
       f"model      : {model.name}: L={spec.num_layers} K={spec.num_kv_heads} "

@@ -68,6 +68,9 @@ class PagedModel(Protocol):
 
   def paged_forward(self, tokens_T, positions_T, cache, metadata, *,
                     logits_indices=None) -> tuple[Any, Any]:
+    """One step over ``tokens_T`` at ``positions_T``: each layer writes its K/V with
+    ``cache.write`` and attends with ``paged_attention`` through ``metadata``; returns
+    (logits ``[T, V]``, or one row per ``logits_indices`` entry, and the new cache)."""
     ...
 
 

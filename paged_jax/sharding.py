@@ -312,6 +312,7 @@ class ShardingPlan:
     return jax.tree_util.tree_map(spec, state, is_leaf=lambda x: isinstance(x, KVCache))
 
   def state_shardings(self, state) -> Any:
+    """``state_specs`` as ``NamedSharding``s on this plan's mesh."""
     return jax.tree_util.tree_map(self._sharding, self.state_specs(state))
 
   def _constrain(self, state):

@@ -105,6 +105,7 @@ class KVCacheSpec:
 
   @property
   def total_bytes(self) -> int:
+    """Bytes of the whole pool: ``block_bytes * num_blocks``."""
     return self.block_bytes * self.num_blocks
 
   @property

@@ -33,6 +33,14 @@ def test_every_public_name_resolves(monkeypatch):
       paged_jax.__all__)
 
 
+def test_every_lazily_imported_name_is_public():
+  # checked_paged_attention resolved lazily but was missing from __all__ (and so from
+  # dir() and `from paged_jax import *`).
+  lazy = set(paged_jax._MODULE_OF) | set(paged_jax._SUBMODULES)
+  assert lazy <= set(paged_jax.__all__), sorted(lazy - set(paged_jax.__all__))
+  assert lazy <= set(dir(paged_jax))
+
+
 def test_unknown_names_still_raise_attribute_error():
   with pytest.raises(AttributeError, match="no_such_name"):
     paged_jax.no_such_name  # noqa: B018
