@@ -27,6 +27,7 @@ CHUNK_REGION = "wait"
 
 
 def load_trace(path) -> dict:
+  """The JSON trace at ``path``."""
   return json.loads(pathlib.Path(path).read_text())
 
 
@@ -104,7 +105,9 @@ def _most_overlapping(intervals) -> int:
 
 
 def to_markdown(label: str, summary: dict) -> str:
-  lines = [f"Profile {label}: {summary['programs']} programs, "
+  """``summarise``'s figures as a paragraph and a table of regions."""
+  plural = "" if summary["programs"] == 1 else "s"
+  lines = [f"Profile {label}: {summary['programs']} program{plural}, "
            f"{summary['chunks_per_program']:.1f} chunks and "
            f"{summary['cycles_per_program']:.0f} cycles each "
            f"({summary['cycles_per_chunk']:.0f} per chunk), up to "
@@ -116,3 +119,20 @@ def to_markdown(label: str, summary: dict) -> str:
     lines.append(f"| {name} | {r['per_program']:.1f} | {r['mean_cycles']:.0f} | "
                  f"{r['share']:.1%} |")
   return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+  """Print the summary of each trace named, or of the newest trace in each folder named
+  (``run.py`` writes them under ``$OUT/profile/``)."""
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("traces", nargs="+", metavar="TRACE_OR_FOLDER",
+                      help="a trace file of profiled_attention, or a folder holding them")
+  for name in parser.parse_args(argv).traces:
+    path = pathlib.Path(name)
+    path = newest_trace(path) if path.is_dir() else path
+    print(to_markdown(str(path), summarise(load_trace(path))))
+
+
+if __name__ == "__main__":
+  main()

@@ -110,6 +110,19 @@ def test_profile_summary_of_a_synthetic_trace():
   assert "| wait | 2.0 | 300 | 37.5% |" in table and "3 programs" in table
 
 
+def test_profile_script_prints_the_summary_of_a_trace(tmp_path):
+  # RESULTS.md says mosaic_profile.py prints cycles per region; run as a script it printed
+  # nothing (no __main__). Given a trace folder it prints its newest trace's table.
+  trace = {"traceEvents": []}
+  _program(trace, sm=1, tid=0, start_ns=0, regions=[("prologue", 100), ("wait", 300),
+                                                     ("epilogue", 100)])
+  (tmp_path / "17-trace.json").write_text(json.dumps(trace))
+  script = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu" / "mosaic_profile.py"
+  done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                        text=True, timeout=60, check=True)
+  assert "1 program," in done.stdout and "| wait | 1.0 | 300 | 60.0% |" in done.stdout
+
+
 def test_run_batches_small_calls_into_one_dispatch():
   run = _load_beside_run("run")
   # 33 MB a call (batch 1 at 8k): 8 calls a dispatch, two dispatches queued; 34 GB (batch
