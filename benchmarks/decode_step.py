@@ -4,9 +4,9 @@ the engine's multi-step device loop vs one host call per step.
 Part 1, decode step. ``models.Steps(model, impl=...).decode`` (allocator ``append`` +
 ``slots``, K/V write, ``paged_attention``, logits; allocator state and pool donated) against
 a contiguous-cache decode step built from the same model code: the same embedding, decoder
-layers (``DecoderLayer``) and logits, but K/V kept per layer in a contiguous ``[S, K, M, D]``
-cache (M = every position the timed steps reach), written at each sequence's length and
-attended densely (one einsum over M, positions past the length masked). Each case holds S
+layers (``DecoderLayer``) and logits, but K/V kept per layer in a contiguous ``[S, K, J, D]``
+cache (J = every position the timed steps reach), written at each sequence's length and
+attended densely (one einsum over J, positions past the length masked). Each case holds S
 sequences of ``context`` tokens (equal live tokens on both sides; the paged blocks are
 interleaved across sequences, as a pool that served them together would hold them) and
 every call decodes one token for each. The logits of the two steps are checked equal
@@ -117,10 +117,10 @@ QUICK_LOOP = LoopBench(model=dataclasses.replace(LOOP_MODEL, embed_dim=64, mlp_d
 # ----------------------------------------------------------------------------- part 1
 
 
-def _dense_decode(graphdef, params, k_LSKMD, v_LSKMD, len_S, tokens_S):
+def _dense_decode(graphdef, params, k_LSKJD, v_LSKJD, len_S, tokens_S):
   """One decode token per sequence over contiguous per-layer caches (tuples of L arrays).
 
-  Layer l's K/V go to ``k_LSKMD[l][s, :, len_S[s]]``; each query attends to positions
+  Layer l's K/V go to ``k_LSKJD[l][s, :, len_S[s]]``; each query attends to positions
   ``<= len_S[s]`` of its own row. The layers run unrolled, each over its own cache array,
   so no layer's cache is sliced out of a larger one (the best case for a contiguous cache).
   """
@@ -139,18 +139,18 @@ def _dense_decode(graphdef, params, k_LSKMD, v_LSKMD, len_S, tokens_S):
 
     def attend(q_THD, k_TKD, v_TKD, sinks_H, layer=layer, cache=cache):
       del sinks_H  # the benchmark's Llama shape has none
-      k_SKMD = k_LSKMD[layer].at[seq_S, :, len_S].set(k_TKD.astype(k_LSKMD[layer].dtype),
+      k_SKJD = k_LSKJD[layer].at[seq_S, :, len_S].set(k_TKD.astype(k_LSKJD[layer].dtype),
                                                       mode="drop")
-      v_SKMD = v_LSKMD[layer].at[seq_S, :, len_S].set(v_TKD.astype(v_LSKMD[layer].dtype),
+      v_SKJD = v_LSKJD[layer].at[seq_S, :, len_S].set(v_TKD.astype(v_LSKJD[layer].dtype),
                                                       mode="drop")
-      cache.update(k=k_SKMD, v=v_SKMD)
+      cache.update(k=k_SKJD, v=v_SKJD)
       q_SKGD = q_THD.astype(jnp.float32).reshape(num_seqs, c.num_kv_heads, group, c.head_dim)
-      scores_SKGM = jnp.einsum("skgd,skmd->skgm", q_SKGD, k_SKMD.astype(jnp.float32),
+      scores_SKGJ = jnp.einsum("skgd,skjd->skgj", q_SKGD, k_SKJD.astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST) * c.head_dim ** -0.5
-      visible_SM = jnp.arange(k_SKMD.shape[2])[None, :] <= len_S[:, None]
-      scores_SKGM = jnp.where(visible_SM[:, None, None], scores_SKGM, -jnp.inf)
-      probs_SKGM = jax.nn.softmax(scores_SKGM, axis=-1)
-      out_SKGD = jnp.einsum("skgm,skmd->skgd", probs_SKGM, v_SKMD.astype(jnp.float32),
+      visible_SJ = jnp.arange(k_SKJD.shape[2])[None, :] <= len_S[:, None]
+      scores_SKGJ = jnp.where(visible_SJ[:, None, None], scores_SKGJ, -jnp.inf)
+      probs_SKGJ = jax.nn.softmax(scores_SKGJ, axis=-1)
+      out_SKGD = jnp.einsum("skgj,skjd->skgd", probs_SKGJ, v_SKJD.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
       return out_SKGD.reshape(num_seqs, c.num_heads, c.head_dim).astype(q_THD.dtype), None
 
@@ -164,15 +164,15 @@ _dense_decode_jit = jax.jit(_dense_decode, static_argnums=(0,), donate_argnums=(
 
 
 @jax.jit
-def _dense_attention(q_SHD, k_SKMD, v_SKMD, len_S):
+def _dense_attention(q_SHD, k_SKJD, v_SKJD, len_S):
   """The contiguous step's attention alone: queries at position ``len_S``, keys ``<=``."""
   num_seqs, num_heads, head_dim = q_SHD.shape
-  q_SKGD = q_SHD.reshape(num_seqs, k_SKMD.shape[1], -1, head_dim)
-  scores_SKGM = jnp.einsum("skgd,skmd->skgm", q_SKGD, k_SKMD,
+  q_SKGD = q_SHD.reshape(num_seqs, k_SKJD.shape[1], -1, head_dim)
+  scores_SKGJ = jnp.einsum("skgd,skjd->skgj", q_SKGD, k_SKJD,
                            precision=jax.lax.Precision.HIGHEST) * head_dim ** -0.5
-  visible_SM = jnp.arange(k_SKMD.shape[2])[None, :] <= len_S[:, None]
-  probs_SKGM = jax.nn.softmax(jnp.where(visible_SM[:, None, None], scores_SKGM, -jnp.inf), -1)
-  out_SKGD = jnp.einsum("skgm,skmd->skgd", probs_SKGM, v_SKMD,
+  visible_SJ = jnp.arange(k_SKJD.shape[2])[None, :] <= len_S[:, None]
+  probs_SKGJ = jax.nn.softmax(jnp.where(visible_SJ[:, None, None], scores_SKGJ, -jnp.inf), -1)
+  out_SKGD = jnp.einsum("skgj,skjd->skgd", probs_SKGJ, v_SKJD,
                         precision=jax.lax.Precision.HIGHEST)
   return out_SKGD.reshape(num_seqs, num_heads, head_dim)
 

@@ -168,10 +168,12 @@ class AllocatorState:
 
   @property
   def max_seqs(self) -> int:
+    """Static: sequence slots (S, the rows of each block table)."""
     return self.block_tables.shape[-2]
 
   @property
   def max_blocks_per_seq(self) -> int:
+    """Static: block-table width (P)."""
     return self.block_tables.shape[-1]
 
   @property
@@ -720,11 +722,11 @@ def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
 
 
 def _token_blocks(state: AllocatorState, tokens) -> jax.Array:
-  """``tokens`` i32[S, X] (each sequence's tokens from position 0) as i32[S, P, Z]."""
+  """``tokens`` i32[S, J] (each sequence's tokens from position 0) as i32[S, P, Z]."""
   x = jnp.asarray(tokens)
   s, p, z = state.max_seqs, state.max_blocks_per_seq, state.block_size
   if x.ndim != 2 or x.shape[0] != s:
-    raise ValueError(f"tokens.shape={tuple(x.shape)} must be [S, X]=[{s}, X]")
+    raise ValueError(f"tokens.shape={tuple(x.shape)} must be [S, J]=[{s}, J]")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"tokens.dtype={x.dtype} must be an integer dtype")
   x = x.astype(jnp.int32)[:, :p * z]
@@ -951,7 +953,7 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   """The longest cached prefix of every sequence's tokens; reads the state only.
 
   Args:
-    tokens: i32[S, X] each sequence's token ids from position 0 (X is cut or padded to P * Z).
+    tokens: i32[S, J] each sequence's token ids from position 0 (J is cut or padded to P * Z).
     num_tokens: i32[S] how many leading tokens of each row may be matched: only full blocks
       inside them are (pass ``len - 1`` to leave at least one token to compute).
     salt: i32[S] cache salt of each sequence (default 0): only blocks registered under the
@@ -1040,7 +1042,7 @@ def register(state: AllocatorState, tokens, salt=None, *,
   """Register every full block of every sequence that the cache does not hold yet.
 
   Call it once the K/V of those blocks are written (after the forward that filled them).
-  ``tokens`` i32[S, X]: each sequence's tokens from position 0, as for ``lookup``; ``salt``
+  ``tokens`` i32[S, J]: each sequence's tokens from position 0, as for ``lookup``; ``salt``
   i32[S] (default 0). A sequence with new full blocks (past its last registered one) first
   matches its prefix against the cache (``lookup``'s walk) and registers only the levels
   the cache does not hold, as one chain hanging off the matched prefix: a block the cache

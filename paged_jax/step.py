@@ -23,7 +23,7 @@ Entry points, all traceable (call them inside your own ``jit``):
   last new token (zero rows for sequences with no token or a failed allocation).
 - ``decode_step(model, alloc_state, cache, tokens_S, active_S)``: one token per active
   sequence, given at the sequence's own row.
-- ``tokens_from_history(tokens_SM, start_S, num_new_S, num_tokens)``: pack new tokens
+- ``tokens_from_history(tokens_SJ, start_S, num_new_S, num_tokens)``: pack new tokens
   from each sequence's token history (what a scheduler holds).
 - ``Steps(model)``: ``forward`` / ``decode`` jitted once, the allocator state and cache
   donated.
@@ -338,12 +338,12 @@ def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: j
   return forward_step(model, alloc_state, cache, tokens_T, num_new_S, **forward_kwargs)
 
 
-def tokens_from_history(tokens_SM: jax.Array, start_S: jax.Array, num_new_S: jax.Array,
+def tokens_from_history(tokens_SJ: jax.Array, start_S: jax.Array, num_new_S: jax.Array,
                         num_tokens: int) -> jax.Array:
-  """i32[T]: the new tokens ``tokens_SM[s, start_S[s] : start_S[s] + num_new_S[s]]`` of
+  """i32[T]: the new tokens ``tokens_SJ[s, start_S[s] : start_S[s] + num_new_S[s]]`` of
   every sequence, packed in slot order (``prepare_step``'s layout), zero padded to
   ``num_tokens``. Typically ``start_S`` is the allocator's ``seq_lens`` (the tokens
-  already cached) and ``tokens_SM`` each sequence's history.
+  already cached) and ``tokens_SJ`` each sequence's history.
 
   A window must lie inside the history (``0 <= start`` and ``start + num_new <= M`` where
   ``num_new > 0``): concrete inputs that break this are a ``ValueError``; under ``jit``
@@ -352,12 +352,12 @@ def tokens_from_history(tokens_SM: jax.Array, start_S: jax.Array, num_new_S: jax
   if (isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer))
       or num_tokens < 1):
     raise ValueError(f"{num_tokens=} must be an int >= 1 (the step's rows, static)")
-  tokens_SM = _as_int_array("tokens_SM", tokens_SM)
+  tokens_SJ = _as_int_array("tokens_SJ", tokens_SJ)
   start_S, num_new_S = _as_int_array("start", start_S), _as_int_array("num_new", num_new_S)
-  if tokens_SM.ndim != 2 or not jnp.issubdtype(tokens_SM.dtype, jnp.integer):
-    raise ValueError(f"tokens_SM.shape={tuple(tokens_SM.shape)} dtype={tokens_SM.dtype} must "
-                     "be an integer [S, M]")
-  num_seq_rows, max_len = tokens_SM.shape
+  if tokens_SJ.ndim != 2 or not jnp.issubdtype(tokens_SJ.dtype, jnp.integer):
+    raise ValueError(f"tokens_SJ.shape={tuple(tokens_SJ.shape)} dtype={tokens_SJ.dtype} must "
+                     "be an integer [S, J]")
+  num_seq_rows, max_len = tokens_SJ.shape
   for name, x in (("start", start_S), ("num_new", num_new_S)):
     if x.shape != (num_seq_rows,) or not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name}.shape={tuple(x.shape)} dtype={x.dtype} must be an integer "
@@ -376,7 +376,7 @@ def tokens_from_history(tokens_SM: jax.Array, start_S: jax.Array, num_new_S: jax
   seq_T = _row_owner(cu, num_tokens)
   pos_T = start_S.astype(jnp.int32)[seq_T] + t - cu[seq_T]
   inside_T = (t < cu[-1]) & (pos_T >= 0) & (pos_T < max_len)
-  return jnp.where(inside_T, tokens_SM[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0
+  return jnp.where(inside_T, tokens_SJ[seq_T, jnp.clip(pos_T, 0, max_len - 1)], 0
                    ).astype(jnp.int32)
 
 

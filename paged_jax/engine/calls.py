@@ -158,7 +158,7 @@ class DeviceCalls:
     lowering it as the engine calls it (nothing runs, ``st`` is not consumed)."""
     num_seqs = st.status_S.shape[-1]
     mask = np.zeros(num_seqs if self.plan is None else num_seqs * self.plan.data_size, bool)
-    rows = state_lib.host_rows(mask.shape[0], st.tokens_SM.shape[-1])
+    rows = state_lib.host_rows(mask.shape[0], st.tokens_SJ.shape[-1])
     jobs = {f"step T={b}": functools.partial(self._lower_step, b, params, st)
             for b in self.token_buckets}
     jobs["admit"] = lambda: self._lower(self.admit, st, mask, rows)

@@ -77,7 +77,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     st = dataclasses.replace(st, alloc=alloc, cache=cache)
   alloc = st.alloc
   num_groups = alloc.num_groups
-  num_slots, max_len = st.tokens_SM.shape
+  num_slots, max_len = st.tokens_SJ.shape
   z = alloc.block_size
   slot_S = jnp.arange(num_slots, dtype=jnp.int32)
   running_S = st.status_S == RUNNING
@@ -89,7 +89,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     empty_S = running_S & (cached_S == 0)
     hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table build then
         jnp.any(empty_S),
-        lambda: allocator.lookup(alloc, st.tokens_SM, jnp.where(empty_S, st.len_S - 1, 0),
+        lambda: allocator.lookup(alloc, st.tokens_SJ, jnp.where(empty_S, st.len_S - 1, 0),
                                  st.salt_S, hash_fn=hash_fn),
         lambda: (jnp.full(alloc.block_tables.shape, allocator.NO_BLOCK, jnp.int32),
                  jnp.zeros(num_slots, jnp.int32)))
@@ -148,7 +148,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
 
   # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
-  tokens_T = step_api.tokens_from_history(st.tokens_SM, cached_S, q_S, num_tokens)
+  tokens_T = step_api.tokens_from_history(st.tokens_SJ, cached_S, q_S, num_tokens)
   logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S,
                                                         kv_groups=kv_groups)
   if vocab_size and logits_SV.shape[-1] != vocab_size:  # sampled ids index the vocabulary
@@ -161,7 +161,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
     alloc = jax.lax.cond(
-        filled, lambda a: allocator.register(a, st.tokens_SM, st.salt_S, hash_fn=hash_fn),
+        filled, lambda a: allocator.register(a, st.tokens_SJ, st.salt_S, hash_fn=hash_fn),
         lambda a: a, alloc)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free
@@ -180,8 +180,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   alloc, cache = jax.lax.cond(jnp.any(child_S), fork_children, lambda a, c: (a, c), alloc,
                               cache)
   # A fork that got no block simply recomputes the prompt later (its KV is empty).
-  tokens_SM = jnp.where(child_S[:, None], st.tokens_SM[parent_S], st.tokens_SM)
-  logprobs_SM = jnp.where(child_S[:, None], st.logprobs_SM[parent_S], st.logprobs_SM)
+  tokens_SJ = jnp.where(child_S[:, None], st.tokens_SJ[parent_S], st.tokens_SJ)
+  logprobs_SJ = jnp.where(child_S[:, None], st.logprobs_SJ[parent_S], st.logprobs_SJ)
   len_S = jnp.where(child_S, st.len_S[parent_S], st.len_S)
 
   # 5. Sample, stop, release.
@@ -189,11 +189,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   row_S = jnp.where(child_S, parent_S, slot_S)
   keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
   tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S)
-  stop_S = draw_S & jnp.any(st.stop_SX == tok_S[:, None], axis=-1)
+  stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
   col_S = jnp.where(keep_S, len_S, max_len)
-  tokens_SM = tokens_SM.at[slot_S, col_S].set(tok_S, mode="drop")
-  logprobs_SM = logprobs_SM.at[slot_S, col_S].set(lp_S, mode="drop")
+  tokens_SJ = tokens_SJ.at[slot_S, col_S].set(tok_S, mode="drop")
+  logprobs_SJ = logprobs_SJ.at[slot_S, col_S].set(lp_S, mode="drop")
   len_S = len_S + keep_S.astype(jnp.int32)
   length_S = keep_S & (len_S >= st.max_len_S)
   finished_S = stop_S | length_S
@@ -206,7 +206,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
 
   busy = jnp.any(q_S > 0)
   return dataclasses.replace(
-      st, alloc=alloc, cache=cache, tokens_SM=tokens_SM, logprobs_SM=logprobs_SM, len_S=len_S,
+      st, alloc=alloc, cache=cache, tokens_SJ=tokens_SJ, logprobs_SJ=logprobs_SJ, len_S=len_S,
       status_S=status_S, reason_S=reason_S, fresh_S=st.fresh_S & ~admit_S,
       steps=st.steps + 1,
       preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
@@ -259,13 +259,13 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
     return st, i + 1, stop
 
   st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
-  max_len = st.tokens_SM.shape[1]
+  max_len = st.tokens_SJ.shape[1]
   idx_SK = jnp.clip(start_S[:, None] + jnp.arange(steps_per_call)[None, :], 0, max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
       want_S=want_S(st),
-      tokens_SK=jnp.take_along_axis(st.tokens_SM, idx_SK, axis=1),
-      logprobs_SK=jnp.take_along_axis(st.logprobs_SM, idx_SK, axis=1),
+      tokens_SK=jnp.take_along_axis(st.tokens_SJ, idx_SK, axis=1),
+      logprobs_SK=jnp.take_along_axis(st.logprobs_SJ, idx_SK, axis=1),
       steps=st.steps, preemptions=st.preemptions, generated=st.generated,
       blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
       utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,

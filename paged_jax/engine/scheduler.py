@@ -267,7 +267,7 @@ class Scheduler:
       for f, s in enumerate(slots):
         mask[s] = True
         slot_owner[s] = (req, f)
-        rows["tokens_SM"][s, :n_prompt] = req.prompt
+        rows["tokens_SJ"][s, :n_prompt] = req.prompt
         rows["len_S"][s] = n_prompt if f == 0 else 0
         rows["prompt_len_S"][s] = n_prompt
         rows["max_len_S"][s] = min(n_prompt + p.max_tokens, self.max_model_len)
@@ -279,7 +279,7 @@ class Scheduler:
         rows["temperature_S"][s] = p.temperature
         rows["top_k_S"][s] = p.top_k
         rows["top_p_S"][s] = p.top_p
-        rows["stop_SX"][s, :len(req.stop)] = req.stop
+        rows["stop_Si"][s, :len(req.stop)] = req.stop
         rows["salt_S"][s] = req.salt
         rows["fresh_S"][s] = f == 0
         want_S[s] = n_prompt if f == 0 else 0

@@ -2,7 +2,7 @@
 the host makes to it between device calls (admit rows, abort sequences, zero counters).
 
 One row per sequence slot (S = ``max_seqs``; allocator slot s is engine slot s): the token
-history ``tokens_SM`` (prompt + generated, M = ``max_model_len``), its length ``len_S``, the
+history ``tokens_SJ`` (prompt + generated, J = ``max_model_len``), its length ``len_S``, the
 tokens already in the KV cache (the allocator's ``seq_lens``), the slot status (free /
 running / done / waiting for its fork), arrival order, per-request sampling parameters and
 stop ids; then the counters ``stats`` reads.
@@ -30,18 +30,19 @@ FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
 """Slot status values of ``EngineState.status_S``."""
 REASONS = {1: "stop", 2: "length"}
 MAX_STOP_IDS = 16
-"""Stop ids per request (EOS ids included), the static width X of ``stop_SX``."""
+"""Stop ids per request (EOS ids included), the static width i of ``stop_Si``."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EngineState:
-  """All device-side engine state (module docstring); S slots, M = max_model_len."""
+  """All device-side engine state (module docstring); S slots, J = max_model_len, i = stop
+  ids (MAX_STOP_IDS)."""
 
   alloc: allocator.AllocatorState
   cache: KVCache
-  tokens_SM: jax.Array  # i32[S, M] token history: prompt, then generated
-  logprobs_SM: jax.Array  # f32[S, M] log-prob of each generated token at its position
+  tokens_SJ: jax.Array  # i32[S, J] token history: prompt, then generated
+  logprobs_SJ: jax.Array  # f32[S, J] log-prob of each generated token at its position
   len_S: jax.Array  # i32[S] history length
   prompt_len_S: jax.Array  # i32[S] original prompt length
   max_len_S: jax.Array  # i32[S] finish with "length" when len reaches it
@@ -54,7 +55,7 @@ class EngineState:
   temperature_S: jax.Array  # f32[S]
   top_k_S: jax.Array  # i32[S]
   top_p_S: jax.Array  # f32[S]
-  stop_SX: jax.Array  # i32[S, X] stop ids, -1 padding
+  stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
   # Counters.
@@ -69,20 +70,20 @@ class EngineState:
   cached_prompt_tokens: jax.Array  # i32[] of those, found in the prefix cache
 
 
-# Each row field's (dtype, fill value, trailing shape: "M" = max_model_len, "X" = stop ids).
+# Each row field's (dtype, fill value, trailing shape: "J" = max_model_len, "i" = stop ids).
 _ROW_LAYOUT = dict(
-    tokens_SM=(np.int32, 0, "M"), logprobs_SM=(np.float32, 0, "M"), len_S=(np.int32, 0, ""),
+    tokens_SJ=(np.int32, 0, "J"), logprobs_SJ=(np.float32, 0, "J"), len_S=(np.int32, 0, ""),
     prompt_len_S=(np.int32, 0, ""), max_len_S=(np.int32, 0, ""), status_S=(np.int32, FREE, ""),
     reason_S=(np.int32, 0, ""), arrival_S=(np.int32, 0, ""), parent_S=(np.int32, 0, ""),
     fork_S=(np.int32, 0, ""), seed_S=(np.uint32, 0, ""), temperature_S=(np.float32, 0, ""),
-    top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""), stop_SX=(np.int32, -1, "X"),
+    top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""), stop_Si=(np.int32, -1, "i"),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""
 
 
 def _empty_rows(xp, max_seqs: int, max_model_len: int) -> dict:
-  sizes = {"M": (max_model_len,), "X": (MAX_STOP_IDS,), "": ()}
+  sizes = {"J": (max_model_len,), "i": (MAX_STOP_IDS,), "": ()}
   return {name: xp.full((max_seqs,) + sizes[tail], fill, dtype)
           for name, (dtype, fill, tail) in _ROW_LAYOUT.items()}
 

@@ -288,10 +288,10 @@ def test_host_integers_that_do_not_fit_int32_are_refused(model):
 
 
 def test_tokens_from_history_packs_windows_inside_the_history():
-  history_SM = jnp.asarray(np.arange(3 * 6).reshape(3, 6) + 100, jnp.int32)
+  history_SJ = jnp.asarray(np.arange(3 * 6).reshape(3, 6) + 100, jnp.int32)
   pack = steps_lib.tokens_from_history
   # Sequence 0: columns 4..5, sequence 1: none, sequence 2: columns 0..2; then padding.
-  got = pack(history_SM, [4, 3, 0], [2, 0, 3], 8)  # lists are taken as arrays
+  got = pack(history_SJ, [4, 3, 0], [2, 0, 3], 8)  # lists are taken as arrays
   np.testing.assert_array_equal(np.asarray(got), [104, 105, 112, 113, 114, 0, 0, 0])
   # A window past the history was filled with its last column repeated ([104, 105, 105,
   # 105]) and one before it with column 0: concrete, now a ValueError naming it.
@@ -299,18 +299,18 @@ def test_tokens_from_history_packs_windows_inside_the_history():
                                  r"window \[4, 8\) must lie inside the history \[0, M=6\)"),
                                 ([0, -2, 0], [0, 3, 0], r"start\[1\]=-2, num_new\[1\]=3")):
     with pytest.raises(ValueError, match=match):
-      pack(history_SM, jnp.asarray(start), jnp.asarray(num_new), 8)
+      pack(history_SJ, jnp.asarray(start), jnp.asarray(num_new), 8)
   # Under jit they cannot be refused: the positions outside the history give token 0.
-  traced = jax.jit(pack, static_argnums=3)(history_SM, jnp.asarray([4, -2, 0]),
+  traced = jax.jit(pack, static_argnums=3)(history_SJ, jnp.asarray([4, -2, 0]),
                                            jnp.asarray([4, 3, 0]), 8)
   np.testing.assert_array_equal(np.asarray(traced), [104, 105, 0, 0, 0, 0, 106, 0])
-  for args, match in (((history_SM, jnp.asarray([0.0, 0, 0]), jnp.zeros(3, jnp.int32), 4),
+  for args, match in (((history_SJ, jnp.asarray([0.0, 0, 0]), jnp.zeros(3, jnp.int32), 4),
                        r"start\.shape=\(3,\) dtype=float32 must be an integer \[S\]=\[3\]"),
-                      ((history_SM.astype(jnp.float32), jnp.zeros(3, jnp.int32),
-                        jnp.zeros(3, jnp.int32), 4), r"tokens_SM\.shape=\(3, 6\) dtype=float32"),
-                      ((history_SM, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 0),
+                      ((history_SJ.astype(jnp.float32), jnp.zeros(3, jnp.int32),
+                        jnp.zeros(3, jnp.int32), 4), r"tokens_SJ\.shape=\(3, 6\) dtype=float32"),
+                      ((history_SJ, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 0),
                        r"num_tokens=0 must be an int >= 1"),
-                      ((history_SM, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 8.0),
+                      ((history_SJ, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), 8.0),
                        r"num_tokens=8.0 must be an int >= 1")):
     with pytest.raises(ValueError, match=match):
       pack(*args)

@@ -494,7 +494,7 @@ def test_cache_ops_trace_once_without_host_transfer():
 
 def test_cache_ops_reject_bad_shapes():
   s = pool()
-  with pytest.raises(ValueError, match=r"tokens.shape=\(3, 16\) must be \[S, X\]"):
+  with pytest.raises(ValueError, match=r"tokens.shape=\(3, 16\) must be \[S, J\]"):
     A.lookup(s, jnp.zeros((3, 16), jnp.int32), i32(0, 0, 0, 0))
   with pytest.raises(ValueError, match=r"tokens.dtype=float32"):
     A.register(s, jnp.zeros((4, 16), jnp.float32))
