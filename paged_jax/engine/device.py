@@ -50,8 +50,8 @@ from flax import nnx
 
 from paged_jax import allocator
 from paged_jax import step as step_api
-from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState, scrub_freed,
-                                    want_S, zero_blocks)
+from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
+                                    restart_counters, scrub_freed, want_S, zero_blocks)
 from paged_jax.sampling import request_keys, sample
 
 __all__ = ["device_call", "schedule_step"]
@@ -237,6 +237,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   ``switch`` (XLA would copy it each step).
   """
   model = nnx.merge(graphdef, params)
+  st = restart_counters(st)  # the report counts this call; the host sums them
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
 
   def cond(c):

@@ -350,24 +350,22 @@ class LLM:
     seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
     counted among the free) describe the pool now, and no reset changes them."""
-    r, h = self._scheduler.last_report, self._scheduler.counters
-    if r is None:
-      steps = busy = preempt = peak = 0
-      mean_blocks, util = 0.0, 1.0
-    else:
-      steps, busy = int(r["steps"]), int(r["busy_steps"])
-      preempt, peak = int(r["preemptions"]), int(r["peak_blocks_in_use"])
-      mean_blocks = float(r["blocks_in_use_sum"]) / max(steps, 1)
-      util = float(r["utilization_sum"]) / busy if busy else 1.0
+    r, h = self._scheduler.device_counters, self._scheduler.counters
+    steps, busy = r.get("steps", 0), r.get("busy_steps", 0)
+    preempt, peak = r.get("preemptions", 0), r.get("peak_blocks_in_use", 0)
+    mean_blocks = r.get("blocks_in_use_sum", 0.0) / max(steps, 1)
+    util = r["utilization_sum"] / busy if busy else 1.0
     tokens = h["tokens"]
     wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
     # The pool now (read on demand, outside the serving loop), not since a reset.
-    free, cached = self._state.alloc.num_free, allocator.num_cached(self._state.alloc)
-    if self._plan is not None:
-      free, cached = self._plan.fetch(free), self._plan.fetch(cached)
-    free, cached = int(np.sum(free)), int(np.sum(cached))
-    prompt_tokens = 0 if r is None else int(np.sum(r["prompt_tokens"]))
-    cached_tokens = 0 if r is None else int(np.sum(r["cached_prompt_tokens"]))
+    # On the host (numpy): an eager jnp reduction here compiled on the first stats read.
+    alloc = self._state.alloc
+    fetch = np.asarray if self._plan is None else self._plan.fetch
+    host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
+                               depth_N=fetch(alloc.depth_N))
+    free, cached = int(np.sum(fetch(alloc.num_free))), int(np.sum(allocator.cached_N(host)))
+    prompt_tokens = r.get("prompt_tokens", 0)
+    cached_tokens = r.get("cached_prompt_tokens", 0)
     return dict(
         preemptions=preempt, kv_utilization=util,
         prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from paged_jax.engine.state import DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING, host_rows
+from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING,
+                                    add_counters, host_rows)
 from paged_jax.sampling import SamplingParams
 from paged_jax.sharding import pick_slots
 
@@ -131,11 +132,12 @@ class Scheduler:
           "an earlier generate_stream of this engine is still open (iterated, but neither "
           "exhausted nor closed), and its sequences hold the engine's slots: call its "
           ".close() (which drops its unfinished requests) or iterate it to the end first; "
-          "one generate / generate_stream at a time per engine")
+          "one generate / generate_stream at a time per engine (a generate running in "
+          "another thread is refused too: threads sharing an engine need a lock)")
 
   def reset_counters(self) -> None:
     self.counters = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
-    self.last_report: dict | None = None
+    self.device_counters: dict = {}  # the device's counters summed over calls (stats)
 
   # --- requests ---
 
@@ -151,6 +153,7 @@ class Scheduler:
       raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
                        "tokens: a prompt is a sequence of token ids (a list, tuple or 1-D "
                        "int array)")
+    prompt = np.asarray(prompt) if hasattr(prompt, "__array__") else prompt  # one transfer
     dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
     try:
       items = list(prompt)
@@ -289,7 +292,7 @@ class Scheduler:
     """The events of one call's report, and the slots whose completion finished."""
     self.counters["host_syncs"] += 1
     self.counters["device_calls"] += 1
-    self.last_report = report
+    add_counters(self.device_counters, report)
     clear = np.zeros(self.max_seqs, bool)
     events = []
     for s, owner in enumerate(slot_owner):

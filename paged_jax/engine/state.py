@@ -24,7 +24,8 @@ from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
            "ROW_FIELDS", "admit", "abort", "host_rows", "init_state", "want_S",
-           "zero_counters", "scrub_freed", "zero_blocks"]
+           "zero_counters", "scrub_freed", "zero_blocks", "COUNTERS", "restart_counters",
+           "add_counters"]
 
 FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
 """Slot status values of ``EngineState.status_S``."""
@@ -116,6 +117,28 @@ def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int, *,
 def zero_counters(st: EngineState) -> EngineState:
   """``st`` with every counter of ``stats`` back at 0."""
   return dataclasses.replace(st, **_zero_counters())
+
+
+COUNTERS = tuple(_zero_counters())
+"""The counter fields: each device call counts from 0 (``restart_counters``) and the host
+adds its report to unbounded totals (``add_counters``), so no int32 wraps and no float32
+sum stops growing on a long-lived engine (2**31 prompt tokens, 2**24 busy steps)."""
+
+
+def restart_counters(st: EngineState) -> EngineState:
+  """``st``'s counters at 0, their shapes (and shardings) kept: the start of a call."""
+  return dataclasses.replace(st, **{k: jnp.zeros_like(getattr(st, k)) for k in COUNTERS})
+
+
+def add_counters(totals: dict, report: dict) -> None:
+  """Add one call's counters (its report, on the host) to ``totals`` (Python numbers; the
+  peak is a maximum)."""
+  for key in (k for k in COUNTERS if k in report):  # (a test's hand-made report has none)
+    value = np.asarray(report[key])
+    value = value.max() if key == "peak_blocks_in_use" else value.sum()
+    value = float(value) if value.dtype.kind == "f" else int(value)
+    totals[key] = (max(totals.get(key, 0), value) if key == "peak_blocks_in_use"
+                   else totals.get(key, 0) + value)
 
 
 def want_S(st: EngineState) -> jax.Array:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
 import time
@@ -222,6 +223,51 @@ def test_abandoned_stream_releases_its_blocks(llm, dense_greedy):
   good = _prompts((7,), seed=16)[0]
   out, = llm.generate([good], SamplingParams(max_tokens=6, ignore_eos=True))
   assert list(out.token_ids) == dense_greedy(good, 6)[0]
+
+
+def test_stats_counters_do_not_wrap_on_a_long_lived_engine(llm):
+  # The device kept the stats counters since the last reset in int32 / float32: 2**31
+  # prompt tokens read negative (hit rate -1.0), a float32 sum of 2**24 busy steps stopped
+  # growing. Each call now counts from 0 and the host sums in Python numbers.
+  llm.reset_stats()
+  long_ago = 2**31 - 50
+  llm._state = dataclasses.replace(llm._state, prompt_tokens=jnp.int32(long_ago),
+                                   utilization_sum=jnp.float32(2.0**24))
+  llm._scheduler.device_counters.update(prompt_tokens=long_ago, utilization_sum=2.0**24,
+                                        busy_steps=2**24)
+  prompts = _prompts((30, 30, 20))
+  llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+  stats = llm.stats
+  assert stats["prompt_tokens"] == long_ago + 80 and 0 <= stats["prefix_hit_rate"] <= 1
+  busy = stats["steps"]  # every step of this call ran a batch
+  assert llm._scheduler.device_counters["busy_steps"] == 2**24 + busy
+  assert llm._scheduler.device_counters["utilization_sum"] > 2.0**24 + 0.5 * busy
+  llm.reset_stats()
+  assert llm.stats["prompt_tokens"] == 0 and llm.stats["steps"] == 0
+
+
+def test_stats_and_array_prompts_compile_nothing(model, config):
+  # stats counted the cached blocks with an eager jnp reduction: the first read after
+  # precompile compiled five small programs (0.4-0.5 s on a metrics poll). A JAX array
+  # prompt was unstacked by a program compiled for each new length, then read back one
+  # token at a time.
+  engine = LLM(model, config, block_size=4, num_blocks=16, max_seqs=2,
+               max_tokens_per_step=8, steps_per_call=2)
+  prompt = jnp.arange(3, 3 + 37, dtype=jnp.int32)
+  compiled = []
+  with jax.log_compiles(True):
+    handler = logging.Handler()
+    handler.emit = lambda record: compiled.append(record.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+      stats = engine.stats
+      encoded = engine._scheduler._encode(0, prompt)
+    finally:
+      logger.removeHandler(handler)
+  assert stats["cached_blocks"] == 0 and stats["num_free_blocks"] == 16
+  assert encoded == tuple(range(3, 40))
+  assert not [m for m in compiled if "ompil" in m], compiled
 
 
 def test_a_stream_left_open_refuses_a_second_one_until_closed(llm, dense_greedy):
