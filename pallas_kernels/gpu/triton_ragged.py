@@ -37,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -81,8 +82,8 @@ def _kernel(
   seq = seq_ref[item]
   begin = begin_ref[item]
   horizon = horizon_ref[item]
-  num_chunks = pl.cdiv(jnp.maximum(horizon - begin, 0), chunk)
-  per_split = pl.cdiv(num_chunks, num_splits)
+  num_chunks = pl.cdiv(jnp.maximum(horizon - begin, 0), np.int32(chunk))  # int32 under x64
+  per_split = pl.cdiv(num_chunks, np.int32(num_splits))
   chunk_begin = jnp.minimum(split * per_split, num_chunks)
   chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
 

@@ -61,6 +61,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -74,6 +75,17 @@ plgpu = compat.plgpu
 # A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
 # that sees nothing keeps max = floor, sum = 0 without any inf - inf.
 _MAX_FLOOR = -1e30
+
+
+def _div(a, b):
+  """``lax.div`` of an int32 value by ``b``: a Python int is made int32 (under x64 it would
+  be int64, which ``lax.div`` refuses beside an int32)."""
+  return lax.div(a, b if isinstance(b, jax.Array) else np.int32(b))
+
+
+def _rem(a, b):
+  """``lax.rem``, as ``_div`` divides."""
+  return lax.rem(a, b if isinstance(b, jax.Array) else np.int32(b))
 
 
 def piece_pairs(a_pieces: int, b_pieces: int) -> tuple[tuple[int, int], ...]:
@@ -287,15 +299,15 @@ def _kernel(*refs, cfg: KernelConfig):
   seq = seq_ref[item]
   begin = begin_ref[item]
   horizon = horizon_ref[item]
-  num_chunks = lax.div(jnp.maximum(horizon - begin, 0) + (chunk - 1), chunk)
-  per_split = lax.div(num_chunks + (t.num_splits - 1), t.num_splits)
+  num_chunks = _div(jnp.maximum(horizon - begin, 0) + (chunk - 1), chunk)
+  per_split = _div(num_chunks + (t.num_splits - 1), t.num_splits)
   chunk_begin = jnp.minimum(split * per_split, num_chunks)
   chunk_end = jnp.minimum(chunk_begin + per_split, num_chunks)
 
   # Query position of each packed row (row m = slot q * G + head g); -1 for dead rows,
   # which then see nothing.
   row_M = prims.iota((rows,), 0, row_layout)
-  slot_M = lax.div(row_M, group)
+  slot_M = _div(row_M, group)
   lo, hi = lo_ref[item], hi_ref[item]
   row_live_M = (slot_M >= lo) & (slot_M < hi)
   qpos_M = jnp.where(row_live_M, qbase_ref[item] + slot_M, -1)
@@ -312,7 +324,7 @@ def _kernel(*refs, cfg: KernelConfig):
     ids = []
     for r in range(num_copies):
       pos = begin + c * chunk + r * unit
-      ids.append(tables_ref[seq, jnp.minimum(lax.div(pos, block_size), table_width - 1)])
+      ids.append(tables_ref[seq, jnp.minimum(_div(pos, block_size), table_width - 1)])
     return tuple(ids)
 
   def page_info(c, ids):
@@ -325,7 +337,7 @@ def _kernel(*refs, cfg: KernelConfig):
       # sequences' blocks); an id outside [0, N) (invalid input) reads nothing rather
       # than being clamped into a real block.
       read = (pos < horizon) & (page_id >= 0) & (page_id < num_blocks)
-      offset = lax.rem(pos, block_size) if unit < block_size else 0
+      offset = _rem(pos, block_size) if unit < block_size else 0
       info.append((read, page_id, offset))
     return info
 
@@ -344,7 +356,7 @@ def _kernel(*refs, cfg: KernelConfig):
         if copies_ref is not None:
           # Counted where the copy is issued, under the same condition: table entry
           # pos / Z of the item's sequence got one more copy unit (one K and one V copy).
-          entry = (split, item, kv_head, lax.div(begin + c * chunk + r * unit, block_size))
+          entry = (split, item, kv_head, _div(begin + c * chunk + r * unit, block_size))
           copies_ref[entry] = copies_ref[entry] + 1
 
   def valid_positions(c, info, vector_layout):
@@ -357,7 +369,7 @@ def _kernel(*refs, cfg: KernelConfig):
     layout): the KV positions, and whether each may count (``valid_positions``)."""
     pos = begin + c * chunk + within
     valid = pos < horizon
-    copy = lax.div(within, unit)
+    copy = _div(within, unit)
     for r, (read, _, _) in enumerate(info):
       valid = valid & ((copy != r) | read)
     return pos, valid
@@ -416,7 +428,7 @@ def _kernel(*refs, cfg: KernelConfig):
 
   sink_M = None
   if sinks_ref is not None:
-    head_M = lax.rem(row_M, group)
+    head_M = _rem(row_M, group)
     sink_M = prims.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
     for g in range(group):
       sink_M = jnp.where(row_live_M & (head_M == g), sinks_ref[kv_head * group + g], sink_M)
@@ -452,7 +464,7 @@ def _kernel(*refs, cfg: KernelConfig):
     def body(step, carry):
       max_M, sum_M, acc_MD, ids_ring = carry
       c = chunk_begin + step
-      slot = lax.rem(step, num_stages)
+      slot = _rem(step, num_stages)
       refill_ids = page_ids(c + num_stages)   # used by the refill, after the waits
       with region("pages"):
         info = page_info(c, ids_ring[0])

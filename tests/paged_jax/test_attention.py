@@ -465,3 +465,22 @@ def test_a_traced_negative_num_seqs_reads_nothing(impl):
   args = _good_args()
   attend = jax.jit(lambda n: paged_attention(**{**args, "num_seqs": n}, impl=impl))
   np.testing.assert_array_equal(np.asarray(attend(jnp.int32(-1))), 0.0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_mosaic_gpu"])
+def test_gpu_kernels_trace_under_x64(impl):
+  # With jax_enable_x64 on, both GPU kernels failed to trace ("lax.div requires arguments
+  # to have the same dtypes, got int32, int64"): a Python int divisor became int64 beside
+  # the int32 lengths. "auto" picks them on a GPU. A long decode takes split-K.
+  from paged_jax.pallas_kernels import mosaic_gpu
+  if impl == "pallas_mosaic_gpu" and not mosaic_gpu.interpret_available():
+    pytest.skip("this jax has no Mosaic GPU interpret mode")
+  case = cases.make_case(30, q_lens=[1, 5], kv_lens=[300, 20], group=2, block_size=16)
+  q, k_pages, v_pages, layer, kv_lens, tables, cu, num_seqs = case.jax_args()
+  args = (q, KVCache(k_pages=k_pages, v_pages=v_pages), layer, kv_lens, tables, cu, num_seqs)
+  variant = dict(sliding_window=200, soft_cap=20.0, sinks=jnp.linspace(-1.0, 1.0, 4))
+  want = paged_attention(*args, impl="reference", **variant)
+  with jax.enable_x64(True):
+    got = paged_attention(*args, impl=impl, interpret=True, **variant)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
