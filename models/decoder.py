@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import attention
+from paged_jax._promotion import standard_promotion
 from paged_jax.kv_cache import KVCache
 from paged_jax.models import layers, moe
 from paged_jax.models.config import ModelConfig
@@ -178,6 +179,7 @@ class Decoder(nnx.Module):
 
   # --- forwards ---
 
+  @standard_promotion
   def paged_forward(self, tokens_T: jax.Array, positions_T: jax.Array, cache: KVCache,
                     metadata: AttentionMetadata, *, logits_indices: jax.Array | None = None,
                     impl: str | None = None) -> tuple[jax.Array, KVCache]:
@@ -256,6 +258,7 @@ class Decoder(nnx.Module):
       x_TE = jnp.take(x_TE, logits_indices, axis=0, mode="clip")
     return self._logits(x_TE), cache
 
+  @standard_promotion
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
     """Causal logits ``[B, T, V]`` of a dense batch (positions ``0..T-1``, no cache).
 

@@ -124,6 +124,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax._promotion import standard_promotion
+
 NO_BLOCK = -1
 """Block-table entry of an unused logical block, and the `fork` copy id meaning "no copy"."""
 
@@ -352,6 +354,7 @@ def _grant_in_order(need_X: jax.Array, valid_X: jax.Array, num_free) -> jax.Arra
 # ----------------------------------------------------------------------------- ops
 
 
+@standard_promotion
 def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, *,
          windows=None) -> AllocatorState:
   """An empty allocator: every block free, every sequence slot empty.
@@ -399,6 +402,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
   )
 
 
+@standard_promotion
 def slide(state: AllocatorState) -> AllocatorState:
   """Give back, in every sliding group, the blocks no query still to come can read.
 
@@ -448,6 +452,7 @@ def _rebase_clock(state: AllocatorState) -> AllocatorState:
   return jax.lax.cond(state.clock >= _CLOCK_REBASE_AT, rebase, lambda state: state, state)
 
 
+@standard_promotion
 def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.Array]:
   """Grow every sequence at once by ``num_new_tokens`` i32[S] tokens.
 
@@ -501,6 +506,7 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   return new_state, ok_S
 
 
+@standard_promotion
 def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   """Flat slot ids ``block_id * Z + position % Z`` for writing K/V (``KVCache.write``).
 
@@ -532,6 +538,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   return out[0] if state.block_tables.ndim == 2 else out
 
 
+@standard_promotion
 def release(state: AllocatorState, mask) -> AllocatorState:
   """Drop the sequences with ``mask`` bool[S] True: ref count - 1 for each of their blocks (a
   block reaching 0 is free again), their rows become ``NO_BLOCK`` and their lengths 0."""
@@ -551,6 +558,7 @@ def release(state: AllocatorState, mask) -> AllocatorState:
   )
 
 
+@standard_promotion
 def fork(state: AllocatorState, src,
          dst) -> tuple[AllocatorState, jax.Array, jax.Array, jax.Array]:
   """Make each sequence ``dst_F[f]`` a copy of sequence ``src_F[f]`` (i32[F] each).
@@ -622,6 +630,7 @@ def fork(state: AllocatorState, src,
   return new_state, ok_F, copy_src, copy_dst
 
 
+@standard_promotion
 def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, jax.Array]:
   """Release whole sequences, smallest ``priority`` i32[S] first (ties: higher slot index
   first), until ``num_free >= needed`` (i32[] blocks) or no sequence holding blocks is left.
@@ -658,6 +667,7 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
   return release(state, preempted_S), preempted_S
 
 
+@standard_promotion
 def utilization(state: AllocatorState) -> jax.Array:
   """f32[]: tokens stored / (blocks in use * Z); 1.0 when no block is in use.
 
@@ -668,7 +678,7 @@ def utilization(state: AllocatorState) -> jax.Array:
   """
   z = state.block_size
   used = state.num_blocks - state.num_free
-  waste = state.num_groups * jnp.sum((-state.seq_lens) % z)
+  waste = (state.num_groups * jnp.sum((-state.seq_lens) % z)).astype(jnp.float32)
   capacity = (used * z).astype(jnp.float32)
   return jnp.where(used > 0, 1.0 - waste / jnp.maximum(capacity, 1.0), 1.0).astype(jnp.float32)
 
@@ -697,6 +707,7 @@ def _powers_u32(base: int, count: int) -> np.ndarray:
   return np.asarray(out, np.uint32)
 
 
+@standard_promotion
 def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
   """u32[S, P]: the chained hash of every block of every sequence (the default ``hash_fn``).
 
@@ -948,6 +959,7 @@ def _group_hits(state: AllocatorState, salt_S, anchor_SP, num_hit_S):
   return jnp.where(_hit_span_gSP(state, k_S), jnp.stack(rows), NO_BLOCK), k_S
 
 
+@standard_promotion
 def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
            hash_fn=chain_hashes) -> tuple[jax.Array, jax.Array]:
   """The longest cached prefix of every sequence's tokens; reads the state only.
@@ -979,6 +991,7 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   return _group_hits(state, salt_S, anchor_SP, num_hit_S)
 
 
+@standard_promotion
 def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
   """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks of a hit of k
   levels (``blocks`` in the layout of ``block_tables``, e.g. from ``lookup``): its first k
@@ -1037,6 +1050,7 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
   return new_state, grant_S | (k_S == 0)
 
 
+@standard_promotion
 def register(state: AllocatorState, tokens, salt=None, *,
              hash_fn=chain_hashes) -> AllocatorState:
   """Register every full block of every sequence that the cache does not hold yet.
@@ -1171,11 +1185,13 @@ def _first_holder(b_XP: jax.Array, mask_XP: jax.Array, num_blocks: int) -> jax.A
   return first_N[jnp.clip(b_XP, 0, num_blocks - 1)] == flat
 
 
+@standard_promotion
 def cached_N(state: AllocatorState) -> jax.Array:
   """bool[N]: free blocks that still hold a registered prefix (reusable until evicted)."""
   return (state.ref_counts == 0) & (state.depth_N >= 0)
 
 
+@standard_promotion
 def num_cached(state: AllocatorState) -> jax.Array:
   """i32[]: how many blocks ``cached_N`` marks."""
   return jnp.sum(cached_N(state), dtype=jnp.int32)

@@ -59,6 +59,7 @@ from flax import nnx
 
 from paged_jax import allocator
 from paged_jax import protocol
+from paged_jax._promotion import standard_promotion
 from paged_jax.pallas_kernels import metadata
 
 __all__ = ["AttentionMetadata", "StepInputs", "Steps", "decode_step", "forward_step",
@@ -195,6 +196,7 @@ def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
                      f"be an integer [S]=[{num_seq_rows}] (the allocator's max_seqs)")
 
 
+@standard_promotion
 def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
                  num_new_S: jax.Array, *, kv_groups=None
                  ) -> tuple[allocator.AllocatorState, StepInputs]:
@@ -254,6 +256,7 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
                                  last_S=last_S)
 
 
+@standard_promotion
 def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
                  num_new_S: jax.Array, *, kv_groups=None, **forward_kwargs):
   """One ragged step (prefill, chunked prefill, decode, or a mix); traceable, not jitted.
@@ -315,6 +318,7 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
   return logits_SV, alloc_state, cache, inputs.ok_S
 
 
+@standard_promotion
 def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: jax.Array,
                 active_S: jax.Array, **forward_kwargs):
   """One decode token for every active sequence; traceable, not jitted.
@@ -338,6 +342,7 @@ def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: j
   return forward_step(model, alloc_state, cache, tokens_T, num_new_S, **forward_kwargs)
 
 
+@standard_promotion
 def tokens_from_history(tokens_SJ: jax.Array, start_S: jax.Array, num_new_S: jax.Array,
                         num_tokens: int) -> jax.Array:
   """i32[T]: the new tokens ``tokens_SJ[s, start_S[s] : start_S[s] + num_new_S[s]]`` of

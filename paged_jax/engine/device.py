@@ -50,6 +50,7 @@ from flax import nnx
 
 from paged_jax import allocator
 from paged_jax import step as step_api
+from paged_jax._promotion import standard_promotion
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, scrub_freed, want_S, zero_blocks)
 from paged_jax.sampling import request_keys, sample
@@ -222,6 +223,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   )
 
 
+@standard_promotion
 def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
                 num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
                 hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import allocator
+from paged_jax._promotion import standard_promotion
 from paged_jax.kv_cache import KVCache
 from paged_jax.pallas_kernels import layout
 from paged_jax.spec import KVCacheSpec
@@ -102,6 +103,7 @@ def _zero_counters() -> dict:
               cached_prompt_tokens=jnp.int32(0))
 
 
+@standard_promotion
 def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int, *,
                windows=None) -> EngineState:
   """An empty engine: every slot free, every block free, counters 0. ``windows``: the KV
@@ -173,6 +175,7 @@ def scrub_freed(cache: KVCache, before: allocator.AllocatorState,
   return zero_blocks(cache, _unowned_N(after) & ~_unowned_N(before))
 
 
+@standard_promotion
 def admit(st: EngineState, mask_S, rows: dict) -> EngineState:
   """Overwrite the rows of the slots with ``mask_S`` True by ``rows`` (host -> device)."""
   updates = {}
@@ -183,6 +186,7 @@ def admit(st: EngineState, mask_S, rows: dict) -> EngineState:
   return dataclasses.replace(st, **updates)
 
 
+@standard_promotion
 def abort(st: EngineState, mask_S, *, scrub_on_release: bool = False) -> EngineState:
   """Drop the sequences of ``mask_S`` (an abandoned stream): release their blocks, free slots."""
   alloc = allocator.release(st.alloc, mask_S)
