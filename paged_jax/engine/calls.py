@@ -166,11 +166,10 @@ class DeviceCalls:
     return jobs
 
   def _lower_step(self, bucket, params, st):
-    return self.step(bucket).lower(params, st, jnp.int32(0))
+    return self.step(bucket).lower(params, st, jax.device_put(np.int32(0)))
 
   def _lower(self, call, st, *rows):
     """Lower ``admit`` / ``abort`` as the engine calls them (host rows as device arrays)."""
     if self.plan is not None:
       return call.lower(st, *rows)
-    to_device = lambda x: jax.tree_util.tree_map(jnp.asarray, x)
-    return call.lower(st, *to_device(rows))
+    return call.lower(st, *jax.device_put(rows))

@@ -272,17 +272,23 @@ class LLM:
   def _run(self, bucket: int, slots_wanted: int) -> dict:
     self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
     self._bucket = bucket
-    self._state, report = self._call(self._params, self._state, jnp.int32(slots_wanted))
+    # Host -> device transfers are explicit (jax.device_put), so a caller's
+    # jax.transfer_guard("disallow") holds around generate.
+    wanted = jax.device_put(np.int32(slots_wanted))
+    self._state, report = self._call(self._params, self._state, wanted)
     return jax.device_get(report)  # the one device -> host transfer of this call
 
   def _admit(self, mask_S: np.ndarray, rows: dict) -> None:
     self._device.ensure_compiled("admit", self._params, self._state)
-    self._state = self._device.admit(self._state, jnp.asarray(mask_S),
-                                     {k: jnp.asarray(v) for k, v in rows.items()})
+    self._state = self._device.admit(self._state, *self._to_device(mask_S, rows))
 
   def _abort(self, mask_S: np.ndarray) -> None:
     self._device.ensure_compiled("abort", self._params, self._state)
-    self._state = self._device.abort(self._state, jnp.asarray(mask_S))
+    self._state = self._device.abort(self._state, *self._to_device(mask_S))
+
+  def _to_device(self, *host):
+    # A mesh's calls place host rows on their shards themselves.
+    return host if self._plan is not None else jax.device_put(host)
 
   def _serve(self, requests) -> Iterator[StreamEvent]:
     self._scheduler.check_idle()  # raised here, at the call, not at the first event
@@ -360,7 +366,7 @@ class LLM:
     # The pool now (read on demand, outside the serving loop), not since a reset.
     # On the host (numpy): an eager jnp reduction here compiled on the first stats read.
     alloc = self._state.alloc
-    fetch = np.asarray if self._plan is None else self._plan.fetch
+    fetch = jax.device_get if self._plan is None else self._plan.fetch
     host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
                                depth_N=fetch(alloc.depth_N))
     free, cached = int(np.sum(fetch(alloc.num_free))), int(np.sum(allocator.cached_N(host)))

@@ -270,6 +270,26 @@ def test_stats_and_array_prompts_compile_nothing(model, config):
   assert not [m for m in compiled if "ompil" in m], compiled
 
 
+def test_generate_makes_no_implicit_transfer(llm):
+  # A caller's jax.transfer_guard("disallow") around generate failed at once: the host
+  # rows, masks and the slots wanted went up with jnp.asarray (implicit), and the failed
+  # cleanup raised a second error over the first. Now every transfer is explicit.
+  prompts = _prompts((6, 18, 3), seed=21)
+  params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+  def serve():
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    stream = llm.generate_stream(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    next(stream)
+    stream.close()  # the abort call
+    return outs, llm.stats["num_free_blocks"]
+
+  want = serve()  # compiles what it needs outside the guard
+  with jax.transfer_guard("disallow"):
+    got = serve()
+  assert got == want and got[1] == llm.spec.num_blocks
+
+
 def test_a_stream_left_open_refuses_a_second_one_until_closed(llm, dense_greedy):
   # A stream kept in a variable and left after a few events still holds its slots and
   # blocks; a second generate used to hand those slots out again and read the first
