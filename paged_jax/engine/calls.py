@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.engine import state as state_lib

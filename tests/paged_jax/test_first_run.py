@@ -4,7 +4,6 @@ help texts a terminal shows as they are, the compilation cache's settings."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import subprocess
