@@ -345,16 +345,6 @@ class ShardingPlan:
     shapes = jax.eval_shape(stacked)
     return jax.jit(stacked, out_shardings=self.state_shardings(shapes))()
 
-  def match_state(self, state, like):
-    """``state`` with each leaf whose shape differs from ``like``'s (a per-shard value
-    such as a reset counter) broadcast along the data axis and placed like it."""
-    def fix(x, ref):
-      if jnp.shape(x) == ref.shape:
-        return x
-      return jax.device_put(np.broadcast_to(np.asarray(x), ref.shape), ref.sharding)
-
-    return jax.tree_util.tree_map(fix, state, like)
-
   # --- device calls ---
 
   def device_call(self, call_shard: Callable, *, param_specs=None):

@@ -253,11 +253,8 @@ class LLM:
     return self._call_for(self._bucket)(params, st, slots_wanted)
 
   def reset_stats(self) -> None:
-    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step)."""
-    old = self._state
-    self._state = state_lib.zero_counters(self._state)
-    if self._plan is not None:  # counters per data shard
-      self._state = self._plan.match_state(self._state, old)
+    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step).
+    The totals live on the host (each device call counts from 0): no device call here."""
     self._scheduler.reset_counters()
     self._device.serve_compile_s = 0.0
 

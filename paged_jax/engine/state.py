@@ -1,5 +1,5 @@
 """The engine's device-side state: one pytree, ``EngineState``, and the small jit-able edits
-the host makes to it between device calls (admit rows, abort sequences, zero counters).
+the host makes to it between device calls (admit rows, abort sequences).
 
 One row per sequence slot (S = ``max_seqs``; allocator slot s is engine slot s): the token
 history ``tokens_SJ`` (prompt + generated, J = ``max_model_len``), its length ``len_S``, the
@@ -25,8 +25,7 @@ from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
            "ROW_FIELDS", "admit", "abort", "host_rows", "init_state", "want_S",
-           "zero_counters", "scrub_freed", "zero_blocks", "COUNTERS", "restart_counters",
-           "add_counters"]
+           "scrub_freed", "zero_blocks", "COUNTERS", "restart_counters", "add_counters"]
 
 FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
 """Slot status values of ``EngineState.status_S``."""
@@ -114,11 +113,6 @@ def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int, *,
   return EngineState(alloc=allocator.init(spec.num_blocks, spec.block_size, max_seqs, p,
                                           windows=windows),
                      cache=KVCache.create(spec), **rows, **_zero_counters())
-
-
-def zero_counters(st: EngineState) -> EngineState:
-  """``st`` with every counter of ``stats`` back at 0."""
-  return dataclasses.replace(st, **_zero_counters())
 
 
 COUNTERS = tuple(_zero_counters())
