@@ -136,6 +136,18 @@ def _kernel_args(cache: KVCache):
   return cache.k_bits, cache.v_bits, kv_dtype
 
 
+def _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs):
+  """The shape / dtype checks of ``paged_attention``'s arguments (``ValueError``s naming
+  them), shared by its checked and host-side variants; returns ``_kernel_args(cache)``."""
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"cache={type(cache).__name__} must be a paged_jax.KVCache")
+  k_pages, v_pages, kv_dtype = _kernel_args(cache)
+  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
+                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
+                                    **_scale_kwargs(cache))
+  return k_pages, v_pages, kv_dtype
+
+
 def _scale_kwargs(cache: KVCache) -> dict:
   """``k_scales`` / ``v_scales`` ([L, K, N, Z] float32) for a quantised pool, else none."""
   if not cache.quantized:
@@ -193,16 +205,12 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   Returns:
     [T, H, D] in q's dtype; padding rows (past ``cu_q_lens[num_seqs]``) are zero.
   """
-  if not isinstance(cache, KVCache):
-    raise ValueError(f"cache={type(cache).__name__} must be a paged_jax.KVCache")
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
   if isinstance(num_seqs, int):
     num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
-  k_pages, v_pages, kv_dtype = _kernel_args(cache)
-  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
-                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
-                                    **_scale_kwargs(cache))
+  k_pages, v_pages, kv_dtype = _static_checks(q, cache, layer, kv_lens, block_tables,
+                                              cu_q_lens, num_seqs)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
@@ -252,10 +260,7 @@ def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, c
   """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``.
   With ``sliding_window``, table entries wholly before a sequence's window may be
   ``NO_BLOCK`` (a sliding KV group gives them back), as in ``checked_paged_attention``."""
-  k_pages, v_pages, kv_dtype = _kernel_args(cache)
-  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
-                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
-                                    **_scale_kwargs(cache))
+  k_pages, _, _ = _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window)
   validation.dynamic_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
                                      num_seqs, sliding_window=sliding_window)
@@ -297,12 +302,9 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
                      "..., debug=True) inside jax.experimental.checkify.checkify and throw "
                      "the error it returns")
   sm_scale = validation.static_scale(sm_scale)
-  # The same static checks paged_attention makes, before jit converts the arguments (a
-  # numpy int64 kv_lens, refused there, would otherwise pass here).
-  k_pages, v_pages, kv_dtype = _kernel_args(cache)
-  validation.static_validate_inputs(q, k_pages, v_pages, layer, kv_lens, block_tables,
-                                    cu_q_lens, num_seqs, kv_dtype=kv_dtype,
-                                    **_scale_kwargs(cache))
+  # paged_attention's static checks, before jit converts the arguments (a numpy int64
+  # kv_lens, refused there, would otherwise pass here).
+  _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)
