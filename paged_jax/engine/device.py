@@ -273,8 +273,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
       blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
       utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,
       num_free=st.alloc.num_free, prompt_tokens=st.prompt_tokens,
-      cached_prompt_tokens=st.cached_prompt_tokens,
-      cached_blocks=allocator.num_cached(st.alloc))
+      cached_prompt_tokens=st.cached_prompt_tokens)
   return st, report
 
 
