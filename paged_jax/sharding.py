@@ -377,9 +377,10 @@ class ShardingPlan:
     return call
 
   def per_shard(self, fn: Callable, **jit_kwargs):
-    """``fn(state, *rows)`` of one data shard (``rows``: pytrees of ``[S/d, ...]``
-    arrays) as ``call(state, *rows)`` over all shards, taking host rows ``[S, ...]``
-    (slot ``shard * S/d + s``); vmapped, jitted, the state donated and kept in place."""
+    """``fn(state, *rows)`` of one data shard (``rows``: pytrees of ``[n, ...]`` arrays) as
+    ``call(state, *rows)`` over all shards, taking host rows ``[d * n, ...]`` (shard k's in
+    rows ``[k * n, (k + 1) * n)``: a mask over slots ``[S]``, or ``admit``'s chunks);
+    vmapped, jitted, the state donated and kept in place."""
     d = self.data_size
 
     def run(st, *rows):

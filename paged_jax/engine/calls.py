@@ -5,7 +5,8 @@ An engine makes three kinds of device calls:
 - ``step T=<bucket>``: the scheduling loop (``device.device_call``) at one token bucket,
   one compiled executable per bucket, ``call(params, state, slots_wanted) -> (state,
   report)``, the state donated;
-- ``admit``: merge host rows into the state (new requests, cleared slots);
+- ``admit``: write host rows into the state (new requests, cleared slots), a fixed chunk
+  of slots at a time (``admit_chunks``);
 - ``abort``: release the sequences of an abandoned stream.
 
 Each is compiled on first use, or ahead of serving by ``precompile`` (``LLM.precompile``),
@@ -98,6 +99,14 @@ class DeviceCalls:
       self.abort = self.plan.per_shard(functools.partial(
           state_lib.abort, scrub_on_release=self.static["scrub_on_release"]))
 
+  def admit_chunks(self, st, entries: list):
+    """``entries`` (``(slot, values)`` pairs, global slot ids) as ``admit``'s host
+    arguments, chunk by chunk (``state.row_chunks``), for the engine's state ``st``."""
+    return state_lib.row_chunks(
+        entries, max_model_len=st.tokens_SJ.shape[-1],
+        shards=1 if self.plan is None else self.plan.data_size,
+        slots_per_shard=st.status_S.shape[-1])  # a mesh's state: [d, S/d]
+
   def step(self, bucket: int) -> Callable:
     """The jitted step loop whose budget is ``bucket`` (one of ``token_buckets``), built on
     first use: ``call(params, state, slots_wanted) -> (state, report)``, the state donated.
@@ -157,10 +166,10 @@ class DeviceCalls:
     lowering it as the engine calls it (nothing runs, ``st`` is not consumed)."""
     num_seqs = st.status_S.shape[-1]
     mask = np.zeros(num_seqs if self.plan is None else num_seqs * self.plan.data_size, bool)
-    rows = state_lib.host_rows(mask.shape[0], st.tokens_SJ.shape[-1])
+    chunk = next(self.admit_chunks(st, [(0, {})]))  # admit's shapes
     jobs = {f"step T={b}": functools.partial(self._lower_step, b, params, st)
             for b in self.token_buckets}
-    jobs["admit"] = lambda: self._lower(self.admit, st, mask, rows)
+    jobs["admit"] = lambda: self._lower(self.admit, st, *chunk)
     jobs["abort"] = lambda: self._lower(self.abort, st, mask)
     return jobs
 

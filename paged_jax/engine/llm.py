@@ -275,9 +275,10 @@ class LLM:
     self._state, report = self._call(self._params, self._state, wanted)
     return jax.device_get(report)  # the one device -> host transfer of this call
 
-  def _admit(self, mask_S: np.ndarray, rows: dict) -> None:
+  def _admit(self, entries: list) -> None:
     self._device.ensure_compiled("admit", self._params, self._state)
-    self._state = self._device.admit(self._state, *self._to_device(mask_S, rows))
+    for chunk in self._device.admit_chunks(self._state, entries):
+      self._state = self._device.admit(self._state, *self._to_device(*chunk))
 
   def _abort(self, mask_S: np.ndarray) -> None:
     self._device.ensure_compiled("abort", self._params, self._state)

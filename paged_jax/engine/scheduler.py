@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING,
-                                    add_counters, host_rows)
+                                    add_counters)
 from paged_jax.sampling import SamplingParams
 from paged_jax.sharding import pick_slots
 
@@ -252,41 +252,31 @@ class Scheduler:
   # --- one serving loop ---
 
   def _fill_slots(self, waiting: list[Request], slot_owner, want_S: np.ndarray):
-    """Admit waiting requests (FCFS) into free slots. Returns ``(mask_S, rows)`` for the
-    device merge, or None when nobody was admitted. ``want_S`` (the host's view of the
-    tokens each slot still needs) gets the admitted prompts."""
+    """Admit waiting requests (FCFS) into free slots. Returns the admitted slots' rows,
+    ``(slot, values)`` pairs for ``admit`` (``state.row_chunks``); empty when nobody was
+    admitted. ``want_S`` (the host's view of the tokens each slot still needs) gets the
+    admitted prompts."""
     free = [s for s, o in enumerate(slot_owner) if o is None]
-    mask = np.zeros(self.max_seqs, bool)
-    rows = None
+    entries = []
     # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
     while waiting and (slots := pick_slots(free, waiting[0].params.n,
                                            self.slots_per_shard)) is not None:
       req = waiting.pop(0)
       req.arrival = self._arrivals
       self._arrivals += 1
-      rows = host_rows(self.max_seqs, self.max_model_len) if rows is None else rows
       p, n_prompt = req.params, len(req.prompt)
       free = [s for s in free if s not in slots]
       for f, s in enumerate(slots):
-        mask[s] = True
         slot_owner[s] = (req, f)
-        rows["tokens_SJ"][s, :n_prompt] = req.prompt
-        rows["len_S"][s] = n_prompt if f == 0 else 0
-        rows["prompt_len_S"][s] = n_prompt
-        rows["max_len_S"][s] = min(n_prompt + p.max_tokens, self.max_model_len)
-        rows["status_S"][s] = RUNNING if f == 0 else FORK_WAIT
-        rows["arrival_S"][s] = req.arrival
-        rows["parent_S"][s] = slots[0] % self.slots_per_shard  # slot within its shard
-        rows["fork_S"][s] = f
-        rows["seed_S"][s] = req.seed
-        rows["temperature_S"][s] = p.temperature
-        rows["top_k_S"][s] = p.top_k
-        rows["top_p_S"][s] = p.top_p
-        rows["stop_Si"][s, :len(req.stop)] = req.stop
-        rows["salt_S"][s] = req.salt
-        rows["fresh_S"][s] = f == 0
+        entries.append((s, dict(
+            tokens_SJ=req.prompt, len_S=n_prompt if f == 0 else 0, prompt_len_S=n_prompt,
+            max_len_S=min(n_prompt + p.max_tokens, self.max_model_len),
+            status_S=RUNNING if f == 0 else FORK_WAIT, arrival_S=req.arrival,
+            parent_S=slots[0] % self.slots_per_shard,  # slot within its shard
+            fork_S=f, seed_S=req.seed, temperature_S=p.temperature, top_k_S=p.top_k,
+            top_p_S=p.top_p, stop_Si=req.stop, salt_S=req.salt, fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0
-    return None if rows is None else (mask, rows)
+    return entries
 
   def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray]:
     """The events of one call's report, and the slots whose completion finished."""
@@ -336,16 +326,19 @@ class Scheduler:
     return next((b for b in self.token_buckets if b >= need), self.token_buckets[-1])
 
   def serve(self, requests: list[Request], *, run: Callable[[int, int], dict],
-            admit: Callable[[np.ndarray, dict], Any],
+            admit: Callable[[list], Any],
             abort: Callable[[np.ndarray], Any]) -> Iterator[StreamEvent]:
     """Serve ``requests``, yielding events after each device call.
 
     ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
-    ``admit(mask_S, rows)`` merges host rows into the device state; ``abort(mask_S)`` drops
-    sequences left in slots when the stream is closed early.
+    ``admit(entries)`` writes slots' host rows (``_fill_slots``) into the device state;
+    ``abort(mask_S)`` drops sequences left in slots when the stream is closed early.
     """
     self.check_idle()  # two streams made before either ran: the second is refused here
     self._serving = True
+    # Arrival order only ranks the sequences of one serve (every slot is free between
+    # two), so it restarts at 0: the int32 arrival_S never overflows on a long-lived engine.
+    self._arrivals = 0
     finalizing = sys.is_finalizing  # a local: module globals may be gone when it is needed
     waiting = list(requests)
     slot_owner: list = [None] * self.max_seqs
@@ -357,12 +350,12 @@ class Scheduler:
     try:
       while waiting or any(o is not None for o in slot_owner):
         admitted = self._fill_slots(waiting, slot_owner, want_S)
-        if admitted is not None:
-          admit(*admitted)
+        if admitted:
+          admit(admitted)
         report = run(self.pick_bucket(want_S), self.slots_wanted(waiting))
         events, clear = self._read_report(report, slot_owner)
-        if clear.any():
-          admit(clear, host_rows(self.max_seqs, self.max_model_len))
+        if clear.any():  # finished slots back to a free slot's rows
+          admit([(s, {}) for s in np.flatnonzero(clear)])
         for event in events:
           if event.token_id is None:
             finished[event.prompt_index] += 1
@@ -376,7 +369,7 @@ class Scheduler:
         # next call the same state: it would loop for ever. Never expected; a loud error
         # (the stream's cleanup below frees the slots) instead of a silent hang.
         now = _progress_key(report)
-        stalled = stalled + 1 if admitted is None and now == last else 0
+        stalled = stalled + 1 if not admitted and now == last else 0
         last = now
         if stalled >= 2:
           raise RuntimeError(

@@ -24,7 +24,8 @@ from paged_jax.pallas_kernels import layout
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
-           "ROW_FIELDS", "admit", "abort", "host_rows", "init_state", "want_S",
+           "ROW_FIELDS", "ADMIT_ROWS", "admit", "abort", "host_rows", "row_chunks",
+           "init_state", "want_S",
            "scrub_freed", "zero_blocks", "COUNTERS", "restart_counters", "add_counters"]
 
 FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
@@ -92,6 +93,39 @@ def _empty_rows(xp, max_seqs: int, max_model_len: int) -> dict:
 def host_rows(max_seqs: int, max_model_len: int) -> dict[str, np.ndarray]:
   """Empty per-slot rows on the host (numpy), as a free slot holds them."""
   return _empty_rows(np, max_seqs, max_model_len)
+
+
+ADMIT_ROWS = 16
+"""Slots one ``admit`` writes per data shard (r, at most the shard's slots): admitting
+costs the rows it writes (8 bytes x ``max_model_len`` each), not every slot's."""
+
+
+def row_chunks(entries, *, max_model_len: int, shards: int, slots_per_shard: int):
+  """The host rows of ``entries`` in the chunks ``admit`` takes: ``(slot_r, rows)`` pairs.
+
+  ``entries``: ``(slot, values)`` pairs, ``slot`` a global slot id (shard ``slot //
+  slots_per_shard``), ``values`` a dict of row fields; a field left out keeps a free slot's
+  fill, a ``J`` / ``i`` field (a list) fills its row from position 0. Each chunk has
+  ``shards * r`` rows, ``r = min(ADMIT_ROWS, slots_per_shard)``: shard k's in rows ``[k * r,
+  (k + 1) * r)``, their slot ids within the shard, the unused ones ``slots_per_shard``
+  (past the end: ``admit`` writes nothing there). Shapes are fixed, so nothing recompiles.
+  """
+  r = min(ADMIT_ROWS, slots_per_shard)
+  by_shard = [[] for _ in range(shards)]
+  for slot, values in entries:
+    by_shard[slot // slots_per_shard].append((slot % slots_per_shard, values))
+  for start in range(0, max(map(len, by_shard)), r):
+    slot_r = np.full(shards * r, slots_per_shard, np.int32)
+    rows = host_rows(shards * r, max_model_len)
+    for k, shard_entries in enumerate(by_shard):
+      for i, (slot, values) in enumerate(shard_entries[start:start + r], start=k * r):
+        slot_r[i] = slot
+        for name, value in values.items():
+          if rows[name].ndim == 2:
+            rows[name][i, :len(value)] = value
+          else:
+            rows[name][i] = value
+    yield slot_r, rows
 
 
 def _zero_counters() -> dict:
@@ -170,13 +204,13 @@ def scrub_freed(cache: KVCache, before: allocator.AllocatorState,
 
 
 @standard_promotion
-def admit(st: EngineState, mask_S, rows: dict) -> EngineState:
-  """Overwrite the rows of the slots with ``mask_S`` True by ``rows`` (host -> device)."""
+def admit(st: EngineState, slot_r, rows: dict) -> EngineState:
+  """Overwrite the rows of slots ``slot_r`` (i32[r]) by ``rows`` (each field's ``[r, ...]``,
+  host -> device; ``row_chunks``). A slot id past the last slot (padding) writes nothing."""
   updates = {}
   for name in ROW_FIELDS:
-    old, new = getattr(st, name), rows[name]
-    m = mask_S.reshape((-1,) + (1,) * (old.ndim - 1))
-    updates[name] = jnp.where(m, new.astype(old.dtype), old)
+    old = getattr(st, name)
+    updates[name] = old.at[slot_r].set(rows[name].astype(old.dtype), mode="drop")
   return dataclasses.replace(st, **updates)
 
 

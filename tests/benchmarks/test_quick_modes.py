@@ -74,3 +74,12 @@ def test_register_cost_quick(capsys):
   assert [(r["num_blocks"], r["num_seqs"]) for r in rows] == [(256, 4)]
   assert all(r["new_block_ms"] > 0 and r["no_block_ms"] > 0 for r in rows)
   assert "| N blocks |" in capsys.readouterr().out
+
+
+def test_admit_cost_quick(capsys):
+  from benchmarks import admit_cost
+  rows = admit_cost.main(["--quick", "--repeats", "2"])  # asserts both ways' states equal
+  assert [(r["S"], r["J"]) for r in rows] == [(16, 512), (64, 2048)]
+  assert all(r["whole_ms"] > 0 and r["chunked_ms"] > 0 for r in rows)
+  assert rows[1]["chunked_mib"] == rows[1]["whole_mib"] / 4  # 16 of 64 slots' rows
+  assert "chunked ms" in capsys.readouterr().out

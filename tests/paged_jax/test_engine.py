@@ -246,6 +246,95 @@ def test_stats_counters_do_not_wrap_on_a_long_lived_engine(llm):
   assert llm.stats["prompt_tokens"] == 0 and llm.stats["steps"] == 0
 
 
+def test_an_engine_that_admitted_2_31_requests_keeps_serving(llm, dense_greedy):
+  # The host's arrival counter grew with every request the engine ever admitted, and the
+  # int32 arrival_S row refused request 2**31 (OverflowError). Arrivals rank the sequences
+  # of one serve only, so each serve counts from 0.
+  llm._scheduler._arrivals = 2**31 - 1
+  prompts = _prompts((5, 9))
+  outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+  assert [list(o.token_ids) for o in outs] == [dense_greedy(p, 4)[0] for p in prompts]
+
+
+def test_row_chunks_and_admit_write_exactly_the_given_slots():
+  # admit writes the rows of the slots given (a chunk of r = ADMIT_ROWS slots per data
+  # shard, padded), nothing else: checked against a plain numpy merge of whole rows, on
+  # one shard and on two (vmapped per shard, as a mesh runs it), over several chunks.
+  from paged_jax import KVCacheSpec
+  from paged_jax.engine import state as state_lib
+  rng = np.random.default_rng(3)
+  max_len, r = 12, state_lib.ADMIT_ROWS
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=8,
+                     dtype=jnp.float32)
+  for shards, per_shard in ((1, 2 * r + 3), (2, r + 3)):
+    num_slots = shards * per_shard
+    before = {}  # every row non-default, so an unwanted write shows
+    for name in state_lib.ROW_FIELDS:
+      fill = state_lib.host_rows(num_slots, max_len)[name]
+      before[name] = rng.integers(1, 9, fill.shape).astype(fill.dtype)
+    slots = rng.permutation(num_slots)[:num_slots - 2]  # all shards, > r in one
+    entries = []
+    for s in slots:
+      values = dict(len_S=int(rng.integers(1, 9)), top_p_S=0.5, fresh_S=True)
+      if s % 3:  # a prompt and stop ids (a prefix of their rows); else a cleared slot
+        values.update(tokens_SJ=list(rng.integers(1, 99, rng.integers(1, max_len))),
+                      stop_Si=[7, 8])
+      entries.append((int(s), values))
+    expect = {k: v.copy() for k, v in before.items()}
+    empty = state_lib.host_rows(1, max_len)
+    for s, values in entries:
+      for name in state_lib.ROW_FIELDS:
+        expect[name][s] = empty[name][0]
+        value = values.get(name, ())
+        if expect[name].ndim == 2:
+          expect[name][s, :len(value)] = value
+        elif name in values:
+          expect[name][s] = value
+    st = state_lib.init_state(spec, per_shard, max_len)
+    if shards > 1:
+      st = jax.tree.map(lambda x: jnp.stack([x] * shards), st)
+    shaped = lambda x: jnp.asarray(x).reshape(st.status_S.shape + x.shape[1:])
+    st = dataclasses.replace(st, **{k: shaped(v) for k, v in before.items()})
+    admit = state_lib.admit if shards == 1 else jax.vmap(state_lib.admit)
+    chunks = list(state_lib.row_chunks(entries, max_model_len=max_len, shards=shards,
+                                       slots_per_shard=per_shard))
+    most = np.bincount(slots // per_shard).max()  # the fullest shard's slots
+    assert len(chunks) == -(-most // r) >= 2 and all(c[0].shape == (shards * r,)
+                                                      for c in chunks)
+    for slot_r, rows in chunks:
+      assert all(v.shape[0] == shards * r for v in rows.values())
+      split = lambda x: jnp.asarray(x).reshape((shards, r) + x.shape[1:]) if shards > 1 \
+          else jnp.asarray(x)
+      st = admit(st, split(slot_r), jax.tree.map(split, rows))
+    for name in state_lib.ROW_FIELDS:
+      got = np.asarray(getattr(st, name)).reshape(expect[name].shape)
+      np.testing.assert_array_equal(got, expect[name], err_msg=f"{name}, {shards} shards")
+
+
+def test_admitting_uploads_the_admitted_slots_rows_not_every_slots(model, config,
+                                                                     dense_greedy):
+  # Each admit wrote all max_seqs rows of max_model_len tokens (and log-probs): 64 MiB per
+  # admission at 256 slots x 32k. Now a chunk of ADMIT_ROWS slots at a time; more slots
+  # than that admitted at once take several chunks, and the outputs are unchanged.
+  from paged_jax.engine.state import ADMIT_ROWS
+  engine = LLM(model, config, block_size=4, num_blocks=64, max_seqs=ADMIT_ROWS + 4,
+               max_tokens_per_step=32, steps_per_call=8)
+  real, shapes = engine._device.admit, []
+
+  def spy(st, slot_r, rows):
+    shapes.append((slot_r.shape, rows["tokens_SJ"].shape))
+    return real(st, slot_r, rows)
+
+  spy.lower = real.lower
+  engine._device.admit = spy
+  prompts = _prompts([3 + i % 7 for i in range(ADMIT_ROWS + 4)], seed=11)
+  outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+  assert [list(o.token_ids) for o in outs] == [dense_greedy(p, 3)[0] for p in prompts]
+  one_chunk = ((ADMIT_ROWS,), (ADMIT_ROWS, engine.max_model_len))
+  assert len(shapes) >= 3 and set(shapes) == {one_chunk}  # two to admit, then clears
+  _check_all_free(engine)
+
+
 def test_stats_and_array_prompts_compile_nothing(model, config):
   # stats counted the cached blocks with an eager jnp reduction: the first read after
   # precompile compiled five small programs (0.4-0.5 s on a metrics poll). A JAX array
@@ -639,9 +728,9 @@ def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
                num_free=np.int32(5))
   calls, admitted, aborted = [], [], []
   stream = sched.serve(requests, run=lambda bucket, wanted: calls.append(bucket) or stuck,
-                       admit=lambda mask, rows: admitted.append(mask.copy()),
+                       admit=lambda entries: admitted.append([s for s, _ in entries]),
                        abort=lambda mask: aborted.append(mask.copy()))
   with pytest.raises(RuntimeError, match=r"no progress .*tokens wanted per slot \[3, 2\]"):
     list(stream)
-  assert len(calls) == 3 and len(admitted) == 1
+  assert len(calls) == 3 and admitted == [[0, 1]]
   assert [m.tolist() for m in aborted] == [[True, True]]
