@@ -180,9 +180,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   # Most steps fork nobody: skip the free-order sort and the block copy then.
   alloc, cache = jax.lax.cond(jnp.any(child_S), fork_children, lambda a, c: (a, c), alloc,
                               cache)
-  # A fork that got no block simply recomputes the prompt later (its KV is empty).
-  tokens_SJ = jnp.where(child_S[:, None], st.tokens_SJ[parent_S], st.tokens_SJ)
-  logprobs_SJ = jnp.where(child_S[:, None], st.logprobs_SJ[parent_S], st.logprobs_SJ)
+  # A fork that got no block simply recomputes the prompt later (its KV is empty). Its
+  # history needs no copy: the host wrote the prompt into every slot of the request, and
+  # the parent has generated nothing yet (children fork at its first prefill's end), so
+  # the rows agree up to the parent's length (a [S, J] copy here cost every step O(S J)).
+  tokens_SJ, logprobs_SJ = st.tokens_SJ, st.logprobs_SJ
   len_S = jnp.where(child_S, st.len_S[parent_S], st.len_S)
 
   # 5. Sample, stop, release.
