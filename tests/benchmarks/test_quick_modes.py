@@ -83,3 +83,12 @@ def test_admit_cost_quick(capsys):
   assert all(r["whole_ms"] > 0 and r["chunked_ms"] > 0 for r in rows)
   assert rows[1]["chunked_mib"] == rows[1]["whole_mib"] / 4  # 16 of 64 slots' rows
   assert "chunked ms" in capsys.readouterr().out
+
+
+def test_max_model_len_quick(capsys):
+  from benchmarks import max_model_len
+  rows = max_model_len.main(["--quick", "--repeats", "1"])  # asserts equal outputs per J
+  assert [(r["prefix_caching"], r["J"]) for r in rows] == [
+      (False, 256), (False, 1024), (True, 256), (True, 1024)]
+  assert all(r["ms_per_step"] > 0 and r["ratio"] > 0 for r in rows)
+  assert "| prefix cache |" in capsys.readouterr().out
