@@ -434,6 +434,15 @@ def test_a_stream_never_closed_exits_quietly():
   assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_prompt_over_the_callers_max_model_len_names_it_as_theirs(model, config):
+  # The refusal named the model's context and the pool as what bounds max_model_len, though
+  # the caller had set a smaller one; now it says so, and what the model and pool allow.
+  capped = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_model_len=20)
+  with pytest.raises(ValueError, match=r"has 25 tokens; must be < max_model_len=20 \(as "
+                     r"passed to LLM; the model and the pool allow up to 128: model context"):
+    capped.check_requests([[3] * 25])
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
