@@ -4,7 +4,8 @@ An engine's per-slot token history is ``[S, J]`` (J = ``max_model_len``) and its
 tables ``[S, P]`` (P = J / Z), so a step's bookkeeping grows with J even when no sequence
 is long; the attention and the model do not (the same tokens, the same blocks). This
 serves S identical short decodes (8-token prompts, 64 tokens each, greedy) on a tiny
-random Llama (2 layers, E=64, K=1, D=32, block size 16, one token bucket of S) at several
+random Llama (2 layers, E=64, K=1, D=32, block size 16, one token bucket of S, one pool
+that holds the longest J) at several
 ``max_model_len``, with the prefix cache off and on, and prints the best of ``--repeats``
 ``generate`` calls as ms per decode step and as a ratio to the smallest J (1.0 = no growth).
 
@@ -42,8 +43,9 @@ def measure(max_seqs: int, lengths, repeats: int, prefix_caching: bool) -> list[
   prompts = [[3 + i % 200, 5, 7, 9, 11, 13, 15, 17] for i in range(max_seqs)]
   params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
   rows, first = [], None
+  num_blocks = max(lengths) // 16  # one pool for every J: the longest sequence fits
   for max_model_len in lengths:
-    llm = LLM(model, config, block_size=16, num_blocks=max_seqs * 8, max_seqs=max_seqs,
+    llm = LLM(model, config, block_size=16, num_blocks=num_blocks, max_seqs=max_seqs,
               max_tokens_per_step=max_seqs, token_buckets=(max_seqs,),
               max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
     outs = llm.generate(prompts, params)  # compiles
