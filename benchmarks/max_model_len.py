@@ -9,9 +9,10 @@ that holds the longest J) at several
 ``max_model_len``, with the prefix cache off and on, and prints the best of ``--repeats``
 ``generate`` calls as ms per decode step and as a ratio to the smallest J (1.0 = no growth).
 
-Stop 40 dropped an [S, J] copy of the history that every step made (a fork's rows; see
+Stop 40 dropped an [S, J] copy of the history that every step made (a fork's rows) and
+the allocator's binary search over the pool for each of an append's [g, S, P] ranks (see
 RESULTS.md for the figures before and after). What grows still: the [S, P] block-table
-work of every step and, with the prefix cache, the hashing of whole histories on the
+passes of every step and, with the prefix cache, the hashing of whole histories on the
 steps that admit or fill blocks.
 
     python benchmarks/max_model_len.py            # J in (2k, 8k, 32k), S = 32

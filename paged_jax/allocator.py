@@ -118,7 +118,6 @@ of a state are checked by the host function ``validate``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -296,26 +295,17 @@ def _first_of_order_N(order_N: jax.Array, count) -> jax.Array:
   return jnp.zeros(n, jnp.bool_).at[order_N].set(jnp.arange(n) < count, mode="drop")
 
 
-def _first_above(cum_N: jax.Array, r: jax.Array, *, n: int) -> jax.Array:
-  """The first index i with ``cum_N[i] > r`` (n if none), for non-decreasing ``cum_N``: a
-  binary search unrolled into log2(N) + 1 gathers of ``r``'s shape (no loop primitive)."""
-  lo, hi = jnp.zeros_like(r), jnp.full_like(r, n)
-  for _ in range(n.bit_length()):
-    mid = (lo + hi) // 2
-    right = cum_N[jnp.minimum(mid, n - 1)] <= r
-    lo, hi = jnp.where(right & (lo < hi), mid + 1, lo), jnp.where(~right, mid, hi)
-  return lo
-
-
 def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   """``(blocks, taken_N)``: the blocks at positions ``ranks`` (any shape, each < ``count``
   where used) of the free order ``_free_order_N(state)``, and bool[N] its first ``count``.
 
-  The cost follows the blocks taken, not the pool: when the free, unregistered blocks of
-  the two oldest ``last_used`` stamps hold ``count`` blocks (a big pool's never-used blocks
-  share stamp 0; a release frees a sequence's blocks under one stamp), prefix sums rank
-  them by (stamp, id) exactly as the sort would, and a binary search finds each rank; the
-  O(N log N) sort of the whole pool (and its O(N) scatter) runs only otherwise."""
+  When the free, unregistered blocks of the two oldest ``last_used`` stamps hold ``count``
+  blocks (a big pool's never-used blocks share stamp 0; a release frees a sequence's
+  blocks under one stamp), prefix sums rank them by (stamp, id) exactly as the sort would,
+  one scatter lays them out by rank and one gather reads each of ``ranks``: a few O(N)
+  passes and O(1) per rank (a binary search per rank cost log N gathers for each entry of
+  an append's [g, S, P] ranks, most of a long-context decode step). The O(N log N) sort of
+  the whole pool (and its O(N) scatter) runs only otherwise."""
   n = state.num_blocks
   fresh_N = (state.ref_counts == 0) & (state.depth_N < 0)
   big = jnp.iinfo(jnp.int32).max
@@ -330,13 +320,13 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   enough = num_first + cum_second_N[-1] >= count
 
   def two_groups():
-    ranks_i = jnp.asarray(ranks, jnp.int32)
-    find = functools.partial(_first_above, n=n)
-    blocks = jnp.where(ranks_i < num_first, find(cum_first_N, ranks_i),
-                       find(cum_second_N, ranks_i - num_first))
-    taken_N = ((in_first_N & (cum_first_N <= count))
-               | (in_second_N & (num_first + cum_second_N <= count)))
-    return jnp.clip(blocks, 0, n - 1), taken_N
+    rank_N = jnp.where(in_first_N, cum_first_N - 1,
+                       jnp.where(in_second_N, num_first + cum_second_N - 1, n))
+    by_rank_N = jnp.zeros(n, jnp.int32).at[rank_N].set(jnp.arange(n, dtype=jnp.int32),
+                                                       mode="drop")
+    blocks = by_rank_N[jnp.clip(jnp.asarray(ranks, jnp.int32), 0, n - 1)]
+    taken_N = rank_N < count
+    return blocks, taken_N
 
   def sorted_pool():
     order_N = _free_order_N(state)

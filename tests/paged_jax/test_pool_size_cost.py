@@ -84,3 +84,19 @@ def test_the_check_catches_a_whole_pool_conversion():
                               donate=(0,)) for n in (SMALL, LARGE))
   with pytest.raises(AssertionError):
     _assert_flat(small, large, jnp.bfloat16)
+
+
+def test_append_reads_each_taken_block_with_one_gather_at_any_pool_size():
+  # append ranks a block for every table entry ([g, S, P]: 65k at S = 32 and a 32k
+  # context); _take found each rank by a binary search over the pool, log2(N) + 1 gathers
+  # per entry (a long-context decode step was mostly that). One scatter by rank, then one
+  # gather per entry: the gathers of append's program no longer grow with the pool.
+  import re
+  from paged_jax import allocator
+
+  def gathers(num_blocks):
+    state = allocator.init(num_blocks, 4, 8, 64)
+    text = jax.jit(allocator.append).lower(state, jnp.ones(8, jnp.int32)).as_text()
+    return len(re.findall(r"stablehlo\.\w*gather", text))
+
+  assert gathers(SMALL) == gathers(4096) <= 8
