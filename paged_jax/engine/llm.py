@@ -149,11 +149,8 @@ class LLM:
         max(int(config.max_seq_len), 2))
     limit = options.limit_note(config.max_seq_len, self.spec, self.kv_groups, pool_tokens,
                                shards)
-    self.max_model_len = options.check_max_model_len(max_model_len, int(config.max_seq_len),
-                                                     pool_tokens, limit)
-    bound = min(int(config.max_seq_len), pool_tokens)
-    if self.max_model_len < bound:  # the caller's own limit: a too-long prompt names it
-      limit = f"as passed to LLM; the model and the pool allow up to {bound}: {limit}"
+    self.max_model_len, limit = options.check_max_model_len(
+        max_model_len, int(config.max_seq_len), pool_tokens, limit)
     self.max_seqs = int(max_seqs)
     self.max_tokens_per_step = int(max_tokens_per_step)
     self.steps_per_call = int(steps_per_call)

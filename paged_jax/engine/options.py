@@ -103,20 +103,24 @@ def check_token_buckets(token_buckets, max_tokens_per_step: int) -> tuple[int, .
 
 
 def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
-                        limit: str) -> int:
-  """``max_model_len`` (None: the longest the model and the pool allow) as an int;
-  ``limit``: ``limit_note``'s account of that bound, for the messages."""
+                        limit: str) -> tuple[int, str]:
+  """``(max_model_len, note)``: ``max_model_len`` (None: the longest the model and the pool
+  allow) as an int, and what bounds it, for the refusal of a prompt too long. ``limit``:
+  ``limit_note``'s account of the model's and the pool's bound, for the messages; the note
+  is that, or the caller's own smaller value named as theirs."""
   bound = min(max_seq_len, pool_tokens)
   if max_model_len is None:
     if bound < 2:  # one prompt token and one generated, at least
       raise ValueError(f"the longest sequence this engine could serve is {bound} token(s) "
                        f"({limit}); it must be >= 2: a prompt token and a generated one")
-    return int(bound)
+    return int(bound), limit
   if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
       or not 2 <= max_model_len <= bound):
     raise ValueError(f"{max_model_len=} must be an int in [2, {bound}]: the longest sequence "
                      f"the model and the pool allow ({limit})")
-  return int(max_model_len)
+  if max_model_len < bound:  # the caller's own limit: a too-long prompt names it
+    limit = f"as passed to LLM; the model and the pool allow up to {bound}: {limit}"
+  return int(max_model_len), limit
 
 
 def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int) -> str:
