@@ -64,11 +64,7 @@ def _values(max_model_len: int) -> dict:
 
 def admit_whole(st, slot: int, num_slots: int, max_model_len: int):
   rows = state_lib.host_rows(num_slots, max_model_len)
-  for name, value in _values(max_model_len).items():
-    if rows[name].ndim == 2:
-      rows[name][slot, :len(value)] = value
-    else:
-      rows[name][slot] = value
+  state_lib.fill_row(rows, slot, _values(max_model_len))
   mask = np.zeros(num_slots, bool)
   mask[slot] = True
   return _whole(st, *jax.device_put((mask, rows)))

@@ -25,8 +25,8 @@ from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
            "ROW_FIELDS", "ADMIT_ROWS", "admit", "abort", "host_rows", "row_chunks",
-           "init_state", "want_S",
-           "scrub_freed", "zero_blocks", "COUNTERS", "restart_counters", "add_counters"]
+           "fill_row", "init_state", "want_S", "scrub_freed", "zero_blocks", "COUNTERS",
+           "restart_counters", "add_counters"]
 
 FREE, RUNNING, DONE, FORK_WAIT = 0, 1, 2, 3
 """Slot status values of ``EngineState.status_S``."""
@@ -120,12 +120,18 @@ def row_chunks(entries, *, max_model_len: int, shards: int, slots_per_shard: int
     for k, shard_entries in enumerate(by_shard):
       for i, (slot, values) in enumerate(shard_entries[start:start + r], start=k * r):
         slot_r[i] = slot
-        for name, value in values.items():
-          if rows[name].ndim == 2:
-            rows[name][i, :len(value)] = value
-          else:
-            rows[name][i] = value
+        fill_row(rows, i, values)
     yield slot_r, rows
+
+
+def fill_row(rows: dict[str, np.ndarray], i: int, values: dict) -> None:
+  """Write ``values`` (row fields; a ``J`` / ``i`` field a list, from position 0) into row
+  ``i`` of the host ``rows``; the other fields keep what they hold."""
+  for name, value in values.items():
+    if rows[name].ndim == 2:
+      rows[name][i, :len(value)] = value
+    else:
+      rows[name][i] = value
 
 
 def _zero_counters() -> dict:
