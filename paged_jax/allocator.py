@@ -47,9 +47,9 @@ nothing and ``register`` registers nothing.
 Free structure. There is no free list or stack: a block is free iff its ``ref_counts`` is 0,
 and free blocks are handed out in the order of the key ``(last_used, block id)``: least
 recently freed first, then the lowest id (``_free_order_N``, one stable sort, which
-``_take`` skips when the oldest free blocks suffice). An op that
-needs ``k`` blocks takes the first ``k`` of that order, and each requester receives a
-contiguous range of it (exclusive cumsum of the grants).
+``_take`` runs only to take more than ``_SELECT_MAX`` blocks: it finds fewer in O(N)
+passes). An op that needs ``k`` blocks takes the first ``k`` of that order, and each
+requester receives a contiguous range of it (exclusive cumsum of the grants).
 
 Prefix cache. A FULL block whose K/V are written can be *registered*: it then records the
 content it holds so that later sequences whose token prefix matches can share it instead of
@@ -295,6 +295,66 @@ def _first_of_order_N(order_N: jax.Array, count) -> jax.Array:
   return jnp.zeros(n, jnp.bool_).at[order_N].set(jnp.arange(n) < count, mode="drop")
 
 
+_SELECT_MAX = 1024
+"""Static: the most blocks ``_take`` orders without sorting the pool (``_select``); a call
+taking more (a prefill of over 16k tokens of blocks of 16 from a cycled pool) sorts it."""
+
+
+def _lowest_at_least(mask_N, value_N, need, lo, hi, steps: int):
+  """The smallest v in ``[lo, hi]`` with at least ``need`` blocks of ``mask_N`` having
+  ``value_N <= v`` (``hi`` when none is): a binary search of ``steps`` O(N) counts, unrolled
+  (the allocator's ops have no loops)."""
+  for _ in range(steps):
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum(mask_N & (value_N <= mid), dtype=jnp.int32) >= need
+    lo, hi = jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+  return hi
+
+
+def _select(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
+  """``_take`` for ``count <= _SELECT_MAX`` blocks, in O(N) passes and a sort of only the
+  blocks taken: the ``count``-th free block's key ``(cached, stamp, -depth, id)`` is found
+  one field at a time (counts for ``cached``, binary searches over the values of ``stamp``
+  and of ``-depth``, prefix sums over ids), the blocks at or below it are the taken set,
+  and they alone are laid out in ``_SELECT_MAX`` entries and sorted."""
+  n, k = state.num_blocks, min(state.num_blocks, _SELECT_MAX)
+  big = jnp.iinfo(jnp.int32).max
+  free_N = state.ref_counts == 0
+  cached_N = state.depth_N >= 0
+  neg_depth_N = -state.depth_N  # 1 for unregistered blocks, <= 0 for cached ones
+  fresh = jnp.sum(free_N & ~cached_N, dtype=jnp.int32)
+  level_cached = count > fresh
+  in_level_N = free_N & (cached_N == level_cached)
+  need = count - jnp.where(level_cached, fresh, 0)
+  # The stamp of the last block taken, then its -depth among that stamp's blocks.
+  stamp = _lowest_at_least(in_level_N, state.last_used, need, jnp.int32(0),
+                           jnp.max(jnp.where(in_level_N, state.last_used, 0)), 32)
+  need -= jnp.sum(in_level_N & (state.last_used < stamp), dtype=jnp.int32)
+  in_stamp_N = in_level_N & (state.last_used == stamp)
+  depth_steps = max(1, int(np.ceil(np.log2(state.max_blocks_per_seq + 2))) + 1)
+  neg_depth = _lowest_at_least(in_stamp_N, neg_depth_N, need,
+                               jnp.int32(-state.max_blocks_per_seq), jnp.int32(1),
+                               depth_steps)
+  need -= jnp.sum(in_stamp_N & (neg_depth_N < neg_depth), dtype=jnp.int32)
+  in_class_N = in_stamp_N & (neg_depth_N == neg_depth)
+  before_N = free_N & ((cached_N < level_cached)
+                       | ((cached_N == level_cached)
+                          & ((state.last_used < stamp)
+                             | ((state.last_used == stamp) & (neg_depth_N < neg_depth)))))
+  taken_N = (before_N | (in_class_N & (jnp.cumsum(in_class_N, dtype=jnp.int32) <= need)))
+  taken_N &= count > 0
+  ids_N = jnp.arange(n, dtype=jnp.int32)
+  slot_N = jnp.where(taken_N, jnp.cumsum(taken_N, dtype=jnp.int32) - 1, k)
+  ids_k = jnp.full(k, n, jnp.int32).at[slot_N].set(ids_N, mode="drop")
+  used_k = ids_k < n
+  at_k = jnp.clip(ids_k, 0, n - 1)
+  keys = (jnp.where(used_k, cached_N[at_k].astype(jnp.int32), big),
+          jnp.where(used_k, state.last_used[at_k], big),
+          jnp.where(used_k, neg_depth_N[at_k], big), ids_k)
+  order_k = jax.lax.sort(keys, num_keys=4)[3]
+  return order_k[jnp.clip(jnp.asarray(ranks, jnp.int32), 0, k - 1)], taken_N
+
+
 def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   """``(blocks, taken_N)``: the blocks at positions ``ranks`` (any shape, each < ``count``
   where used) of the free order ``_free_order_N(state)``, and bool[N] its first ``count``.
@@ -304,8 +364,10 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   blocks under one stamp), prefix sums rank them by (stamp, id) exactly as the sort would,
   one scatter lays them out by rank and one gather reads each of ``ranks``: a few O(N)
   passes and O(1) per rank (a binary search per rank cost log N gathers for each entry of
-  an append's [g, S, P] ranks, most of a long-context decode step). The O(N log N) sort of
-  the whole pool (and its O(N) scatter) runs only otherwise."""
+  an append's [g, S, P] ranks, most of a long-context decode step). Otherwise (a pool that
+  has cycled holds mostly cached blocks, freed under many stamps) ``_select`` finds the
+  taken set in O(N) passes and sorts only it; the O(N log N) sort of the whole pool runs
+  only for more than ``_SELECT_MAX`` blocks."""
   n = state.num_blocks
   fresh_N = (state.ref_counts == 0) & (state.depth_N < 0)
   big = jnp.iinfo(jnp.int32).max
@@ -332,7 +394,13 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
     order_N = _free_order_N(state)
     return order_N[jnp.clip(ranks, 0, n - 1)], _first_of_order_N(order_N, count)
 
-  return jax.lax.cond(enough, two_groups, sorted_pool)
+  def not_two_groups():
+    if n <= _SELECT_MAX:  # the pool is no bigger than the selection's buffer
+      return _select(state, count, ranks)
+    return jax.lax.cond(count <= _SELECT_MAX, lambda: _select(state, count, ranks),
+                        sorted_pool)
+
+  return jax.lax.cond(enough, two_groups, not_two_groups)
 
 
 def _grant_in_order(need_X: jax.Array, valid_X: jax.Array, num_free) -> jax.Array:

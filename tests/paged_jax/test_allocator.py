@@ -470,8 +470,9 @@ def test_no_loops_in_jaxpr(name):
   fn, make_args = _ops()[name]
   state = big()
   text = str(jax.make_jaxpr(fn)(*make_args(state, np.random.default_rng(0))))
-  # No op loops. fork may branch once: the whole-pool sort of the free order runs only when
-  # the oldest free blocks do not suffice (``_take``); append branches twice more: the pass
+  # No op loops. fork may branch once: the selection of the blocks taken runs only when
+  # the oldest free blocks do not suffice (``_take``; in a pool of more than _SELECT_MAX
+  # blocks, once more to sort it for more than that); append branches twice more: the pass
   # over the pool runs only when some block is taken, the clock's rebase only past 2**30.
   for prim in ("while", "scan"):
     assert not re.search(rf"\b{prim}\[", text), f"{name} has a {prim} loop:\n{text}"
@@ -703,29 +704,60 @@ def test_allocator_machine_long():
                                    suppress_health_check=list(hypothesis.HealthCheck)))
 
 
-def test_take_equals_the_sorted_free_order_on_both_paths():
-  # _take ranks the oldest free blocks with prefix sums (the cost of the blocks taken) and
-  # sorts the pool only when they do not suffice: both give the sorted free order's prefix.
+def _random_free_pool(rng, num_blocks, max_blocks_per_seq):
+  """A state whose free blocks mix unregistered and cached ones (random chain depths) freed
+  under a few stamps, ties included, as a pool that has cycled holds them."""
+  s = A.init(num_blocks=num_blocks, block_size=2, max_seqs=2,
+             max_blocks_per_seq=max_blocks_per_seq)
+  in_use = rng.random(num_blocks) < 0.3
+  stamps = rng.integers(0, int(rng.integers(1, 6)), num_blocks) * int(rng.choice([1, 2**28]))
+  cached = rng.random(num_blocks) < rng.random()
+  depth = np.where(cached, rng.integers(0, max_blocks_per_seq, num_blocks), -1)
+  return dataclasses.replace(s, ref_counts=jnp.asarray(in_use, jnp.int32),
+                             last_used=jnp.asarray(stamps, jnp.int32),
+                             depth_N=jnp.asarray(depth, jnp.int32))
+
+
+@pytest.mark.parametrize("select_max", [A._SELECT_MAX, 3])
+def test_take_equals_the_sorted_free_order_on_every_path(monkeypatch, select_max):
+  # _take ranks the oldest unregistered free blocks with prefix sums, else selects the taken
+  # set in O(N) passes and sorts only it (_select), and sorts the whole pool only for more
+  # than _SELECT_MAX blocks: every path gives the sorted free order's prefix.
+  monkeypatch.setattr(A, "_SELECT_MAX", select_max)
   rng = np.random.default_rng(5)
-  take = jax.jit(A._take)
+  take = jax.jit(lambda s, count, ranks: A._take(s, count, ranks))
   order = jax.jit(A._free_order_N)
-  append, release = jax.jit(A.append), jax.jit(A.release)
   paths = set()
-  for trial in range(12):
-    s = A.init(num_blocks=24, block_size=2, max_seqs=4, max_blocks_per_seq=6)
-    for _ in range(int(rng.integers(1, 6))):  # releases at different clocks: many stamps
-      s, _ = append(s, jnp.asarray(rng.integers(0, 5, 4), jnp.int32))
-      s = release(s, jnp.asarray(rng.random(4) < 0.5))
-    s = dataclasses.replace(s, depth_N=jnp.where(jnp.asarray(rng.random(24) < 0.2) &
-                                                 (s.ref_counts == 0), 0, s.depth_N))
+  for trial in range(16):
+    n = int(rng.integers(1, 24))
+    s = _random_free_pool(rng, n, int(rng.integers(1, 7)))
     want = np.asarray(order(s))
-    free = int(np.sum(np.asarray(s.ref_counts) == 0))
-    fresh = (np.asarray(s.ref_counts) == 0) & (np.asarray(s.depth_N) < 0)
+    in_use, depth = np.asarray(s.ref_counts) > 0, np.asarray(s.depth_N)
+    fresh = ~in_use & (depth < 0)
     stamps = sorted(set(np.asarray(s.last_used)[fresh].tolist()))
-    for count in range(free + 1):
-      blocks, taken = take(s, jnp.int32(count), jnp.arange(24, dtype=jnp.int32))
+    two = int(np.sum(fresh & np.isin(np.asarray(s.last_used), stamps[:2])))
+    for count in range(int(np.sum(~in_use)) + 1):
+      blocks, taken = take(s, jnp.int32(count), jnp.arange(n, dtype=jnp.int32))
       np.testing.assert_array_equal(np.asarray(blocks)[:count], want[:count])
       assert sorted(np.flatnonzero(np.asarray(taken)).tolist()) == sorted(want[:count].tolist())
-      two = fresh & np.isin(np.asarray(s.last_used), stamps[:2])
-      paths.add(bool(count <= two.sum()))
-  assert paths == {True, False}  # both the prefix-sum path and the sort were exercised
+      paths.add("prefix sums" if count <= two else
+                "select" if count <= select_max or n <= select_max else "sort")
+  assert paths == ({"prefix sums", "select", "sort"} if select_max == 3
+                   else {"prefix sums", "select"})
+
+
+def test_a_cycled_pool_is_not_sorted_to_take_a_few_blocks(monkeypatch):
+  # Once the pool has cycled with the prefix cache on, nearly every free block is cached,
+  # freed under its own stamp: the oldest unregistered blocks never suffice, and _take
+  # sorted the whole pool on every step that took a block (26 ms at 32k blocks on CPU, an
+  # engine 2.8x slower). With the sort made wrong, the blocks taken must not change.
+  n = 2 * A._SELECT_MAX
+  rng = np.random.default_rng(2)
+  s = A.init(num_blocks=n, block_size=2, max_seqs=64, max_blocks_per_seq=16)
+  s = dataclasses.replace(s, depth_N=jnp.asarray(rng.integers(0, 16, n), jnp.int32),
+                          last_used=jnp.asarray(rng.integers(1, 300, n), jnp.int32))
+  want = np.asarray(A._free_order_N(s))
+  monkeypatch.setattr(A, "_free_order_N", lambda state: jnp.arange(state.num_blocks)[::-1])
+  new_state, ok = jax.jit(lambda s, n: A.append(s, n))(s, jnp.ones(64, jnp.int32))
+  assert bool(jnp.all(ok))
+  np.testing.assert_array_equal(np.asarray(new_state.block_tables[:, 0]), want[:64])
