@@ -777,17 +777,32 @@ def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
   with this signature can replace it (``lookup``/``register``'s ``hash_fn``); hits never
   trust it alone (module docstring), so a weak or even constant hash costs hits, not safety.
   """
-  _, p, z = tokens_SPZ.shape
-  tok_SPZ = tokens_SPZ.astype(jnp.uint32)
+  return _chain_from(tokens_SPZ, _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
+
+
+def _chain_from(tokens_SWZ: jax.Array, h_S: jax.Array) -> jax.Array:
+  """u32[S, W]: ``chain_hashes``'s keys of W consecutive blocks of each sequence, chained
+  from ``h_S`` (u32[S]), the ``h`` of the level before the first (the salt's at level 0)."""
+  _, w, z = tokens_SWZ.shape
+  tok_SWZ = tokens_SWZ.astype(jnp.uint32)
   offset_Z = (jnp.arange(z, dtype=jnp.uint32) + 1) * jnp.uint32(0x632BE5AB)
-  c_SP = _fmix32(jnp.sum(_fmix32(tok_SPZ * jnp.uint32(0x9E3779B9) + offset_Z), axis=-1,
+  c_SW = _fmix32(jnp.sum(_fmix32(tok_SWZ * jnp.uint32(0x9E3779B9) + offset_Z), axis=-1,
                          dtype=jnp.uint32))
-  root_S = _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED))
-  r_pow_P = jnp.asarray(_powers_u32(_CHAIN_MULT, p))
-  r_inv_pow_P = jnp.asarray(_powers_u32(pow(_CHAIN_MULT, -1, 2**32), p))
-  acc_SP = (jnp.cumsum(c_SP * r_inv_pow_P, axis=1, dtype=jnp.uint32)
-            + jnp.uint32(_CHAIN_MULT) * root_S[:, None])
-  return _fmix32(acc_SP * r_pow_P)
+  r_pow_W = jnp.asarray(_powers_u32(_CHAIN_MULT, w))
+  r_inv_pow_W = jnp.asarray(_powers_u32(pow(_CHAIN_MULT, -1, 2**32), w))
+  acc_SW = (jnp.cumsum(c_SW * r_inv_pow_W, axis=1, dtype=jnp.uint32)
+            + jnp.uint32(_CHAIN_MULT) * h_S.astype(jnp.uint32)[:, None])
+  return _fmix32(acc_SW * r_pow_W)
+
+
+def _unfmix32(key: jax.Array) -> jax.Array:
+  """The inverse of ``_fmix32`` (each of its steps is a bijection of uint32): the ``h`` a
+  registered block's key was made from, so a chain continues from a stored key."""
+  h = key ^ (key >> 16)
+  h = h * jnp.uint32(pow(0xC2B2AE35, -1, 2**32))
+  h = h ^ (h >> 13) ^ (h >> 26)
+  h = h * jnp.uint32(pow(0x85EBCA6B, -1, 2**32))
+  return h ^ (h >> 16)
 
 
 def _token_blocks(state: AllocatorState, tokens) -> jax.Array:
@@ -809,20 +824,42 @@ def _salt(state: AllocatorState, salt) -> jax.Array:
   return _check_vector("salt", salt, state.max_seqs, "int")
 
 
-def _chained_SP(state: AllocatorState, b_SP: jax.Array) -> jax.Array:
+def _root_links(state: AllocatorState, root_S, level_S, s: int):
+  """``(root_S, level_S)`` of a walk over columns: the block the first column hangs off
+  (NO_BLOCK: it is a chain's root) and the first column's level; defaults NO_BLOCK, 0."""
+  root_S = jnp.full(s, NO_BLOCK, jnp.int32) if root_S is None else root_S
+  level_S = jnp.zeros(s, jnp.int32) if level_S is None else level_S
+  return root_S, level_S
+
+
+def _hangs_off(state: AllocatorState, bc_X: jax.Array, prev_X: jax.Array) -> jax.Array:
+  """bool (``bc_X``'s shape): block ``bc_X`` (in range) was registered off ``prev_X`` as it
+  is now (same generation), or is a root where ``prev_X`` is NO_BLOCK."""
+  n = state.num_blocks
+  return jnp.where(prev_X == NO_BLOCK, state.parent_N[bc_X] == NO_BLOCK,
+                   (state.parent_N[bc_X] == prev_X)
+                   & (state.parent_gen_N[bc_X]
+                      == state.generation_N[jnp.clip(prev_X, 0, n - 1)]))
+
+
+def _chained_SP(state: AllocatorState, b_SP: jax.Array, root_S=None,
+                level_S=None) -> jax.Array:
   """bool[S, P]: block ``b_SP[s, j]`` is registered at depth j and is a root (j == 0) or
   hangs off ``b_SP[s, j - 1]`` as it was when registered (same generation). Ids outside
-  ``[0, N)`` are read clipped: callers that may pass them check the range themselves."""
+  ``[0, N)`` are read clipped: callers that may pass them check the range themselves.
+  ``root_S`` / ``level_S`` (``_root_links``): columns from level ``level_S`` on, the first
+  hanging off ``root_S``."""
   s, p = b_SP.shape
   n = state.num_blocks
+  root_S, level_S = _root_links(state, root_S, level_S, s)
   j_P = jnp.arange(p, dtype=jnp.int32)
   bc_SP = jnp.clip(b_SP, 0, n - 1)
-  prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]], axis=1)
+  prev_SP = jnp.concatenate([root_S[:, None], b_SP[:, :-1]], axis=1)
   linked_SP = jnp.where(
-      j_P == 0, state.parent_N[bc_SP] == NO_BLOCK,
+      j_P == 0, _hangs_off(state, bc_SP, prev_SP),
       (state.parent_N[bc_SP] == prev_SP)
       & (state.parent_gen_N[bc_SP] == state.generation_N[jnp.clip(prev_SP, 0, n - 1)]))
-  return (state.depth_N[bc_SP] == j_P) & linked_SP
+  return (state.depth_N[bc_SP] == level_S[:, None] + j_P) & linked_SP
 
 
 _BUCKET_MIXES = (0, 0x7FEB352D)  # two bucket functions of one key: fewer lost hits
@@ -856,7 +893,7 @@ def _live_N(state: AllocatorState) -> jax.Array:
 
 
 def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
-                salt_S: jax.Array) -> jax.Array:
+                salt_S: jax.Array, root_S=None, level_S=None) -> jax.Array:
   """i32[S, P]: the anchor-group block proposed for each key, from a table built without a
   sort.
 
@@ -867,7 +904,7 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   four blocks per key, in O(N log P + B + S * P * Z) (no sort of the pool). Proposed is the
   one that holds this block's tokens (hash, salt and depth agreeing) on the deepest chain
   of such blocks linking, level by level, to a root (``_chain_pick``). NO_BLOCK past that
-  chain.
+  chain. ``root_S`` / ``level_S``: as for ``_chained_SP``.
 
   A key loses its block (a lost hit, never a wrong one: ``_walk`` confirms every hit) when
   it is neither the highest nor the lowest id of its bucket under both functions: with no
@@ -880,7 +917,8 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   b = 1 << max(1, (8 * n - 1).bit_length())
   reg_N = _live_N(state)
   ids_N = jnp.arange(n, dtype=jnp.int32)
-  j_P = jnp.arange(p, dtype=jnp.int32)
+  root_S, level_S = _root_links(state, root_S, level_S, key_SP.shape[0])
+  j_P = level_S[:, None] + jnp.arange(p, dtype=jnp.int32)
   cands, holds = [], []
   for mix in _BUCKET_MIXES:
     bucket = lambda h: (_fmix32(h ^ jnp.uint32(mix)) & jnp.uint32(b - 1)).astype(jnp.int32)
@@ -894,7 +932,7 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
       holds.append((c_SP >= 0) & (c_SP < n) & (state.block_hash_N[cc_SP] == key_SP)
                    & (state.salt_N[cc_SP] == salt_S[:, None]) & (state.depth_N[cc_SP] == j_P)
                    & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1))
-  return _chain_pick(state, jnp.stack(cands, axis=-1), jnp.stack(holds, axis=-1))
+  return _chain_pick(state, jnp.stack(cands, axis=-1), jnp.stack(holds, axis=-1), root_S)
 
 
 def _bool_matmul(a, b):
@@ -902,11 +940,13 @@ def _bool_matmul(a, b):
   return jnp.any(a[..., :, :, None] & b[..., None, :, :], axis=-2)
 
 
-def _chain_pick(state: AllocatorState, c_SPC: jax.Array, holds_SPC: jax.Array) -> jax.Array:
+def _chain_pick(state: AllocatorState, c_SPC: jax.Array, holds_SPC: jax.Array,
+                root_S: jax.Array) -> jax.Array:
   """i32[S, P]: one candidate a level (of the C in ``c_SPC``, those that hold the level's
   tokens: ``holds_SPC``) forming the deepest chain that links from a root: candidate b at
   level j links to candidate a at level j - 1 when b hangs off a as a is now (parent id and
-  generation), and a level-0 candidate is a root. NO_BLOCK past the chain's end.
+  generation), and a first-column candidate hanging off ``root_S`` (NO_BLOCK: a root)
+  starts one. NO_BLOCK past the chain's end.
 
   Exact over the candidates, and no loop over levels: reachability from level 0 is a
   product of C x C boolean link matrices (``lax.associative_scan`` over P, log P deep),
@@ -925,7 +965,7 @@ def _chain_pick(state: AllocatorState, c_SPC: jax.Array, holds_SPC: jax.Array) -
   link_SPAB = (holds_SPC[:, :, None, :] & up(holds_SPC, False)[:, :, :, None]
                & (parent_SPC[:, :, None, :] == up(c_SPC, NO_BLOCK)[:, :, :, None])
                & (parent_gen_SPC[:, :, None, :] == up(gen_SPC, -1)[:, :, :, None]))
-  root_SC = holds_SPC[:, 0] & (parent_SPC[:, 0] == NO_BLOCK)
+  root_SC = holds_SPC[:, 0] & _hangs_off(state, cc_SPC[:, 0], root_S[:, None])
   # Level 0's matrix has every row equal to its roots, so row 0 of the product up to level j
   # is the set of candidates reachable at level j.
   step_SPAB = link_SPAB.at[:, 0].set(jnp.broadcast_to(root_SC[:, None, :], (s, c, c)))
@@ -944,26 +984,31 @@ def _chain_pick(state: AllocatorState, c_SPC: jax.Array, holds_SPC: jax.Array) -
   return jnp.take_along_axis(c_SPX, pick_SP[..., None], axis=-1)[..., 0]
 
 
-def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn):
+def _walk(state: AllocatorState, tokens_SPZ, salt_S, limit_S, hash_fn, *, key_SP=None,
+          root_S=None, level_S=None):
   """Match every sequence's blocks ``j < limit_S`` against the anchor group's registered ones.
 
   Returns ``(key_SP, cand_SP, hit_SP, num_hit_S)``: the hashes, the block each hash proposes
-  (``_candidates``), the confirmed leading run of levels (bool) and its length.
+  (``_candidates``), the confirmed leading run of levels (bool) and its length. With
+  ``root_S`` / ``level_S`` (``_chained_SP``) the columns are levels ``level_S + j`` of a
+  chain continuing off ``root_S``, and ``key_SP`` their keys (``hash_fn`` is not called).
   """
   s, p = tokens_SPZ.shape[:2]
   n = state.num_blocks
-  key_SP = jnp.asarray(hash_fn(tokens_SPZ, salt_S))
-  if key_SP.shape != (s, p):
-    raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]={(s, p)}")
+  if key_SP is None:
+    key_SP = jnp.asarray(hash_fn(tokens_SPZ, salt_S))
+    if key_SP.shape != (s, p):
+      raise ValueError(f"hash_fn returned shape {tuple(key_SP.shape)}, must be [S, P]="
+                       f"{(s, p)}")
   key_SP = key_SP.astype(jnp.uint32)
-  cand_SP = _candidates(state, tokens_SPZ, key_SP, salt_S)
+  cand_SP = _candidates(state, tokens_SPZ, key_SP, salt_S, root_S, level_S)
   cc_SP = jnp.clip(cand_SP, 0, n - 1)
   j_P = jnp.arange(p, dtype=jnp.int32)
   ok_SP = ((cand_SP != NO_BLOCK) & (state.depth_N[cc_SP] >= 0)
            & (state.block_hash_N[cc_SP] == key_SP) & (state.salt_N[cc_SP] == salt_S[:, None])
            & (state.group_N[cc_SP] == _anchor(state))
            & jnp.all(state.block_tokens_NZ[cc_SP] == tokens_SPZ, axis=-1)
-           & _chained_SP(state, cc_SP) & (j_P < limit_S[:, None]))
+           & _chained_SP(state, cc_SP, root_S, level_S) & (j_P < limit_S[:, None]))
   hit_SP = jnp.cumprod(ok_SP.astype(jnp.int32), axis=1).astype(jnp.bool_)
   return key_SP, cc_SP, hit_SP, jnp.sum(hit_SP, axis=1, dtype=jnp.int32)
 
@@ -1109,8 +1154,8 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
 
 
 @standard_promotion
-def register(state: AllocatorState, tokens, salt=None, *,
-             hash_fn=chain_hashes) -> AllocatorState:
+def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
+             window: int | None = None) -> AllocatorState:
   """Register every full block of every sequence that the cache does not hold yet.
 
   Call it once the K/V of those blocks are written (after the forward that filled them).
@@ -1127,16 +1172,26 @@ def register(state: AllocatorState, tokens, salt=None, *,
   anchor group's, and every other group registers its block of each level the anchor
   registers now, beside it (the block the sequence holds there, if its window still does).
   Changes nothing else.
+
+  ``window`` (static int, optional; only with the default ``hash_fn``): when every
+  sequence with new blocks has at most ``window`` of them past its last registered block,
+  and that block is live (its chain links up to a root), the walk covers only those levels:
+  it continues off that block, its key giving the chain hash's state (``_unfmix32``), in
+  O(S * window * Z) rather than O(S * P * Z) (an engine's decode step fills a block or so
+  per sequence, and P grows with ``max_model_len``). Otherwise, and without ``window``, the
+  whole rows are walked. Either way the same blocks are registered.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
   if not _prefix_caching(state):  # every group slides: registers nothing (module docstring)
     return dataclasses.replace(state, clock=state.clock + 1)
+  if window is not None:
+    window = _check_positive_int("window", window)
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
   anchor = _anchor(state)
   j_P = jnp.arange(p, dtype=jnp.int32)
-  take = lambda x_SP, j_S: jnp.take_along_axis(x_SP, jnp.clip(j_S, 0, p - 1)[:, None],
-                                               axis=1)[:, 0]
+  take = lambda x_SX, j_S: jnp.take_along_axis(x_SX, jnp.clip(j_S, 0, x_SX.shape[1] - 1)[
+      :, None], axis=1)[:, 0]
 
   def pending(state):
     """(t_gSP, full_S, own_reg_SP, after_S, pending_S): the tables, each sequence's full
@@ -1150,87 +1205,129 @@ def register(state: AllocatorState, tokens, salt=None, *,
     after_S = jnp.max(jnp.where(own_reg_SP, j_P + 1, 0), axis=1)
     return t_gSP, full_S, own_reg_SP, after_S, full_S > after_S
 
-  def write(state):
+  def write(state, w):
     """One round: every sequence with new levels registers those the cache does not hold
     (but a duplicate of an earlier sequence's first new block, this round); returns the
-    state and whether such a duplicate waits for the next round."""
+    state and whether such a duplicate waits for the next round. ``w``: None to walk the
+    whole rows, else the window of levels from each sequence's ``after_S`` on."""
     t_gSP, full_S, own_reg_SP, after_S, pending_S = pending(state)
     b_SP = t_gSP[anchor]
-    bc_SP = jnp.clip(b_SP, 0, n - 1)
-    full_SP = j_P < full_S[:, None]
-    own_prev_SP = jnp.concatenate([jnp.full((s, 1), NO_BLOCK, jnp.int32), b_SP[:, :-1]],
-                                  axis=1)
+    if w is None:  # columns are levels 0..P-1
+      cols, first_level_S, root_S = p, jnp.zeros(s, jnp.int32), None
+      at = lambda x_SP: x_SP
+      at_gSP = lambda x_gSP: x_gSP
+      toks_SWZ = tokens_SPZ
+      key_SW = None
+      prev0_S = jnp.full(s, NO_BLOCK, jnp.int32)
+    else:  # columns are levels after_S .. after_S + w - 1
+      cols, first_level_S = w, after_S
+      level_SW = after_S[:, None] + jnp.arange(w, dtype=jnp.int32)
+      lc_SW = jnp.clip(level_SW, 0, p - 1)
+      at = lambda x_SP: jnp.take_along_axis(x_SP, lc_SW, axis=1)
+      at_gSP = lambda x_gSP: jnp.take_along_axis(x_gSP, lc_SW[None], axis=2)
+      toks_SWZ = jnp.take_along_axis(tokens_SPZ, lc_SW[:, :, None], axis=1)
+      root_S = jnp.where(after_S > 0, take(b_SP, after_S - 1), NO_BLOCK)
+      prev0_S = root_S
+      h_S = jnp.where(after_S > 0,
+                      _unfmix32(state.block_hash_N[jnp.clip(root_S, 0, n - 1)]),
+                      _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
+      key_SW = _chain_from(toks_SWZ, h_S)
+    j_W = jnp.arange(cols, dtype=jnp.int32)
+    level_SW = first_level_S[:, None] + j_W
+    b_SW = at(b_SP)
+    bc_SW = jnp.clip(b_SW, 0, n - 1)
+    full_SW = level_SW < full_S[:, None]
+    own_reg_SW = at(own_reg_SP) & (level_SW < p)
+    own_prev_SW = jnp.concatenate([prev0_S[:, None], b_SW[:, :-1]], axis=1)
     # Hang each sequence's new levels off the longest prefix the cache holds (lookup's
     # walk), so no block the cache holds is registered twice: a sequence matched at least
     # up to its own last registered block skips the levels the cache holds (its own blocks
     # there stay unregistered) and registers the rest, up to its next registered block;
-    # one the walk matches less far (a lost bucket) extends its own chain.
-    key_SP, cand_SP, _, hit_S = _walk(state, tokens_SPZ, salt_S, full_S, hash_fn)
+    # one the walk matches less far (a lost bucket) extends its own chain. (A window starts
+    # past the last registered block, which the call's check found on a live chain.)
+    key_SW, cand_SW, _, hit_W_S = _walk(state, toks_SWZ, salt_S, full_S - first_level_S,
+                                        hash_fn, key_SP=key_SW, root_S=root_S,
+                                        level_S=first_level_S)
+    hit_S = first_level_S + hit_W_S
     walked_S = hit_S >= after_S
-    stop_SP = (j_P >= hit_S[:, None]) & (own_reg_SP | ~full_SP)
-    stop_S = jnp.where(walked_S, jnp.where(jnp.any(stop_SP, axis=1),
-                                           jnp.argmax(stop_SP, axis=1), p), full_S)
-    first_S = jnp.where(walked_S, hit_S, after_S)
+    stop_SW = (j_W >= hit_W_S[:, None]) & (own_reg_SW | ~full_SW)
+    stop_S = jnp.where(walked_S, jnp.where(jnp.any(stop_SW, axis=1),
+                                           jnp.argmax(stop_SW, axis=1), cols),
+                       full_S - first_level_S)
+    first_S = jnp.where(walked_S, hit_W_S, after_S - first_level_S)
     first_parent_S = jnp.where(
-        walked_S, jnp.where(hit_S > 0, take(cand_SP, hit_S - 1), NO_BLOCK),
+        walked_S, jnp.where(hit_W_S > 0, take(cand_SW, hit_W_S - 1), prev0_S),
         take(b_SP, after_S - 1))
     has_new_S = pending_S & (stop_S > first_S)
     # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
     # earlier in slot order. The later ones register in the next round, off the blocks
     # the first registers now (their tails may part from its).
-    first_key_S = take(key_SP, first_S)
+    first_key_S = take(key_SW, first_S)
+    first_depth_S = first_level_S + first_S
     first_tokens_SZ = jnp.take_along_axis(
-        tokens_SPZ, jnp.clip(first_S, 0, p - 1)[:, None, None], axis=1)[:, 0]
-    same_SS = ((first_key_S[:, None] == first_key_S[None, :]) & (first_S[:, None] == first_S)
+        toks_SWZ, jnp.clip(first_S, 0, cols - 1)[:, None, None], axis=1)[:, 0]
+    same_SS = ((first_key_S[:, None] == first_key_S[None, :])
+               & (first_depth_S[:, None] == first_depth_S)
                & (first_parent_S[:, None] == first_parent_S) & (salt_S[:, None] == salt_S)
                & jnp.all(first_tokens_SZ[:, None] == first_tokens_SZ[None, :], axis=-1)
                & has_new_S[None, :])
     earlier_SS = jnp.arange(s)[None, :] < jnp.arange(s)[:, None]
     dup_S = jnp.any(same_SS & earlier_SS, axis=1)
-    new_SP = ((has_new_S & ~dup_S)[:, None] & (j_P >= first_S[:, None])
-              & (j_P < stop_S[:, None]))
-    new_SP &= _first_holder(b_SP, new_SP, n)  # a block held by forks is registered once
-    parent_SP = jnp.where(j_P == first_S[:, None], first_parent_S[:, None], own_prev_SP)
-    parent_gen_SP = jnp.where(parent_SP >= 0,
-                              state.generation_N[jnp.clip(parent_SP, 0, n - 1)], 0)
-    dest_gSP = [jnp.where(new_SP, b_SP, n)]  # n: dropped by the scatters
-    parent_gSP, parent_gen_gSP, group_g = [parent_SP], [parent_gen_SP], [anchor]
+    new_SW = ((has_new_S & ~dup_S)[:, None] & (j_W >= first_S[:, None])
+              & (j_W < stop_S[:, None]))
+    new_SW &= _first_holder(b_SW, new_SW, n)  # a block held by forks is registered once
+    parent_SW = jnp.where(j_W == first_S[:, None], first_parent_S[:, None], own_prev_SW)
+    parent_gen_SW = jnp.where(parent_SW >= 0,
+                              state.generation_N[jnp.clip(parent_SW, 0, n - 1)], 0)
+    dest_gSW = [jnp.where(new_SW, b_SW, n)]  # n: dropped by the scatters
+    parent_gSW, parent_gen_gSW, group_g = [parent_SW], [parent_gen_SW], [anchor]
     beside_gN = state.beside_gN
     if state.num_groups > 1:
       # Every other group: its block of each level the anchor registers now (by anyone),
       # linked to that anchor block, which points to it.
-      now_N = jnp.zeros(n, jnp.bool_).at[dest_gSP[0]].set(True, mode="drop")
+      now_N = jnp.zeros(n, jnp.bool_).at[dest_gSW[0]].set(True, mode="drop")
       others = [g for g in range(state.num_groups) if g != anchor]
-      o_oSP = t_gSP[jnp.asarray(others)]
-      new_oSP = ((o_oSP != NO_BLOCK) & (b_SP != NO_BLOCK) & now_N[bc_SP] & full_SP
-                 & (state.depth_N[jnp.clip(o_oSP, 0, n - 1)] < 0))
-      new_oSP &= _first_holder(o_oSP, new_oSP, n)
+      o_oSW = at_gSP(t_gSP[jnp.asarray(others)])
+      new_oSW = ((o_oSW != NO_BLOCK) & (b_SW != NO_BLOCK) & now_N[bc_SW] & full_SW
+                 & (state.depth_N[jnp.clip(o_oSW, 0, n - 1)] < 0))
+      new_oSW &= _first_holder(o_oSW, new_oSW, n)
       for i, g in enumerate(others):
-        dest_gSP.append(jnp.where(new_oSP[i], o_oSP[i], n))
-        parent_gSP.append(b_SP)
-        parent_gen_gSP.append(state.generation_N[bc_SP])
+        dest_gSW.append(jnp.where(new_oSW[i], o_oSW[i], n))
+        parent_gSW.append(b_SW)
+        parent_gen_gSW.append(state.generation_N[bc_SW])
         group_g.append(g)
-      g_oSP = jnp.broadcast_to(jnp.asarray(others, jnp.int32)[:, None, None], o_oSP.shape)
-      beside_gN = beside_gN.at[g_oSP, jnp.where(new_oSP, b_SP, n)].set(o_oSP, mode="drop")
-    dest = jnp.stack(dest_gSP)
+      g_oSW = jnp.broadcast_to(jnp.asarray(others, jnp.int32)[:, None, None], o_oSW.shape)
+      beside_gN = beside_gN.at[g_oSW, jnp.where(new_oSW, b_SW, n)].set(o_oSW, mode="drop")
+    dest = jnp.stack(dest_gSW)
     put = lambda field, value: field.at[dest].set(
         jnp.broadcast_to(value, dest.shape + field.shape[1:]), mode="drop")
     state = dataclasses.replace(
         state,
-        block_hash_N=put(state.block_hash_N, key_SP),  # every group's: the anchor's key
-        depth_N=put(state.depth_N, j_P),
-        parent_N=put(state.parent_N, jnp.stack(parent_gSP)),
-        parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSP)),
+        block_hash_N=put(state.block_hash_N, key_SW),  # every group's: the anchor's key
+        depth_N=put(state.depth_N, level_SW),
+        parent_N=put(state.parent_N, jnp.stack(parent_gSW)),
+        parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSW)),
         salt_N=put(state.salt_N, salt_S[:, None]),
-        block_tokens_NZ=put(state.block_tokens_NZ, tokens_SPZ),
+        block_tokens_NZ=put(state.block_tokens_NZ, toks_SWZ),
         group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32)[:, None, None]),
         beside_gN=beside_gN,
     )
     return state, jnp.any(has_new_S & dup_S)
 
-  # Rounds until no duplicate waits: one when no two sequences register the same block.
-  state, _ = jax.lax.while_loop(lambda carry: carry[1], lambda carry: write(carry[0]),
-                                (state, jnp.any(pending(state)[-1])))
+  def rounds(state, w):
+    # Rounds until no duplicate waits: one when no two sequences register the same block.
+    return jax.lax.while_loop(lambda carry: carry[1], lambda carry: write(carry[0], w),
+                              (state, jnp.any(pending(state)[-1])))[0]
+
+  if window is None or hash_fn is not chain_hashes or window >= p:
+    state = rounds(state, None)
+  else:
+    _, full_S, _, after_S, pending_S = pending(state)
+    root_S = _tables_gSP(state)[anchor][jnp.arange(s), jnp.clip(after_S - 1, 0, p - 1)]
+    live_S = (after_S == 0) | _live_N(state)[jnp.clip(root_S, 0, n - 1)]
+    fits = jnp.all(~pending_S | ((full_S - after_S <= window) & live_S))
+    state = jax.lax.cond(fits, lambda st: rounds(st, window), lambda st: rounds(st, None),
+                         state)
   return dataclasses.replace(state, clock=state.clock + 1)
 
 

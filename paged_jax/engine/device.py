@@ -161,8 +161,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
                      f"{logits_SV.dtype}: they must be a floating dtype")
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
+    # A step fills at most num_tokens // Z + 1 blocks of a sequence: register walks only
+    # those levels when nothing older waits (its ``window``), not the whole [S, J] rows.
     alloc = jax.lax.cond(
-        filled, lambda a: allocator.register(a, st.tokens_SJ, st.salt_S, hash_fn=hash_fn),
+        filled, lambda a: allocator.register(a, st.tokens_SJ, st.salt_S, hash_fn=hash_fn,
+                                             window=num_tokens // z + 2),
         lambda a: a, alloc)
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free

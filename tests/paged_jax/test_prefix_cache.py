@@ -828,3 +828,59 @@ def test_prefix_cache_machine_long():
       PrefixCacheMachine,
       settings=hypothesis.settings(max_examples=400, stateful_step_count=60, deadline=None,
                                    suppress_health_check=list(hypothesis.HealthCheck)))
+
+
+_register_window = jax.jit(A.register, static_argnames=("window",))
+
+
+@pytest.mark.parametrize("windows,window", [((None,), 2), ((None,), 3), ((None, 4), 2),
+                                            ((3, None), 3)])
+def test_register_in_a_window_equals_the_whole_rows(windows, window):
+  # register(window=w) walks only the w levels past each sequence's last registered block,
+  # continuing the chain hash from that block's key, when every pending sequence fits
+  # (else the whole rows): on random appends, releases, hits and forks over three shared
+  # prompts (many cached prefixes, forks registering the same block), both register the
+  # same blocks with the same keys, links and tokens, and the window is taken often.
+  s_, z, p, n = 4, 2, 10, 28
+  fork = jax.jit(A.fork)
+  names = ("block_hash_N", "depth_N", "parent_N", "parent_gen_N", "salt_N",
+           "block_tokens_NZ", "group_N", "beside_gN", "clock", "ref_counts", "block_tables")
+  anchor = list(windows).index(None)
+  in_window = 0
+  for seed in range(3):
+    rng = np.random.default_rng(seed)
+    state = A.init(n, z, s_, p, windows=windows)
+    prompts = [rng.integers(1, 3, p * z) for _ in range(3)]
+    tokens = np.stack([prompts[rng.integers(3)] for _ in range(s_)]).astype(np.int32)
+    salt = jnp.asarray(rng.integers(0, 2, s_), jnp.int32)
+    for _ in range(40):
+      r = rng.random()
+      if r < 0.5:
+        state, _ = _append(state, jnp.asarray(rng.integers(0, 5, s_), jnp.int32))
+        t = np.asarray(state.block_tables)
+        t = t if t.ndim == 2 else t[anchor]
+        full = np.asarray(state.seq_lens) // z
+        own = ((t >= 0) & (np.asarray(state.depth_N)[np.clip(t, 0, n - 1)] >= 0)
+               & (np.arange(p) < full[:, None]))
+        after = np.max(np.where(own, np.arange(p) + 1, 0), axis=1)
+        in_window += bool(np.any(full > after) and np.all(full - after <= window))
+        whole = _register(state, tokens, salt)
+        state = _register_window(state, tokens, salt, window=window)
+        for name in names:
+          np.testing.assert_array_equal(getattr(state, name), getattr(whole, name), name)
+      elif r < 0.65:
+        gone = rng.random(s_) < 0.4
+        state = _release(state, jnp.asarray(gone))
+        for i in np.flatnonzero(gone):
+          tokens[i] = prompts[rng.integers(3)]
+          tokens[i, rng.integers(p * z):] = rng.integers(1, 3)
+      elif r < 0.8:
+        hit, k = _lookup(state, tokens, jnp.asarray(rng.integers(0, p * z, s_), jnp.int32),
+                         salt)
+        state, _ = _attach(state, hit, k)
+      else:
+        src, dst = (int(x) for x in rng.integers(0, s_, 2))
+        state, ok, _, _ = fork(state, i32(src), i32(dst))
+        if bool(ok[0]):
+          tokens[dst], salt = tokens[src], salt.at[dst].set(salt[src])
+  assert in_window >= 20, in_window
