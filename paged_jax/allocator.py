@@ -1080,6 +1080,10 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
     or i32[g, S, P] with groups: each group's blocks of the hit, ``_hit_span_gSP``;
     ``NO_BLOCK`` elsewhere), ready for ``attach``. With groups a hit is as long as every
     group can serve: the anchor's chain cut where another group misses a block it needs.
+
+  With the default hash, when no row may match past the first ``max(8, P // 16)`` levels,
+  only those are hashed and walked (the same result: a level's key depends on the levels
+  up to it only), so admitting short prompts costs their length, not ``max_model_len``.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   limit_S = _check_vector("num_tokens", num_tokens, state.max_seqs, "int") // state.block_size
@@ -1087,8 +1091,25 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   if not _prefix_caching(state):  # every group slides: nothing is ever registered
     return (jnp.full(state.block_tables.shape, NO_BLOCK, jnp.int32),
             jnp.zeros(state.max_seqs, jnp.int32))
-  _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ, salt_S, limit_S, hash_fn)
-  anchor_SP = jnp.where(hit_SP, cand_SP, NO_BLOCK)
+  p = state.max_blocks_per_seq
+
+  def walk(cols: int):
+    def run():
+      _, cand_SP, hit_SP, num_hit_S = _walk(state, tokens_SPZ[:, :cols], salt_S, limit_S,
+                                            hash_fn)
+      anchor_SP = jnp.pad(jnp.where(hit_SP, cand_SP, NO_BLOCK), ((0, 0), (0, p - cols)),
+                          constant_values=NO_BLOCK)
+      return anchor_SP, num_hit_S
+    return run
+
+  # The default hash of a level depends on the levels up to it only: when no row may match
+  # past the first P / 16 levels (a short prompt in a long max_model_len), walk just those.
+  widths = sorted({min(p, max(8, p // 16)), p}) if hash_fn is chain_hashes else [p]
+  if len(widths) == 1:
+    anchor_SP, num_hit_S = walk(p)()
+  else:
+    anchor_SP, num_hit_S = jax.lax.cond(jnp.max(limit_S) <= widths[0], walk(widths[0]),
+                                        walk(p))
   if state.num_groups == 1:
     return anchor_SP, num_hit_S
   return _group_hits(state, salt_S, anchor_SP, num_hit_S)

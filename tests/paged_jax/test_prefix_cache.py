@@ -833,9 +833,14 @@ def test_prefix_cache_machine_long():
 _register_window = jax.jit(A.register, static_argnames=("window",))
 
 
+def _same_chain_hash(tokens_SPZ, salt_S):
+  """chain_hashes under another name: lookup and register then walk the whole rows."""
+  return A.chain_hashes(tokens_SPZ, salt_S)
+
+
 @pytest.mark.parametrize("windows,window", [((None,), 2), ((None,), 3), ((None, 4), 2),
                                             ((3, None), 3)])
-def test_register_in_a_window_equals_the_whole_rows(windows, window):
+def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(windows, window):
   # register(window=w) walks only the w levels past each sequence's last registered block,
   # continuing the chain hash from that block's key, when every pending sequence fits
   # (else the whole rows): on random appends, releases, hits and forks over three shared
@@ -846,7 +851,7 @@ def test_register_in_a_window_equals_the_whole_rows(windows, window):
   names = ("block_hash_N", "depth_N", "parent_N", "parent_gen_N", "salt_N",
            "block_tokens_NZ", "group_N", "beside_gN", "clock", "ref_counts", "block_tables")
   anchor = list(windows).index(None)
-  in_window = 0
+  in_window = narrow = 0
   for seed in range(3):
     rng = np.random.default_rng(seed)
     state = A.init(n, z, s_, p, windows=windows)
@@ -875,12 +880,18 @@ def test_register_in_a_window_equals_the_whole_rows(windows, window):
           tokens[i] = prompts[rng.integers(3)]
           tokens[i, rng.integers(p * z):] = rng.integers(1, 3)
       elif r < 0.8:
-        hit, k = _lookup(state, tokens, jnp.asarray(rng.integers(0, p * z, s_), jnp.int32),
-                         salt)
+        limit = jnp.asarray(rng.integers(0, p * z, s_) // rng.choice([1, 3]), jnp.int32)
+        hit, k = _lookup(state, tokens, limit, salt)
+        # lookup walks the first max(8, P // 16) levels only when no row may match further:
+        # the same hit as the whole rows' walk (an equal hash that is not chain_hashes).
+        whole_hit, whole_k = _lookup(state, tokens, limit, salt, hash_fn=_same_chain_hash)
+        np.testing.assert_array_equal(hit, whole_hit)
+        np.testing.assert_array_equal(k, whole_k)
+        narrow += int(np.max(np.asarray(limit) // z) <= 8)
         state, _ = _attach(state, hit, k)
       else:
         src, dst = (int(x) for x in rng.integers(0, s_, 2))
         state, ok, _, _ = fork(state, i32(src), i32(dst))
         if bool(ok[0]):
           tokens[dst], salt = tokens[src], salt.at[dst].set(salt[src])
-  assert in_window >= 20, in_window
+  assert in_window >= 20 and narrow >= 5, (in_window, narrow)
