@@ -47,9 +47,10 @@ nothing and ``register`` registers nothing.
 Free structure. There is no free list or stack: a block is free iff its ``ref_counts`` is 0,
 and free blocks are handed out in the order of the key ``(last_used, block id)``: least
 recently freed first, then the lowest id (``_free_order_N``, one stable sort, which
-``_take`` runs only to take more than ``_SELECT_MAX`` blocks: it finds fewer in O(N)
-passes). An op that needs ``k`` blocks takes the first ``k`` of that order, and each
-requester receives a contiguous range of it (exclusive cumsum of the grants).
+``_take`` runs only to take more than ``_SELECT_MAX`` blocks, or from a small pool: it
+finds fewer in O(N) passes). An op that needs ``k`` blocks takes the first ``k`` of that
+order, and each requester receives a contiguous range of it (exclusive cumsum of the
+grants).
 
 Prefix cache. A FULL block whose K/V are written can be *registered*: it then records the
 content it holds so that later sequences whose token prefix matches can share it instead of
@@ -299,6 +300,15 @@ _SELECT_MAX = 1024
 """Static: the most blocks ``_take`` orders without sorting the pool (``_select``); a call
 taking more (a prefill of over 16k tokens of blocks of 16 from a cycled pool) sorts it."""
 
+_SORT_SMALL_POOL = 1024
+"""Static: a pool of at most this many blocks is sorted rather than selected from (a sort
+of 1024 keys costs about 0.3 ms on a CPU, and compiles faster than ``_select``)."""
+
+_NARROW_WALK_FROM = 128
+"""Static: rows of at least this many levels (2048 tokens of blocks of 16) are walked
+narrowly where they can be (``lookup``'s short rows, ``register``'s ``window``); shorter
+ones cost little whole, and one walk compiles faster than two."""
+
 
 def _lowest_at_least(mask_N, value_N, need, lo, hi, steps: int):
   """The smallest v in ``[lo, hi]`` with at least ``need`` blocks of ``mask_N`` having
@@ -367,7 +377,7 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   an append's [g, S, P] ranks, most of a long-context decode step). Otherwise (a pool that
   has cycled holds mostly cached blocks, freed under many stamps) ``_select`` finds the
   taken set in O(N) passes and sorts only it; the O(N log N) sort of the whole pool runs
-  only for more than ``_SELECT_MAX`` blocks."""
+  only for more than ``_SELECT_MAX`` blocks, or in a pool of at most ``_SORT_SMALL_POOL``."""
   n = state.num_blocks
   fresh_N = (state.ref_counts == 0) & (state.depth_N < 0)
   big = jnp.iinfo(jnp.int32).max
@@ -395,8 +405,8 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
     return order_N[jnp.clip(ranks, 0, n - 1)], _first_of_order_N(order_N, count)
 
   def not_two_groups():
-    if n <= _SELECT_MAX:  # the pool is no bigger than the selection's buffer
-      return _select(state, count, ranks)
+    if n <= _SORT_SMALL_POOL:
+      return sorted_pool()
     return jax.lax.cond(count <= _SELECT_MAX, lambda: _select(state, count, ranks),
                         sorted_pool)
 
@@ -1081,9 +1091,10 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
     ``NO_BLOCK`` elsewhere), ready for ``attach``. With groups a hit is as long as every
     group can serve: the anchor's chain cut where another group misses a block it needs.
 
-  With the default hash, when no row may match past the first ``max(8, P // 16)`` levels,
-  only those are hashed and walked (the same result: a level's key depends on the levels
-  up to it only), so admitting short prompts costs their length, not ``max_model_len``.
+  With the default hash and P >= ``_NARROW_WALK_FROM``, when no row may match past the
+  first ``P // 16`` levels, only those are hashed and walked (the same result: a level's
+  key depends on the levels up to it only), so admitting short prompts costs their length,
+  not ``max_model_len``.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   limit_S = _check_vector("num_tokens", num_tokens, state.max_seqs, "int") // state.block_size
@@ -1104,7 +1115,8 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
 
   # The default hash of a level depends on the levels up to it only: when no row may match
   # past the first P / 16 levels (a short prompt in a long max_model_len), walk just those.
-  widths = sorted({min(p, max(8, p // 16)), p}) if hash_fn is chain_hashes else [p]
+  narrow = hash_fn is chain_hashes and p >= _NARROW_WALK_FROM
+  widths = sorted({max(8, p // 16), p}) if narrow else [p]
   if len(widths) == 1:
     anchor_SP, num_hit_S = walk(p)()
   else:
@@ -1199,8 +1211,9 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
   and that block is live (its chain links up to a root), the walk covers only those levels:
   it continues off that block, its key giving the chain hash's state (``_unfmix32``), in
   O(S * window * Z) rather than O(S * P * Z) (an engine's decode step fills a block or so
-  per sequence, and P grows with ``max_model_len``). Otherwise, and without ``window``, the
-  whole rows are walked. Either way the same blocks are registered.
+  per sequence, and P grows with ``max_model_len``). Otherwise, and without ``window`` or
+  with P < ``_NARROW_WALK_FROM``, the whole rows are walked. Either way the same blocks
+  are registered.
   """
   tokens_SPZ = _token_blocks(state, tokens)
   salt_S = _salt(state, salt)
@@ -1340,7 +1353,8 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
     return jax.lax.while_loop(lambda carry: carry[1], lambda carry: write(carry[0], w),
                               (state, jnp.any(pending(state)[-1])))[0]
 
-  if window is None or hash_fn is not chain_hashes or window >= p:
+  if (window is None or hash_fn is not chain_hashes or window >= p
+      or p < _NARROW_WALK_FROM):
     state = rounds(state, None)
   else:
     _, full_S, _, after_S, pending_S = pending(state)

@@ -97,7 +97,7 @@ def test_max_model_len_quick(capsys):
 def test_cycled_pool_quick(capsys):
   from benchmarks import cycled_pool
   rows = cycled_pool.main(["--quick", "--repeats", "1"])  # asserts equal states and outputs
-  assert [(row["N"], row["k"]) for row in rows[:-1]] == [(512, 4), (512, 64)]
+  assert [(row["N"], row["k"]) for row in rows[:-1]] == [(2048, 4), (2048, 64)]
   for row in rows[:-1]:
     assert all(math.isfinite(row[key]) and row[key] > 0 for key in ("fresh", "sort", "select"))
   assert rows[-1]["cached"] == rows[-1]["N"]  # the engine's pool did cycle into the cache

@@ -722,8 +722,10 @@ def _random_free_pool(rng, num_blocks, max_blocks_per_seq):
 def test_take_equals_the_sorted_free_order_on_every_path(monkeypatch, select_max):
   # _take ranks the oldest unregistered free blocks with prefix sums, else selects the taken
   # set in O(N) passes and sorts only it (_select), and sorts the whole pool only for more
-  # than _SELECT_MAX blocks: every path gives the sorted free order's prefix.
+  # than _SELECT_MAX blocks (or any from a pool of at most _SORT_SMALL_POOL, 0 here): every
+  # path gives the sorted free order's prefix.
   monkeypatch.setattr(A, "_SELECT_MAX", select_max)
+  monkeypatch.setattr(A, "_SORT_SMALL_POOL", 0)
   rng = np.random.default_rng(5)
   take = jax.jit(lambda s, count, ranks: A._take(s, count, ranks))
   order = jax.jit(A._free_order_N)

@@ -830,9 +830,6 @@ def test_prefix_cache_machine_long():
                                    suppress_health_check=list(hypothesis.HealthCheck)))
 
 
-_register_window = jax.jit(A.register, static_argnames=("window",))
-
-
 def _same_chain_hash(tokens_SPZ, salt_S):
   """chain_hashes under another name: lookup and register then walk the whole rows."""
   return A.chain_hashes(tokens_SPZ, salt_S)
@@ -840,14 +837,18 @@ def _same_chain_hash(tokens_SPZ, salt_S):
 
 @pytest.mark.parametrize("windows,window", [((None,), 2), ((None,), 3), ((None, 4), 2),
                                             ((3, None), 3)])
-def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(windows, window):
+def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(monkeypatch, windows,
+                                                                     window):
   # register(window=w) walks only the w levels past each sequence's last registered block,
   # continuing the chain hash from that block's key, when every pending sequence fits
   # (else the whole rows): on random appends, releases, hits and forks over three shared
   # prompts (many cached prefixes, forks registering the same block), both register the
   # same blocks with the same keys, links and tokens, and the window is taken often.
   s_, z, p, n = 4, 2, 10, 28
+  monkeypatch.setattr(A, "_NARROW_WALK_FROM", 0)  # P = 10 walks narrowly too
   fork = jax.jit(A.fork)
+  register_window = jax.jit(lambda *args: A.register(*args, window=window))
+  lookup = jax.jit(lambda *args: A.lookup(*args))  # traced here, with the constant patched
   names = ("block_hash_N", "depth_N", "parent_N", "parent_gen_N", "salt_N",
            "block_tokens_NZ", "group_N", "beside_gN", "clock", "ref_counts", "block_tables")
   anchor = list(windows).index(None)
@@ -870,7 +871,7 @@ def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(windows, wi
         after = np.max(np.where(own, np.arange(p) + 1, 0), axis=1)
         in_window += bool(np.any(full > after) and np.all(full - after <= window))
         whole = _register(state, tokens, salt)
-        state = _register_window(state, tokens, salt, window=window)
+        state = register_window(state, tokens, salt)
         for name in names:
           np.testing.assert_array_equal(getattr(state, name), getattr(whole, name), name)
       elif r < 0.65:
@@ -881,7 +882,7 @@ def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(windows, wi
           tokens[i, rng.integers(p * z):] = rng.integers(1, 3)
       elif r < 0.8:
         limit = jnp.asarray(rng.integers(0, p * z, s_) // rng.choice([1, 3]), jnp.int32)
-        hit, k = _lookup(state, tokens, limit, salt)
+        hit, k = lookup(state, tokens, limit, salt)
         # lookup walks the first max(8, P // 16) levels only when no row may match further:
         # the same hit as the whole rows' walk (an equal hash that is not chain_hashes).
         whole_hit, whole_k = _lookup(state, tokens, limit, salt, hash_fn=_same_chain_hash)
