@@ -327,7 +327,7 @@ def _select(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   one field at a time (counts for ``cached``, binary searches over the values of ``stamp``
   and of ``-depth``, prefix sums over ids), the blocks at or below it are the taken set,
   and they alone are laid out in ``_SELECT_MAX`` entries and sorted."""
-  n, k = state.num_blocks, min(state.num_blocks, _SELECT_MAX)
+  n, size = state.num_blocks, min(state.num_blocks, _SELECT_MAX)
   big = jnp.iinfo(jnp.int32).max
   free_N = state.ref_counts == 0
   cached_N = state.depth_N >= 0
@@ -354,15 +354,15 @@ def _select(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   taken_N = (before_N | (in_class_N & (jnp.cumsum(in_class_N, dtype=jnp.int32) <= need)))
   taken_N &= count > 0
   ids_N = jnp.arange(n, dtype=jnp.int32)
-  slot_N = jnp.where(taken_N, jnp.cumsum(taken_N, dtype=jnp.int32) - 1, k)
-  ids_k = jnp.full(k, n, jnp.int32).at[slot_N].set(ids_N, mode="drop")
-  used_k = ids_k < n
-  at_k = jnp.clip(ids_k, 0, n - 1)
-  keys = (jnp.where(used_k, cached_N[at_k].astype(jnp.int32), big),
-          jnp.where(used_k, state.last_used[at_k], big),
-          jnp.where(used_k, neg_depth_N[at_k], big), ids_k)
-  order_k = jax.lax.sort(keys, num_keys=4)[3]
-  return order_k[jnp.clip(jnp.asarray(ranks, jnp.int32), 0, k - 1)], taken_N
+  slot_N = jnp.where(taken_N, jnp.cumsum(taken_N, dtype=jnp.int32) - 1, size)
+  ids_n = jnp.full(size, n, jnp.int32).at[slot_N].set(ids_N, mode="drop")
+  used_n = ids_n < n
+  at_n = jnp.clip(ids_n, 0, n - 1)
+  keys = (jnp.where(used_n, cached_N[at_n].astype(jnp.int32), big),
+          jnp.where(used_n, state.last_used[at_n], big),
+          jnp.where(used_n, neg_depth_N[at_n], big), ids_n)
+  order_n = jax.lax.sort(keys, num_keys=4)[3]
+  return order_n[jnp.clip(jnp.asarray(ranks, jnp.int32), 0, size - 1)], taken_N
 
 
 def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
@@ -790,19 +790,19 @@ def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
   return _chain_from(tokens_SPZ, _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
 
 
-def _chain_from(tokens_SWZ: jax.Array, h_S: jax.Array) -> jax.Array:
-  """u32[S, W]: ``chain_hashes``'s keys of W consecutive blocks of each sequence, chained
+def _chain_from(tokens_SwZ: jax.Array, h_S: jax.Array) -> jax.Array:
+  """u32[S, w]: ``chain_hashes``'s keys of w consecutive blocks of each sequence, chained
   from ``h_S`` (u32[S]), the ``h`` of the level before the first (the salt's at level 0)."""
-  _, w, z = tokens_SWZ.shape
-  tok_SWZ = tokens_SWZ.astype(jnp.uint32)
+  _, w, z = tokens_SwZ.shape
+  tok_SwZ = tokens_SwZ.astype(jnp.uint32)
   offset_Z = (jnp.arange(z, dtype=jnp.uint32) + 1) * jnp.uint32(0x632BE5AB)
-  c_SW = _fmix32(jnp.sum(_fmix32(tok_SWZ * jnp.uint32(0x9E3779B9) + offset_Z), axis=-1,
+  c_Sw = _fmix32(jnp.sum(_fmix32(tok_SwZ * jnp.uint32(0x9E3779B9) + offset_Z), axis=-1,
                          dtype=jnp.uint32))
-  r_pow_W = jnp.asarray(_powers_u32(_CHAIN_MULT, w))
-  r_inv_pow_W = jnp.asarray(_powers_u32(pow(_CHAIN_MULT, -1, 2**32), w))
-  acc_SW = (jnp.cumsum(c_SW * r_inv_pow_W, axis=1, dtype=jnp.uint32)
+  r_pow_w = jnp.asarray(_powers_u32(_CHAIN_MULT, w))
+  r_inv_pow_w = jnp.asarray(_powers_u32(pow(_CHAIN_MULT, -1, 2**32), w))
+  acc_Sw = (jnp.cumsum(c_Sw * r_inv_pow_w, axis=1, dtype=jnp.uint32)
             + jnp.uint32(_CHAIN_MULT) * h_S.astype(jnp.uint32)[:, None])
-  return _fmix32(acc_SW * r_pow_W)
+  return _fmix32(acc_Sw * r_pow_w)
 
 
 def _unfmix32(key: jax.Array) -> jax.Array:
@@ -1250,56 +1250,56 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
       cols, first_level_S, root_S = p, jnp.zeros(s, jnp.int32), None
       at = lambda x_SP: x_SP
       at_gSP = lambda x_gSP: x_gSP
-      toks_SWZ = tokens_SPZ
-      key_SW = None
+      toks_SwZ = tokens_SPZ
+      key_Sw = None
       prev0_S = jnp.full(s, NO_BLOCK, jnp.int32)
     else:  # columns are levels after_S .. after_S + w - 1
       cols, first_level_S = w, after_S
-      level_SW = after_S[:, None] + jnp.arange(w, dtype=jnp.int32)
-      lc_SW = jnp.clip(level_SW, 0, p - 1)
-      at = lambda x_SP: jnp.take_along_axis(x_SP, lc_SW, axis=1)
-      at_gSP = lambda x_gSP: jnp.take_along_axis(x_gSP, lc_SW[None], axis=2)
-      toks_SWZ = jnp.take_along_axis(tokens_SPZ, lc_SW[:, :, None], axis=1)
+      level_Sw = after_S[:, None] + jnp.arange(w, dtype=jnp.int32)
+      lc_Sw = jnp.clip(level_Sw, 0, p - 1)
+      at = lambda x_SP: jnp.take_along_axis(x_SP, lc_Sw, axis=1)
+      at_gSP = lambda x_gSP: jnp.take_along_axis(x_gSP, lc_Sw[None], axis=2)
+      toks_SwZ = jnp.take_along_axis(tokens_SPZ, lc_Sw[:, :, None], axis=1)
       root_S = jnp.where(after_S > 0, take(b_SP, after_S - 1), NO_BLOCK)
       prev0_S = root_S
       h_S = jnp.where(after_S > 0,
                       _unfmix32(state.block_hash_N[jnp.clip(root_S, 0, n - 1)]),
                       _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
-      key_SW = _chain_from(toks_SWZ, h_S)
-    j_W = jnp.arange(cols, dtype=jnp.int32)
-    level_SW = first_level_S[:, None] + j_W
-    b_SW = at(b_SP)
-    bc_SW = jnp.clip(b_SW, 0, n - 1)
-    full_SW = level_SW < full_S[:, None]
-    own_reg_SW = at(own_reg_SP) & (level_SW < p)
-    own_prev_SW = jnp.concatenate([prev0_S[:, None], b_SW[:, :-1]], axis=1)
+      key_Sw = _chain_from(toks_SwZ, h_S)
+    j_w = jnp.arange(cols, dtype=jnp.int32)
+    level_Sw = first_level_S[:, None] + j_w
+    b_Sw = at(b_SP)
+    bc_Sw = jnp.clip(b_Sw, 0, n - 1)
+    full_Sw = level_Sw < full_S[:, None]
+    own_reg_Sw = at(own_reg_SP) & (level_Sw < p)
+    own_prev_Sw = jnp.concatenate([prev0_S[:, None], b_Sw[:, :-1]], axis=1)
     # Hang each sequence's new levels off the longest prefix the cache holds (lookup's
     # walk), so no block the cache holds is registered twice: a sequence matched at least
     # up to its own last registered block skips the levels the cache holds (its own blocks
     # there stay unregistered) and registers the rest, up to its next registered block;
     # one the walk matches less far (a lost bucket) extends its own chain. (A window starts
     # past the last registered block, which the call's check found on a live chain.)
-    key_SW, cand_SW, _, hit_W_S = _walk(state, toks_SWZ, salt_S, full_S - first_level_S,
-                                        hash_fn, key_SP=key_SW, root_S=root_S,
+    key_Sw, cand_Sw, _, hit_w_S = _walk(state, toks_SwZ, salt_S, full_S - first_level_S,
+                                        hash_fn, key_SP=key_Sw, root_S=root_S,
                                         level_S=first_level_S)
-    hit_S = first_level_S + hit_W_S
+    hit_S = first_level_S + hit_w_S
     walked_S = hit_S >= after_S
-    stop_SW = (j_W >= hit_W_S[:, None]) & (own_reg_SW | ~full_SW)
-    stop_S = jnp.where(walked_S, jnp.where(jnp.any(stop_SW, axis=1),
-                                           jnp.argmax(stop_SW, axis=1), cols),
+    stop_Sw = (j_w >= hit_w_S[:, None]) & (own_reg_Sw | ~full_Sw)
+    stop_S = jnp.where(walked_S, jnp.where(jnp.any(stop_Sw, axis=1),
+                                           jnp.argmax(stop_Sw, axis=1), cols),
                        full_S - first_level_S)
-    first_S = jnp.where(walked_S, hit_W_S, after_S - first_level_S)
+    first_S = jnp.where(walked_S, hit_w_S, after_S - first_level_S)
     first_parent_S = jnp.where(
-        walked_S, jnp.where(hit_W_S > 0, take(cand_SW, hit_W_S - 1), prev0_S),
+        walked_S, jnp.where(hit_w_S > 0, take(cand_Sw, hit_w_S - 1), prev0_S),
         take(b_SP, after_S - 1))
     has_new_S = pending_S & (stop_S > first_S)
     # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
     # earlier in slot order. The later ones register in the next round, off the blocks
     # the first registers now (their tails may part from its).
-    first_key_S = take(key_SW, first_S)
+    first_key_S = take(key_Sw, first_S)
     first_depth_S = first_level_S + first_S
     first_tokens_SZ = jnp.take_along_axis(
-        toks_SWZ, jnp.clip(first_S, 0, cols - 1)[:, None, None], axis=1)[:, 0]
+        toks_SwZ, jnp.clip(first_S, 0, cols - 1)[:, None, None], axis=1)[:, 0]
     same_SS = ((first_key_S[:, None] == first_key_S[None, :])
                & (first_depth_S[:, None] == first_depth_S)
                & (first_parent_S[:, None] == first_parent_S) & (salt_S[:, None] == salt_S)
@@ -1307,42 +1307,42 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
                & has_new_S[None, :])
     earlier_SS = jnp.arange(s)[None, :] < jnp.arange(s)[:, None]
     dup_S = jnp.any(same_SS & earlier_SS, axis=1)
-    new_SW = ((has_new_S & ~dup_S)[:, None] & (j_W >= first_S[:, None])
-              & (j_W < stop_S[:, None]))
-    new_SW &= _first_holder(b_SW, new_SW, n)  # a block held by forks is registered once
-    parent_SW = jnp.where(j_W == first_S[:, None], first_parent_S[:, None], own_prev_SW)
-    parent_gen_SW = jnp.where(parent_SW >= 0,
-                              state.generation_N[jnp.clip(parent_SW, 0, n - 1)], 0)
-    dest_gSW = [jnp.where(new_SW, b_SW, n)]  # n: dropped by the scatters
-    parent_gSW, parent_gen_gSW, group_g = [parent_SW], [parent_gen_SW], [anchor]
+    new_Sw = ((has_new_S & ~dup_S)[:, None] & (j_w >= first_S[:, None])
+              & (j_w < stop_S[:, None]))
+    new_Sw &= _first_holder(b_Sw, new_Sw, n)  # a block held by forks is registered once
+    parent_Sw = jnp.where(j_w == first_S[:, None], first_parent_S[:, None], own_prev_Sw)
+    parent_gen_Sw = jnp.where(parent_Sw >= 0,
+                              state.generation_N[jnp.clip(parent_Sw, 0, n - 1)], 0)
+    dest_gSw = [jnp.where(new_Sw, b_Sw, n)]  # n: dropped by the scatters
+    parent_gSw, parent_gen_gSw, group_g = [parent_Sw], [parent_gen_Sw], [anchor]
     beside_gN = state.beside_gN
     if state.num_groups > 1:
       # Every other group: its block of each level the anchor registers now (by anyone),
       # linked to that anchor block, which points to it.
-      now_N = jnp.zeros(n, jnp.bool_).at[dest_gSW[0]].set(True, mode="drop")
+      now_N = jnp.zeros(n, jnp.bool_).at[dest_gSw[0]].set(True, mode="drop")
       others = [g for g in range(state.num_groups) if g != anchor]
-      o_oSW = at_gSP(t_gSP[jnp.asarray(others)])
-      new_oSW = ((o_oSW != NO_BLOCK) & (b_SW != NO_BLOCK) & now_N[bc_SW] & full_SW
-                 & (state.depth_N[jnp.clip(o_oSW, 0, n - 1)] < 0))
-      new_oSW &= _first_holder(o_oSW, new_oSW, n)
+      o_oSw = at_gSP(t_gSP[jnp.asarray(others)])
+      new_oSw = ((o_oSw != NO_BLOCK) & (b_Sw != NO_BLOCK) & now_N[bc_Sw] & full_Sw
+                 & (state.depth_N[jnp.clip(o_oSw, 0, n - 1)] < 0))
+      new_oSw &= _first_holder(o_oSw, new_oSw, n)
       for i, g in enumerate(others):
-        dest_gSW.append(jnp.where(new_oSW[i], o_oSW[i], n))
-        parent_gSW.append(b_SW)
-        parent_gen_gSW.append(state.generation_N[bc_SW])
+        dest_gSw.append(jnp.where(new_oSw[i], o_oSw[i], n))
+        parent_gSw.append(b_Sw)
+        parent_gen_gSw.append(state.generation_N[bc_Sw])
         group_g.append(g)
-      g_oSW = jnp.broadcast_to(jnp.asarray(others, jnp.int32)[:, None, None], o_oSW.shape)
-      beside_gN = beside_gN.at[g_oSW, jnp.where(new_oSW, b_SW, n)].set(o_oSW, mode="drop")
-    dest = jnp.stack(dest_gSW)
+      g_oSw = jnp.broadcast_to(jnp.asarray(others, jnp.int32)[:, None, None], o_oSw.shape)
+      beside_gN = beside_gN.at[g_oSw, jnp.where(new_oSw, b_Sw, n)].set(o_oSw, mode="drop")
+    dest = jnp.stack(dest_gSw)
     put = lambda field, value: field.at[dest].set(
         jnp.broadcast_to(value, dest.shape + field.shape[1:]), mode="drop")
     state = dataclasses.replace(
         state,
-        block_hash_N=put(state.block_hash_N, key_SW),  # every group's: the anchor's key
-        depth_N=put(state.depth_N, level_SW),
-        parent_N=put(state.parent_N, jnp.stack(parent_gSW)),
-        parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSW)),
+        block_hash_N=put(state.block_hash_N, key_Sw),  # every group's: the anchor's key
+        depth_N=put(state.depth_N, level_Sw),
+        parent_N=put(state.parent_N, jnp.stack(parent_gSw)),
+        parent_gen_N=put(state.parent_gen_N, jnp.stack(parent_gen_gSw)),
         salt_N=put(state.salt_N, salt_S[:, None]),
-        block_tokens_NZ=put(state.block_tokens_NZ, toks_SWZ),
+        block_tokens_NZ=put(state.block_tokens_NZ, toks_SwZ),
         group_N=put(state.group_N, jnp.asarray(group_g, jnp.int32)[:, None, None]),
         beside_gN=beside_gN,
     )
