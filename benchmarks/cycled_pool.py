@@ -42,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from paged_jax import allocator  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
 from paged_jax.models import ModelConfig, init_random  # noqa: E402
+from benchmarks.pool_size import _median_ms  # noqa: E402
 
 BLOCK, SEQS, CHAIN = 16, 64, 16
 
@@ -56,15 +57,6 @@ def cycled_state(num_blocks: int, max_blocks_per_seq: int, seed: int = 0):
   stamp_N[place_N] = 1 + np.arange(num_blocks) // CHAIN
   return dataclasses.replace(state, depth_N=jnp.asarray(depth_N),
                              last_used=jnp.asarray(stamp_N), clock=jnp.int32(num_blocks))
-
-
-def _median_ms(fn, rounds: int) -> float:
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
 
 
 def append_rows(sizes, takes, rounds: int) -> list[dict]:
