@@ -834,7 +834,7 @@ def _salt(state: AllocatorState, salt) -> jax.Array:
   return _check_vector("salt", salt, state.max_seqs, "int")
 
 
-def _root_links(state: AllocatorState, root_S, level_S, s: int):
+def _root_links(root_S, level_S, s: int):
   """``(root_S, level_S)`` of a walk over columns: the block the first column hangs off
   (NO_BLOCK: it is a chain's root) and the first column's level; defaults NO_BLOCK, 0."""
   root_S = jnp.full(s, NO_BLOCK, jnp.int32) if root_S is None else root_S
@@ -861,7 +861,7 @@ def _chained_SP(state: AllocatorState, b_SP: jax.Array, root_S=None,
   hanging off ``root_S``."""
   s, p = b_SP.shape
   n = state.num_blocks
-  root_S, level_S = _root_links(state, root_S, level_S, s)
+  root_S, level_S = _root_links(root_S, level_S, s)
   j_P = jnp.arange(p, dtype=jnp.int32)
   bc_SP = jnp.clip(b_SP, 0, n - 1)
   prev_SP = jnp.concatenate([root_S[:, None], b_SP[:, :-1]], axis=1)
@@ -927,7 +927,7 @@ def _candidates(state: AllocatorState, tokens_SPZ: jax.Array, key_SP: jax.Array,
   b = 1 << max(1, (8 * n - 1).bit_length())
   reg_N = _live_N(state)
   ids_N = jnp.arange(n, dtype=jnp.int32)
-  root_S, level_S = _root_links(state, root_S, level_S, key_SP.shape[0])
+  root_S, level_S = _root_links(root_S, level_S, key_SP.shape[0])
   j_P = level_S[:, None] + jnp.arange(p, dtype=jnp.int32)
   cands, holds = [], []
   for mix in _BUCKET_MIXES:
