@@ -787,7 +787,12 @@ def chain_hashes(tokens_SPZ: jax.Array, salt_S: jax.Array) -> jax.Array:
   with this signature can replace it (``lookup``/``register``'s ``hash_fn``); hits never
   trust it alone (module docstring), so a weak or even constant hash costs hits, not safety.
   """
-  return _chain_from(tokens_SPZ, _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
+  return _chain_from(tokens_SPZ, _salt_root(salt_S))
+
+
+def _salt_root(salt_S: jax.Array) -> jax.Array:
+  """u32[S]: the chain's ``h`` before level 0, a hash of the salt (``chain_hashes``)."""
+  return _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED))
 
 
 def _chain_from(tokens_SwZ: jax.Array, h_S: jax.Array) -> jax.Array:
@@ -1264,7 +1269,7 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
       prev0_S = root_S
       h_S = jnp.where(after_S > 0,
                       _unfmix32(state.block_hash_N[jnp.clip(root_S, 0, n - 1)]),
-                      _fmix32(salt_S.astype(jnp.uint32) ^ jnp.uint32(_HASH_SEED)))
+                      _salt_root(salt_S))
       key_Sw = _chain_from(toks_SwZ, h_S)
     j_w = jnp.arange(cols, dtype=jnp.int32)
     level_Sw = first_level_S[:, None] + j_w
