@@ -386,12 +386,13 @@ def _take(state: AllocatorState, count, ranks) -> tuple[jax.Array, jax.Array]:
   second = jnp.min(jnp.where(stamp_N > first, stamp_N, big))
   in_first_N = fresh_N & (stamp_N == first)
   in_second_N = fresh_N & (stamp_N == second) & (second > first)
-  cum_first_N = jnp.cumsum(in_first_N, dtype=jnp.int32)
-  cum_second_N = jnp.cumsum(in_second_N, dtype=jnp.int32)
-  num_first = cum_first_N[-1]
-  enough = num_first + cum_second_N[-1] >= count
+  num_first = jnp.sum(in_first_N, dtype=jnp.int32)
+  enough = num_first + jnp.sum(in_second_N, dtype=jnp.int32) >= count
 
   def two_groups():
+    # The prefix sums only here: a cycled pool's calls take the other branch.
+    cum_first_N = jnp.cumsum(in_first_N, dtype=jnp.int32)
+    cum_second_N = jnp.cumsum(in_second_N, dtype=jnp.int32)
     rank_N = jnp.where(in_first_N, cum_first_N - 1,
                        jnp.where(in_second_N, num_first + cum_second_N - 1, n))
     by_rank_N = jnp.zeros(n, jnp.int32).at[rank_N].set(jnp.arange(n, dtype=jnp.int32),
