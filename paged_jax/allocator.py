@@ -1299,20 +1299,14 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
         walked_S, jnp.where(hit_w_S > 0, take(cand_Sw, hit_w_S - 1), prev0_S),
         take(b_SP, after_S - 1))
     has_new_S = pending_S & (stop_S > first_S)
-    # In-call duplicates: the same first new block (hash, tokens, depth, parent, salt)
-    # earlier in slot order. The later ones register in the next round, off the blocks
-    # the first registers now (their tails may part from its).
+    # In-call duplicates: the same first new block (hash, depth, parent, salt) earlier in
+    # slot order. The later ones register in the next round, off the blocks the first
+    # registers now (their tails may part from its; a hash collision with other tokens
+    # merely waits a round, and registers its own there). Found by one sort of the S
+    # rows, not an [S, S] comparison (which grew as max_seqs squared).
     first_key_S = take(key_Sw, first_S)
     first_depth_S = first_level_S + first_S
-    first_tokens_SZ = jnp.take_along_axis(
-        toks_SwZ, jnp.clip(first_S, 0, cols - 1)[:, None, None], axis=1)[:, 0]
-    same_SS = ((first_key_S[:, None] == first_key_S[None, :])
-               & (first_depth_S[:, None] == first_depth_S)
-               & (first_parent_S[:, None] == first_parent_S) & (salt_S[:, None] == salt_S)
-               & jnp.all(first_tokens_SZ[:, None] == first_tokens_SZ[None, :], axis=-1)
-               & has_new_S[None, :])
-    earlier_SS = jnp.arange(s)[None, :] < jnp.arange(s)[:, None]
-    dup_S = jnp.any(same_SS & earlier_SS, axis=1)
+    dup_S = _later_duplicates(has_new_S, first_key_S, first_depth_S, first_parent_S, salt_S)
     new_Sw = ((has_new_S & ~dup_S)[:, None] & (j_w >= first_S[:, None])
               & (j_w < stop_S[:, None]))
     new_Sw &= _first_holder(b_Sw, new_Sw, n)  # a block held by forks is registered once
@@ -1370,6 +1364,20 @@ def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
     state = jax.lax.cond(fits, lambda st: rounds(st, window), lambda st: rounds(st, None),
                          state)
   return dataclasses.replace(state, clock=state.clock + 1)
+
+
+def _later_duplicates(mask_S: jax.Array, *keys_S: jax.Array) -> jax.Array:
+  """bool[S]: the rows of ``mask_S`` whose ``keys_S`` (a tuple of columns) equal those of
+  an earlier row of ``mask_S`` (in slot order): a sort of the S rows by (not in mask, keys,
+  slot), each row compared with the one before it."""
+  s = mask_S.shape[0]
+  slot_S = jnp.arange(s, dtype=jnp.int32)
+  out_S, *sorted_S, slot_sorted_S = jax.lax.sort(
+      ((~mask_S).astype(jnp.int32), *keys_S, slot_S), num_keys=len(keys_S) + 2)
+  same_S = (out_S[1:] == 0) & jnp.all(
+      jnp.stack([k[1:] == k[:-1] for k in sorted_S]), axis=0)
+  dup_sorted_S = jnp.concatenate([jnp.zeros(1, jnp.bool_), same_S])
+  return jnp.zeros(s, jnp.bool_).at[slot_sorted_S].set(dup_sorted_S)
 
 
 def _first_holder(b_XP: jax.Array, mask_XP: jax.Array, num_blocks: int) -> jax.Array:
