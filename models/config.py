@@ -334,7 +334,8 @@ class ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type={model_type!r} in config.json is not supported; expected "
-                       f"one of {SUPPORTED_MODEL_TYPES}")
+                       f"one of {SUPPORTED_MODEL_TYPES}, or gemma3 (served as its text "
+                       "decoder, gemma3_text)")
 
     def need(key: str):
       if hf.get(key) is None:

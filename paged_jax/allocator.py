@@ -119,6 +119,7 @@ of a state are checked by the host function ``validate``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,25 @@ class AllocatorState:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _check_state(state) -> None:
+  if not isinstance(state, AllocatorState):
+    raise ValueError(f"state={type(state).__name__} must be a paged_jax.allocator."
+                     "AllocatorState (from allocator.init, or returned by an operation)")
+
+
+def _state_op(fn):
+  """An operation on an ``AllocatorState`` (its first argument, checked: anything else is a
+  ``ValueError`` naming it), traced under JAX's default promotion modes."""
+  wrapped = standard_promotion(fn)
+
+  @functools.wraps(fn)
+  def op(state, *args, **kwargs):
+    _check_state(state)
+    return wrapped(state, *args, **kwargs)
+
+  return op
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -471,7 +491,7 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
   )
 
 
-@standard_promotion
+@_state_op
 def slide(state: AllocatorState) -> AllocatorState:
   """Give back, in every sliding group, the blocks no query still to come can read.
 
@@ -521,7 +541,7 @@ def _rebase_clock(state: AllocatorState) -> AllocatorState:
   return jax.lax.cond(state.clock >= _CLOCK_REBASE_AT, rebase, lambda state: state, state)
 
 
-@standard_promotion
+@_state_op
 def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.Array]:
   """Grow every sequence at once by ``num_new_tokens`` i32[S] tokens.
 
@@ -575,7 +595,7 @@ def append(state: AllocatorState, num_new_tokens) -> tuple[AllocatorState, jax.A
   return new_state, ok_S
 
 
-@standard_promotion
+@_state_op
 def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   """Flat slot ids ``block_id * Z + position % Z`` for writing K/V (``KVCache.write``).
 
@@ -607,7 +627,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   return out[0] if state.block_tables.ndim == 2 else out
 
 
-@standard_promotion
+@_state_op
 def release(state: AllocatorState, mask) -> AllocatorState:
   """Drop the sequences with ``mask`` bool[S] True: ref count - 1 for each of their blocks (a
   block reaching 0 is free again), their rows become ``NO_BLOCK`` and their lengths 0."""
@@ -627,7 +647,7 @@ def release(state: AllocatorState, mask) -> AllocatorState:
   )
 
 
-@standard_promotion
+@_state_op
 def fork(state: AllocatorState, src,
          dst) -> tuple[AllocatorState, jax.Array, jax.Array, jax.Array]:
   """Make each sequence ``dst_F[f]`` a copy of sequence ``src_F[f]`` (i32[F] each).
@@ -699,7 +719,7 @@ def fork(state: AllocatorState, src,
   return new_state, ok_F, copy_src, copy_dst
 
 
-@standard_promotion
+@_state_op
 def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, jax.Array]:
   """Release whole sequences, smallest ``priority`` i32[S] first (ties: higher slot index
   first), until ``num_free >= needed`` (i32[] blocks) or no sequence holding blocks is left.
@@ -736,7 +756,7 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
   return release(state, preempted_S), preempted_S
 
 
-@standard_promotion
+@_state_op
 def utilization(state: AllocatorState) -> jax.Array:
   """f32[]: tokens stored / (blocks in use * Z); 1.0 when no block is in use.
 
@@ -1078,7 +1098,7 @@ def _group_hits(state: AllocatorState, salt_S, anchor_SP, num_hit_S):
   return jnp.where(_hit_span_gSP(state, k_S), jnp.stack(rows), NO_BLOCK), k_S
 
 
-@standard_promotion
+@_state_op
 def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
            hash_fn=chain_hashes) -> tuple[jax.Array, jax.Array]:
   """The longest cached prefix of every sequence's tokens; reads the state only.
@@ -1133,7 +1153,7 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
   return _group_hits(state, salt_S, anchor_SP, num_hit_S)
 
 
-@standard_promotion
+@_state_op
 def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
   """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks of a hit of k
   levels (``blocks`` in the layout of ``block_tables``, e.g. from ``lookup``): its first k
@@ -1192,7 +1212,7 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
   return new_state, grant_S | (k_S == 0)
 
 
-@standard_promotion
+@_state_op
 def register(state: AllocatorState, tokens, salt=None, *, hash_fn=chain_hashes,
              window: int | None = None) -> AllocatorState:
   """Register every full block of every sequence that the cache does not hold yet.
@@ -1389,13 +1409,13 @@ def _first_holder(b_XP: jax.Array, mask_XP: jax.Array, num_blocks: int) -> jax.A
   return first_N[jnp.clip(b_XP, 0, num_blocks - 1)] == flat
 
 
-@standard_promotion
+@_state_op
 def cached_N(state: AllocatorState) -> jax.Array:
   """bool[N]: free blocks that still hold a registered prefix (reusable until evicted)."""
   return (state.ref_counts == 0) & (state.depth_N >= 0)
 
 
-@standard_promotion
+@_state_op
 def num_cached(state: AllocatorState) -> jax.Array:
   """i32[]: how many blocks ``cached_N`` marks."""
   return jnp.sum(cached_N(state), dtype=jnp.int32)
@@ -1412,6 +1432,7 @@ def validate(state: AllocatorState) -> None:
   one contiguous run ending there and starting no later than the window of a query at
   ``seq_len`` needs (``_keep_from_gS``); a block belongs to one group only.
   """
+  _check_state(state)
   tables = np.asarray(state.block_tables)
   len_S = np.asarray(state.seq_lens)
   rc_N = np.asarray(state.ref_counts)

@@ -127,6 +127,16 @@ def _auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) -> str:
   return _first_on_backend(takes)
 
 
+def _host_num_seqs(num_seqs, block_tables):
+  """A host integer ``num_seqs`` (a Python int, a NumPy scalar of any integer type) in
+  range as an int32 scalar, as the kernels take it; anything else as it is (checked by
+  ``_static_checks``, which names a value out of range)."""
+  if (isinstance(num_seqs, (int, np.integer)) and not isinstance(num_seqs, bool)
+      and 0 <= num_seqs <= jnp.shape(block_tables)[0]):
+    return jnp.int32(num_seqs)
+  return num_seqs
+
+
 def _kernel_args(cache: KVCache):
   """``(k_pages, v_pages, kv_dtype)`` as every kernel takes them: the page arrays, and the
   logical K/V dtype when they hold its storage bits (None: they hold K/V as they are).
@@ -207,8 +217,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-  if isinstance(num_seqs, int):
-    num_seqs = jnp.int32(num_seqs) if 0 <= num_seqs <= block_tables.shape[0] else num_seqs
+  num_seqs = _host_num_seqs(num_seqs, block_tables)
   k_pages, v_pages, kv_dtype = _static_checks(q, cache, layer, kv_lens, block_tables,
                                               cu_q_lens, num_seqs)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
@@ -305,6 +314,7 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
   # paged_attention's static checks, before jit converts the arguments (a numpy int64
   # kv_lens, refused there, would otherwise pass here).
   _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+  num_seqs = _host_num_seqs(num_seqs, block_tables)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
   sliding_window, soft_cap = validation.canonical_variants(sliding_window, soft_cap)

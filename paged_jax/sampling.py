@@ -29,6 +29,7 @@ import numpy as np
 __all__ = ["SamplingParams", "sample", "request_keys", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _is_int(x) -> bool:
@@ -79,8 +80,10 @@ class SamplingParams:
     seed, n = self.seed, self.n
     if not _is_int(max_tokens) or max_tokens < 1:
       raise ValueError(f"{max_tokens=} must be an int >= 1")
-    if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
-      raise ValueError(f"{temperature=} must be a finite number >= 0")
+    if (not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0
+        or temperature > _FLOAT32_MAX):
+      raise ValueError(f"{temperature=} must be a finite number >= 0 (at most float32's "
+                       f"largest, {_FLOAT32_MAX:.4g}: the sampler divides in float32)")
     if not _is_int(top_k) or not 0 <= top_k < 2**31:
       raise ValueError(f"{top_k=} must be an int in [0, 2**31) (0 disables top-k)")
     if not _is_real(top_p) or not 0 < top_p <= 1:

@@ -52,6 +52,10 @@ def _positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
+MAX_SLOTS = 2**31 - 1
+"""The most slots (``num_blocks * block_size``) a pool may have: slot ids are int32."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
   """Shape of a paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens.
@@ -77,6 +81,10 @@ class KVCacheSpec:
     for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
       object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
     object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+    if self.num_blocks * self.block_size > MAX_SLOTS:
+      raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} = "
+                       f"{self.num_blocks * self.block_size} slots must be at most 2**31 - 1 "
+                       "(slot ids are int32)")
 
   @property
   def itemsize(self) -> int:
@@ -129,4 +137,8 @@ class KVCacheSpec:
       raise ValueError(f"{budget_bytes=} is smaller than one block ({probe.block_bytes} bytes "
                        f"for num_layers={num_layers}, num_kv_heads={num_kv_heads}, "
                        f"head_dim={head_dim}, block_size={block_size}, dtype={probe.dtype})")
+    if num_blocks * block_size > MAX_SLOTS:
+      raise ValueError(f"{budget_bytes=} holds {num_blocks} blocks of {block_size} tokens, "
+                       "more than int32 slot ids address (2**31 - 1 slots); pass a smaller "
+                       "budget")
     return dataclasses.replace(probe, num_blocks=num_blocks)

@@ -111,7 +111,10 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                   ("cu_q_lens", cu_q_lens)):
     if not _is_int32(x):
       raise ValueError(f"{name}.dtype={x.dtype} must be int32")
-  if hasattr(num_seqs, "dtype") and not _is_int32(num_seqs):
+  # A host integer scalar (a Python int, a NumPy np.int64) is a value, not an array: any
+  # integer type, checked for range below; a device array must be int32.
+  if (hasattr(num_seqs, "dtype") and not isinstance(num_seqs, np.integer)
+      and not _is_int32(num_seqs)):
     raise ValueError(f"num_seqs.dtype={num_seqs.dtype} must be int32")
   # A value known now (a host int, or a concrete array outside jit) is checked now; a
   # traced one by validate_* / debug=True (checkify).
@@ -184,8 +187,9 @@ def static_scale(sm_scale) -> float | None:
               and jnp.issubdtype(jnp.result_type(sm_scale), jnp.floating))):
     raise ValueError(f"sm_scale={sm_scale!r} must be a real number (float) or None")
   value = float(sm_scale)
-  if not np.isfinite(value):
-    raise ValueError(f"sm_scale={value} must be finite")
+  if not np.isfinite(value) or value <= 0:
+    raise ValueError(f"sm_scale={value} must be a finite number > 0 (it multiplies q.k "
+                     "before the softmax; None: head_dim ** -0.5)")
   return value
 
 

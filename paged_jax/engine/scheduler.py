@@ -223,6 +223,9 @@ class Scheduler:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
       params = [params] * len(prompts)
+    if isinstance(params, (str, bytes, abc.Mapping)) or not isinstance(params, abc.Iterable):
+      raise ValueError(f"params={type(params).__name__} must be a SamplingParams or a list "
+                       "of them, one per prompt")
     params = list(params)
     if len(params) != len(prompts):
       raise ValueError(f"len(params)={len(params)} must equal len(prompts)={len(prompts)}")

@@ -102,7 +102,7 @@ def test_qwen2_sliding_window_only_when_enabled():
 
 
 @pytest.mark.parametrize("override, match", [
-    (dict(model_type="gpt2"), "model_type='gpt2'"),
+    (dict(model_type="gpt2"), "model_type='gpt2'.* or gemma3 \\(served as its text decoder"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(model_type="gemma2", layer_types=["full_attention"]), "layer_types="),
     (dict(model_type="gemma2", layer_types=["full_attention", "chunked_attention"]),

@@ -192,6 +192,19 @@ def test_zero_and_in_block_requests_always_ok():
   np.testing.assert_array_equal(ok, [True] * 4)
 
 
+@pytest.mark.parametrize("call", [
+    lambda st: A.validate(st), lambda st: A.append(st, jnp.zeros(2, jnp.int32)),
+    lambda st: A.release(st, jnp.zeros(2, bool)), lambda st: A.utilization(st),
+    lambda st: A.register(st, jnp.zeros((2, 16), jnp.int32))])
+@pytest.mark.parametrize("bad", [{}, None, "state"])
+def test_an_operation_on_something_else_than_a_state_names_it(call, bad):
+  # A dict or None was an AttributeError from deep inside ("'dict' object has no
+  # attribute 'block_tables'").
+  with pytest.raises(ValueError, match=f"state={type(bad).__name__} must be a paged_jax."
+                                       "allocator.AllocatorState"):
+    call(bad)
+
+
 def test_append_refuses_negative_and_too_long():
   s = big()
   s, _ = _append(s, i32(3, 3, 0, 0))

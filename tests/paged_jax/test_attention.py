@@ -340,8 +340,10 @@ def _call(**overrides):
     ("tables rows", lambda a: dict(block_tables=a["block_tables"][:-1]),
      r"kv_lens\.shape=.* one length per row of block_tables\.shape"),
     ("sm_scale string", lambda a: dict(sm_scale="a"), r"sm_scale='a' must be a real number"),
-    ("sm_scale nan", lambda a: dict(sm_scale=float("nan")), r"sm_scale=nan must be finite"),
-    ("sm_scale inf", lambda a: dict(sm_scale=np.inf), r"sm_scale=inf must be finite"),
+    ("sm_scale nan", lambda a: dict(sm_scale=float("nan")), r"sm_scale=nan must be a finite"),
+    ("sm_scale inf", lambda a: dict(sm_scale=np.inf), r"sm_scale=inf must be a finite"),
+    ("sm_scale 0", lambda a: dict(sm_scale=0.0), r"sm_scale=0\.0 must be a finite number > 0"),
+    ("sm_scale < 0", lambda a: dict(sm_scale=-0.125), r"sm_scale=-0\.125 must be a finite "),
     ("interpret", lambda a: dict(interpret="yes"), r"interpret='yes' must be a bool"),
     # Empty tables: a gather's TypeError or an IndexError before, each impl its own.
     ("no sequence rows", lambda a: dict(block_tables=a["block_tables"][:0],
@@ -484,3 +486,23 @@ def test_gpu_kernels_trace_under_x64(impl):
     got = paged_attention(*args, impl=impl, interpret=True, **variant)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_num_seqs_may_be_any_host_integer_scalar():
+  # A NumPy integer (np.int64, as indexing or len of an array gives) was refused with
+  # "num_seqs.dtype=int64 must be int32" where the Python int of the same value passed;
+  # a device array must still be int32.
+  args = _good_args()
+  want = paged_attention(**args, impl="xla")
+  n = int(args["num_seqs"])
+  for host in (n, np.int64(n), np.int32(n), np.uint8(n)):
+    got = paged_attention(**{**args, "num_seqs": host}, impl="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    validate_attention_inputs(**{**args, "num_seqs": host})
+    np.testing.assert_array_equal(np.asarray(checked_paged_attention(
+        **{**args, "num_seqs": host}, impl="xla")), np.asarray(want))
+  rows = args["block_tables"].shape[0]
+  with pytest.raises(ValueError, match=rf"num_seqs={rows + 1} must be in \[0, S={rows}\]"):
+    paged_attention(**{**args, "num_seqs": np.int64(rows + 1)}, impl="xla")
+  with pytest.raises(ValueError, match=r"num_seqs\.dtype=int16 must be int32"):
+    paged_attention(**{**args, "num_seqs": jnp.asarray(n, jnp.int16)}, impl="xla")

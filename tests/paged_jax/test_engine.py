@@ -468,6 +468,11 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     llm.generate([good], SamplingParams(n=4))  # max_seqs is 3
   with pytest.raises(ValueError, match="len"):
     llm.generate([good, good], [SamplingParams()])
+  # A dict of SamplingParams fields was iterated as a list ("params[0]='max_tokens' ...").
+  for params in (dict(max_tokens=3), 3):
+    with pytest.raises(ValueError, match=f"params={type(params).__name__} must be a "
+                                         "SamplingParams or a list of them, one per prompt"):
+      llm.generate([good], params)
   with pytest.raises(ValueError, match=r"params\[1\].stop_token_ids=\(7, 128\) holds \[128\], "
                      r"outside the vocabulary \[0, vocab_size=128\)"):
     llm.generate([good, good], [SamplingParams(), SamplingParams(stop_token_ids=(7, 128))])
@@ -483,6 +488,7 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_k=-1), "top_k"),
+    (dict(temperature=1e300), r"temperature=1e\+300 must be a finite number >= 0 \(at most"),
     (dict(top_k=2**31), r"top_k=2147483648 must be an int in \[0, 2\*\*31\)"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-3), "seed"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"), (dict(n=0), "n"),
@@ -635,6 +641,7 @@ def test_cli_run_prints_report(capsys, monkeypatch):
     (("--top-p", "0"), r"--top-p=0.0 must be in"),
     (("--temperature", "-1"), r"--temperature=-1.0 must be a finite number >= 0"),
     (("--temperature", "nan"), r"--temperature=nan must be"),
+    (("--temperature", "1e39"), r"--temperature=1e\+39 must be a finite number >= 0 \(at most"),
     (("--top-k", "-1"), r"--top-k=-1 must be >= 0"),
     (("--sigma", "-1"), r"--sigma=-1.0 must be a finite number >= 0"),
     (("--num-blocks", "0"), r"--num-blocks=0 must be >= 1"),

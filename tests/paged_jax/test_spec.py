@@ -49,6 +49,18 @@ def test_from_budget_too_small_names_the_budget():
     KVCacheSpec.from_budget(1.5e9, 32, 8, 128, 16, jnp.bfloat16)
 
 
+def test_a_pool_past_int32_slot_ids_is_refused():
+  # Slot ids (block * Z + offset) are int32: 2**31 slots were accepted here and refused
+  # only later, by the allocator or the engine.
+  assert KVCacheSpec(1, 1, 8, 4, (2**31 - 1) // 4).max_tokens == 2**31 - 4
+  with pytest.raises(ValueError, match=r"num_blocks=536870912 x block_size=4 = 2147483648 "
+                                       r"slots must be at most 2\*\*31 - 1"):
+    KVCacheSpec(1, 1, 8, 4, 2**29)
+  with pytest.raises(ValueError, match=r"budget_bytes=1099511627776 holds 4294967296 blocks "
+                                       "of 4 tokens, more than int32 slot ids address"):
+    KVCacheSpec.from_budget(2**40, 1, 1, 8, 4, jnp.float32)
+
+
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size",
                                    "num_blocks"])
 @pytest.mark.parametrize("value", [0, -3, 2.0, True, "8"])
