@@ -50,7 +50,7 @@ def _check_plan_args(args) -> None:
 def _plan(args) -> int:
   from paged_jax import planner  # imported here: the CLI parses (and --help answers) at once
   _check_plan_args(args)
-  from paged_jax.spec import KVCacheSpec
+  from paged_jax.spec import MAX_SLOTS, KVCacheSpec
   model = planner.model_shape_from_config(args.config) if args.config else planner.LLAMA3_8B
   overrides = {k: v for k, v in (("num_layers", args.num_layers),
                                  ("num_kv_heads", args.num_kv_heads),
@@ -78,6 +78,10 @@ def _plan(args) -> int:
   if budget < block:
     raise ValueError(f"--budget={args.budget} is smaller than one KV block ({block} bytes at "
                      f"--block-size {args.block_size})")
+  if budget // block * args.block_size > MAX_SLOTS:
+    raise ValueError(f"--budget={args.budget} holds {budget // block} KV blocks of "
+                     f"{args.block_size} tokens, more than int32 slot ids address "
+                     f"({MAX_SLOTS} slots)")
   spec = KVCacheSpec.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim,
                                  args.block_size, kv_dtype)
   dist = planner.LengthDistribution(median_len=args.median_len, sigma=args.sigma,

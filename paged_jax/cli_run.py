@@ -20,6 +20,8 @@ TINY_LLAMA = dict(model_type="llama", vocab_size=256, embed_dim=128, mlp_dim=256
                   eos_token_ids=(2,))
 """The embedded demo model: 2 layers, width 128, vocab 256, GQA 4:2, head dim 32."""
 
+_FLOAT32_MAX = 3.4028234663852886e38  # the sampler's temperature is a float32
+
 
 def add_run_parser(subparsers) -> None:
   """Add the ``run`` subcommand (``func`` returns the exit code)."""
@@ -104,7 +106,7 @@ class _Progress:
     self.total, self.enabled, self.every_s = total, enabled, every_s
     self.done = self.tokens = 0
     self.t0 = time.perf_counter()
-    self.last = -every_s
+    self.last = 0.0  # the first line after every_s: a rate over a moment means nothing
     self.trace = []  # (seconds since start, tokens so far) at every update
 
   def update(self, done: int, tokens: int) -> None:
@@ -207,7 +209,9 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   if device is not None:
     rows.append(("device", device))
   if compile_s is not None:
-    rows.append(("compile time", f"{compile_s:.2f} s (before serving; not counted below)"))
+    cached = compile_s.note() if isinstance(compile_s, _Precompiled) else ""
+    rows.append(("compile time", f"{compile_s:.2f} s (before serving; not counted "
+                                 f"below{cached})"))
   rows += [
       ("requests", f"{stats['requests']}"),
       ("generated tokens", f"{stats['generated_tokens']}"),
@@ -300,8 +304,9 @@ def _check_args(args) -> None:
   # named as options and before JAX loads or anything compiles.
   if not 0 <= args.seed < 2**32:
     raise ValueError(f"--seed={args.seed} must be an int in [0, 2**32)")
-  if not (math.isfinite(args.temperature) and args.temperature >= 0):
-    raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0")
+  if not (math.isfinite(args.temperature) and 0 <= args.temperature <= _FLOAT32_MAX):
+    raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0 (at "
+                     f"most {_FLOAT32_MAX:.4g})")
   if args.top_k < 0:
     raise ValueError(f"--top-k={args.top_k} must be >= 0 (0: no top-k)")
   if not 0 < args.top_p <= 1:
@@ -323,18 +328,53 @@ def check_sigma(args) -> None:
     raise ValueError(f"--sigma={args.sigma} must be a finite number >= 0")
 
 
-def _precompile(llm, progress: bool) -> float:
-  """Compile every device-call shape the run will use, saying which; seconds taken."""
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+"""The event JAX records when an executable is loaded from the persistent cache."""
+
+
+class _Precompiled(float):
+  """Seconds ``_precompile`` took (a float), with ``loaded``: how many of the ``calls``
+  device calls came from the persistent compilation cache rather than a compilation."""
+
+  loaded: int = 0
+  calls: int = 0
+
+  def note(self) -> str:
+    if not self.calls:
+      return ""
+    return (f"; {self.loaded} of {count(self.calls, 'device call')} loaded from the "
+            "compilation cache" if self.loaded else "; none loaded from the compilation cache")
+
+
+def _precompile(llm, progress: bool) -> _Precompiled:
+  """Compile every device-call shape the run will use, saying which; seconds taken, and
+  how many came from the persistent compilation cache (JAX's cache-hit events)."""
+  import jax
   t0 = time.perf_counter()
+  hits, calls = [], [0]
+
+  def on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT_EVENT:
+      hits.append(event)
 
   def say(i, n, what):
+    calls[0] = n
     if i == 0:
       _say(progress, f"  {count(n, 'device call')} to compile (a warm compilation cache "
            "loads them instead):")
     _say(progress, f"  compiling {i + 1}/{n}: {what} (at {time.perf_counter() - t0:.1f} s)")
 
-  llm.precompile(progress=say)
-  return time.perf_counter() - t0
+  jax.monitoring.register_event_listener(on_event)
+  try:
+    llm.precompile(progress=say)
+  finally:
+    jax.monitoring.unregister_event_listener(on_event)
+  done = _Precompiled(time.perf_counter() - t0)
+  done.loaded, done.calls = min(len(hits), calls[0]), calls[0]
+  if done.loaded:
+    _say(progress, f"  ready in {done:.1f} s: {done.loaded} of {done.calls} loaded from the "
+         "compilation cache")
+  return done
 
 
 def _workload_args(args) -> None:
@@ -379,7 +419,10 @@ def _run(args) -> int:
   if args.prompt is not None:  # an empty or too long prompt: said before compiling
     prompt_params = SamplingParams(max_tokens=32 if args.max_tokens is None
                                    else args.max_tokens, **sampling)
-    llm.check_requests([args.prompt], prompt_params)
+    try:
+      llm.check_requests([args.prompt], prompt_params)
+    except ValueError as e:  # named as the option: the user typed no list of prompts
+      raise ValueError(str(e).replace("prompts[0]", "--prompt", 1)) from None
   compile_s = _precompile(llm, progress)
   if args.prompt is not None:
     out, = llm.generate([args.prompt], prompt_params)

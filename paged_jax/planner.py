@@ -153,11 +153,22 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
     raise ValueError(f"config={path!r}: {e}") from e
   return ModelShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype=_HF_DTYPES.get(dtype_name, jnp.float32),
-                    name=config.get("_name_or_path")
-                    or os.path.basename(os.path.dirname(os.path.abspath(path))),
+                    name=_config_name(config, path),
                     layer_types=layer_types if window is not None else (),
                     sliding_window=window, notes=tuple(notes),
                     unknown_dtype=None if dtype_name in _HF_DTYPES else dtype_name)
+
+
+def _config_name(config: dict, path: str) -> str:
+  """What the plan calls a config: its ``_name_or_path``, else its checkpoint folder (a
+  file named config.json) or its file name, with the ``model_type`` beside it."""
+  name = config.get("_name_or_path")
+  if not name:
+    path = os.path.abspath(path)
+    name = (os.path.basename(os.path.dirname(path))
+            if os.path.basename(path) == "config.json" else os.path.basename(path))
+  model_type = config.get("model_type")
+  return f"{name} ({model_type})" if model_type and model_type != name else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +285,8 @@ def format_plan(plan: CapacityPlan, model: ModelShape, budget_bytes: int) -> str
       f"tokens     : {spec.max_tokens}",
       f"lengths    : log-normal, median {dist.median_len}, sigma {dist.sigma}, clipped to "
       f"[1, {dist.max_len}], seed {dist.seed}",
+      *([f"note       : the median {dist.median_len} is above the maximum {dist.max_len}: "
+         "most lengths are clipped to the maximum"] if dist.median_len > dist.max_len else []),
       "",
       *_layer_lines(spec, model),
       "",
@@ -393,8 +406,8 @@ def format_windowed(plan: WindowedPlan) -> str:
            "of n tokens |", "|---|---:|---:|---|"]
   for w, count in kinds.items():
     what = "full" if w is None else f"sliding, window {w}"
-    held = ("ceil(n / Z)" if w is None else f"min(ceil(n / Z), ceil(({w} - 1 + "
-            f"{plan.step_tokens}) / Z) + 1)")
+    held = ("ceil(n / Z)" if w is None
+            else f"min(ceil(n / Z), ceil({w - 1 + plan.step_tokens} / Z) + 1)")
     lines.append(f"| {what} | {count} | {per_token} bytes | {held} |")
   base = plan.without.num_seqs
   lines += ["", "| windowed freeing | sequences that fit | vs without |", "|---|---:|---:|"]

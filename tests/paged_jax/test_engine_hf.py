@@ -128,8 +128,9 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
   from paged_jax import cli, cli_run
   path, _ = checkpoint
   monkeypatch.setattr(cli_run, "_precompile", lambda *a: pytest.fail("compiled"))
-  for prompt, message in (("", "prompts[0] is empty"),
-                          (" ".join(["w3"] * 300), "prompts[0] has 300 tokens; must be < "
+  # Named as the option the user typed (not the list of prompts the engine checks).
+  for prompt, message in (("", "--prompt is empty"),
+                          (" ".join(["w3"] * 300), "--prompt has 300 tokens; must be < "
                                                    "max_model_len=")):
     with pytest.raises(SystemExit) as exit_info:
       cli.main(["run", "--model", str(path), "--prompt", prompt, "--no-progress"])

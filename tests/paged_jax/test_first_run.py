@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -278,3 +279,28 @@ def test_an_explicit_cache_setting_replaces_jax_compilation_cache_dir(tmp_path):
   out = subprocess.run([sys.executable, "-c", script, str(env_dir), str(own_dir)], env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
+  # A warm run printed "compiling 1/3 ..." and a compile time with no word that the calls
+  # were loaded, not compiled. JAX's cache-hit events now count them, in the progress
+  # lines and the report. Subprocesses: JAX's cache directory is process-wide.
+  argv = [sys.executable, "-m", "paged_jax.cli", "run", "--num-requests", "4",
+          "--prompt-median", "8", "--output-median", "4", "--max-seqs", "4",
+          "--max-tokens-per-step", "32", "--compilation-cache", str(tmp_path / "cache")]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  runs = [subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+          for _ in range(2)]
+  for run in runs:
+    assert run.returncode == 0, run.stderr[-3000:]
+  compile_line = lambda run: next(line for line in run.stdout.splitlines()
+                                  if "compile time" in line)
+  cold, warm = map(compile_line, runs)
+  assert cold.endswith("(before serving; not counted below; none loaded from the "
+                       "compilation cache)"), cold
+  loaded = re.search(r"; (\d) of 3 device calls loaded from the compilation cache\)$", warm)
+  assert loaded and int(loaded.group(1)) >= 1, warm
+  assert f"{loaded.group(1)} of 3 loaded from the compilation cache" in runs[1].stderr
+  # The first progress line comes after a while, not at the first token (a rate over a
+  # moment: "served 0/4 requests, 1 token, 50 tokens/s, 0.0 s").
+  assert "served 0/4 requests, 1 token," not in runs[1].stderr, runs[1].stderr

@@ -276,7 +276,10 @@ def test_budgets_past_what_the_plan_can_draw_are_refused_in_one_line(capsys):
   # 1e309 was an OverflowError traceback; 1e17 bytes drew lengths until out of memory.
   for args, match in ((["--budget", "1e309"], "must be below 1 EiB"),
                       (["--budget", "1e400GiB"], "must be below 1 EiB"),
-                      (["--budget", "1e17"], "holds more than 8,388,608 sequences"),
+                      (["--budget", "1e17"], "--budget=1e17 holds 47683715820 KV blocks "
+                                             "of 16 tokens, more than int32 slot ids address"),
+                      (["--budget", "20TiB", "--median-len", "1", "--sigma", "0",
+                        "--max-len", "1"], "holds more than 8,388,608 sequences"),
                       (["--seed=-1"], "--seed=-1 must be >= 0"),
                       (["--max-len=0"], "--max-len=0 must be >= 1")):
     with pytest.raises(SystemExit) as exc:
@@ -328,3 +331,18 @@ def test_a_sparse_gemma3_text_config_takes_transformers_defaults(tmp_path):
   config = models.ModelConfig.from_json(tmp_path)  # what load_pretrained would build
   assert (config.model_type, config.num_heads, config.vocab_size) == ("gemma3_text", 8, 262_208)
   assert config.eos_token_ids == (1, 106) and config.rope_scaling == models.LinearRopeScaling(8.0)
+
+
+def test_a_config_file_is_named_after_itself_and_its_model_type(tmp_path, capsys):
+  # "cfg/gemma2.json" was planned as "cfg" (its folder), and the window's formula read
+  # "ceil((4096 - 1 + 1) / Z) + 1"; a median above the maximum was clipped silently.
+  (tmp_path / "gemma2.json").write_text(json.dumps(dict(
+      model_type="gemma2", num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+      num_hidden_layers=4, hidden_size=2304, sliding_window=4096, torch_dtype="bfloat16")))
+  assert cli.main(["plan", "--config", str(tmp_path / "gemma2.json"), "--median-len",
+                   "9000"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("model      : gemma2.json (gemma2): L=4 K=4 D=256"), out
+  assert "min(ceil(n / Z), ceil(4096 / Z) + 1)" in out, out
+  assert ("note       : the median 9000 is above the maximum 4096: most lengths are clipped "
+          "to the maximum") in out, out
