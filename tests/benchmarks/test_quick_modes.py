@@ -102,3 +102,15 @@ def test_cycled_pool_quick(capsys):
     assert all(math.isfinite(row[key]) and row[key] > 0 for key in ("fresh", "sort", "select"))
   assert rows[-1]["cached"] == rows[-1]["N"]  # the engine's pool did cycle into the cache
   assert "| cycled / fresh |" in capsys.readouterr().out
+
+
+def test_max_seqs_quick(capsys):
+  from benchmarks import max_seqs
+  rows = max_seqs.main(["--quick", "--repeats", "1"])  # asserts equal outputs
+  engines, registers = rows[:2], rows[2:]
+  assert [row["max_seqs"] for row in engines] == [16, 64]
+  assert all(math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0 for row in engines)
+  assert [row["max_seqs"] for row in registers] == [256, 1024]
+  # Linear in S (an [S, S] comparison would be 16x from 256 to 1024, not 4x).
+  assert registers[1]["temp_bytes"] < 6 * registers[0]["temp_bytes"]
+  assert "| register's temporaries, MiB |" in capsys.readouterr().out
