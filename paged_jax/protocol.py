@@ -10,7 +10,8 @@ taking i32[T] tokens and positions, the ``KVCache`` and an ``AttentionMetadata``
 ``logits_indices`` i32[S] when given) and the new cache. Its layers call
 ``cache.write(layer, k_TKD, v_TKD, metadata.slots_T)`` and ``paged_attention(q_THD, cache,
 layer, metadata.kv_lens_S, metadata.block_tables_SP, metadata.cu_q_lens,
-metadata.num_seqs)``. Nothing else is required; the built-in decoders
+metadata.num_seqs)``. Nothing else is required (its attributes need not hash: a config
+kept as a plain, mutable dataclass is served); the built-in decoders
 (``paged_jax.models.Decoder``) are one implementation.
 
 A config is any object with the int fields ``num_layers``, ``num_kv_heads``, ``head_dim``
@@ -83,6 +84,34 @@ class ModelConfigLike(Protocol):
   head_dim: int
   vocab_size: int
   max_seq_len: int
+
+
+class _ByIdentity:
+  """A model structure that cannot be hashed, as a static argument of ``jax.jit``: hashed
+  and compared by identity (one engine passes the same object every call)."""
+
+  __slots__ = ("graphdef",)
+
+  def __init__(self, graphdef):
+    self.graphdef = graphdef
+
+
+def static_graphdef(graphdef):
+  """``graphdef`` (``nnx.split(model)[0]``) as a static argument of ``jax.jit``: itself
+  when it hashes (models of equal structure then share compiled calls), else wrapped to be
+  hashed by identity. A model may hold attributes that do not hash (a config kept as a
+  plain, mutable dataclass); JAX refuses them as static arguments."""
+  try:
+    hash(graphdef)
+  except TypeError:
+    return _ByIdentity(graphdef)
+  return graphdef
+
+
+def merge(graphdef, params):
+  """``nnx.merge`` of a graphdef, as it is or as ``static_graphdef`` wrapped it."""
+  return nnx.merge(graphdef.graphdef if isinstance(graphdef, _ByIdentity) else graphdef,
+                   params)
 
 
 def check_model(model) -> None:

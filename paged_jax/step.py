@@ -392,15 +392,15 @@ def _frozen(kwargs: dict) -> tuple:
 @functools.partial(jax.jit, static_argnames=("graphdef", "kwargs"),
                    donate_argnames=("alloc_state", "cache"))
 def _forward_jit(graphdef, params, alloc_state, cache, tokens_T, num_new_S, *, kwargs):
-  return forward_step(nnx.merge(graphdef, params), alloc_state, cache, tokens_T, num_new_S,
-                      **dict(kwargs))
+  return forward_step(protocol.merge(graphdef, params), alloc_state, cache, tokens_T,
+                      num_new_S, **dict(kwargs))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kwargs"),
                    donate_argnames=("alloc_state", "cache"))
 def _decode_jit(graphdef, params, alloc_state, cache, tokens_S, active_S, *, kwargs):
-  return decode_step(nnx.merge(graphdef, params), alloc_state, cache, tokens_S, active_S,
-                     **dict(kwargs))
+  return decode_step(protocol.merge(graphdef, params), alloc_state, cache, tokens_S,
+                     active_S, **dict(kwargs))
 
 
 class Steps:
@@ -421,7 +421,8 @@ class Steps:
 
   def __init__(self, model, **forward_kwargs: Any):
     protocol.check_model(model)
-    self.graphdef, self.params = nnx.split(model)
+    graphdef, self.params = nnx.split(model)
+    self.graphdef = protocol.static_graphdef(graphdef)
     self.forward_kwargs = _frozen(forward_kwargs)
 
   def forward(self, alloc_state, cache, tokens_T, num_new_S):

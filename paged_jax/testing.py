@@ -127,7 +127,7 @@ def _paged_step(params, alloc, cache, tokens_T, num_new_S, *, graphdef, kwargs):
   """One step of ``assert_paged_matches_dense``: the logits of every new token, and of
   each sequence's last one through ``logits_indices`` (the second forward's cache is
   kept; both write the same K/V)."""
-  model = nnx.merge(graphdef, params)
+  model = protocol.merge(graphdef, params)
   alloc, inputs = step_api.prepare_step(alloc, tokens_T, num_new_S)
   logits_TV, _ = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
                                      inputs.metadata, **dict(kwargs))
@@ -191,6 +191,7 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
   alloc = shuffled_allocator(num_blocks, block_size, num_seqs, per_seq, seed=seed)
   cache = nan_cache(spec)
   graphdef, params = nnx.split(model)
+  static = protocol.static_graphdef(graphdef)  # one object: every step finds its compilation
   kwargs_key = tuple(sorted(kwargs.items()))
   compiled_before = _paged_step._cache_size()
   if dense is None:
@@ -209,7 +210,7 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
     flat = [t for s, c in enumerate(chunk) for t in sequences[s][done[s]:done[s] + c]]
     tokens_T = jnp.asarray(flat + [0] * (num_tokens - len(flat)), jnp.int32)
     logits_TV, logits_SV, alloc, cache, inputs = _paged_step(
-        params, alloc, cache, tokens_T, jnp.asarray(chunk, jnp.int32), graphdef=graphdef,
+        params, alloc, cache, tokens_T, jnp.asarray(chunk, jnp.int32), graphdef=static,
         kwargs=kwargs_key)
     ok_S = np.asarray(inputs.ok_S)
     if not ok_S.all():

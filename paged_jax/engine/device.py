@@ -46,9 +46,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from paged_jax import allocator
+from paged_jax import protocol
 from paged_jax import step as step_api
 from paged_jax._promotion import standard_promotion
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
@@ -243,7 +243,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   exceed this one, so the host picks the size that fits. The pool never passes through a
   ``switch`` (XLA would copy it each step).
   """
-  model = nnx.merge(graphdef, params)
+  model = protocol.merge(graphdef, params)
   st = restart_counters(st)  # the report counts this call; the host sums them
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
 

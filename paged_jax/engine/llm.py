@@ -167,7 +167,8 @@ class LLM:
     # Arguments checked: now (and only now) point JAX at the persistent cache.
     self.compilation_cache_dir = compile_cache.enable(compilation_cache)
     self._device = DeviceCalls(
-        static=dict(graphdef=self._graphdef, steps_per_call=self.steps_per_call,
+        static=dict(graphdef=protocol.static_graphdef(self._graphdef),
+                    steps_per_call=self.steps_per_call,
                     scrub_on_release=self.scrub_on_release,
                     prefix_caching=self.enable_prefix_caching,
                     hash_fn=prefix_hash_fn or allocator.chain_hashes,

@@ -402,3 +402,45 @@ def test_documented_decode_loop_keeps_a_dropped_sequences_token(examples, model,
   want, _ = own.dense_greedy(model, prompts[1], 4)
   assert got == want
   allocator.validate(alloc)
+
+
+class _UnhashableConfig:
+  """The example's config behind a plain class with ``__eq__`` and no ``__hash__``, as a
+  user's mutable ``@dataclasses.dataclass`` config is."""
+
+  __hash__ = None
+
+  def __init__(self, config):
+    self._config = config
+
+  def __getattr__(self, name):
+    return getattr(self._config, name)
+
+  def __eq__(self, other):
+    return isinstance(other, _UnhashableConfig) and self._config == other._config
+
+
+def test_a_model_holding_an_unhashable_config_is_served(examples, config):
+  # The engine, the step API and the testing helper passed the model's structure to jax.jit
+  # as a static argument, and JAX refuses one that does not hash: the first generate died
+  # of "Non-hashable static arguments are not supported" (4 kB, the cause at its end).
+  unhashable = _UnhashableConfig(config)
+  with pytest.raises(TypeError):
+    hash(unhashable)
+  model = examples.own.TinyGPT(unhashable, rngs=nnx.Rngs(5))
+  llm = LLM(model, unhashable, block_size=4, num_blocks=32, max_seqs=2,
+            max_tokens_per_step=16, steps_per_call=4)
+  prompts = [[3, 4, 5, 6, 7], [9, 10]]
+  outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+  for prompt, out in zip(prompts, outs):
+    assert list(out.token_ids) == examples.own.dense_greedy(model, prompt, 3)[0]
+  steps = paged_jax.Steps(model)
+  alloc = allocator.init(8, 4, 2, 8)
+  cache = paged_jax.KVCache.create(paged_jax.protocol.kv_cache_spec(
+      unhashable, block_size=4, num_blocks=8, dtype=jnp.float32))
+  logits_SV, alloc, cache, ok_S = steps.forward(alloc, cache, jnp.asarray(
+      [3, 4, 5, 6, 7, 9, 10, 0], jnp.int32), jnp.asarray([5, 2], jnp.int32))
+  assert bool(ok_S.all()) and int(jnp.argmax(logits_SV[0])) == outs[0].token_ids[0]
+  report = testing.assert_paged_matches_dense(model, unhashable, [[3, 4, 5, 6, 7], [9, 10]],
+                                              seed=1)
+  assert report["max_rel_error"] < 2e-5
