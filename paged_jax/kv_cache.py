@@ -187,7 +187,8 @@ class KVCache:
     for name, x in (("k", k_TKD), ("v", v_TKD)):
       if x.ndim != 3 or tuple(x.shape[1:]) != expected:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, K, D]=[T, {expected[0]}, "
-                         f"{expected[1]}]")
+                         f"{expected[1]}]: the cache's KV heads and head dim (an engine "
+                         "shapes its cache from config.num_kv_heads and config.head_dim)")
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name}.dtype={x.dtype} must be a floating dtype (K/V values, cast "
                          f"to the pool's {self.dtype.name})")

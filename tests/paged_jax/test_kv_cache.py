@@ -102,7 +102,10 @@ def test_a_traced_layer_out_of_range_reads_nothing_in_the_kernels(impl):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(k=jnp.ones((2, 3, 4)), v=jnp.ones((2, 3, 4))), r"k\.shape"),
+    # Named with what sets the cache's shape in an engine (a config's wrong head_dim).
+    (dict(k=jnp.ones((2, 3, 4)), v=jnp.ones((2, 3, 4))),
+     r"k\.shape=\(2, 3, 4\) must be \[T, K, D\]=\[T, 2, 4\]: the cache's KV heads and "
+     r"head dim \(an engine shapes its cache from config\.num_kv_heads and config\.head_dim"),
     (dict(k=jnp.ones((2, 2, 4)), v=jnp.ones((1, 2, 4))), r"v\.shape"),
     (dict(k=jnp.ones((2, 2, 4), jnp.int32)), r"k\.dtype=int32 must be a floating"),
     (dict(v=jnp.ones((2, 2, 4), jnp.int8)), r"v\.dtype=int8 must be a floating"),
