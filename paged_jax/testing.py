@@ -65,11 +65,14 @@ def nan_cache(spec: KVCacheSpec) -> KVCache:
 
 def assert_allocator_invariants(state: allocator.AllocatorState) -> None:
   """Every invariant of ``allocator.validate`` holds (``AssertionError`` naming the first
-  broken one). A state whose leaves carry a leading data-shard axis is checked per shard."""
+  broken one). A state whose leaves carry a leading data-shard axis (an engine's on a mesh
+  with a "data" axis) is checked per shard; a state with KV groups per group (its tables
+  ``[g, S, P]`` have no shard axis: ``num_free``, a scalar per shard, tells them apart)."""
+  allocator._check_state(state)  # a ValueError for anything else
   shards = [state]
-  if np.ndim(state.block_tables) == 3:
+  if np.ndim(state.num_free) == 1:
     shards = [jax.tree_util.tree_map(lambda x, i=i: x[i], state)
-              for i in range(state.block_tables.shape[0])]
+              for i in range(np.shape(state.num_free)[0])]
   for i, shard in enumerate(shards):
     try:
       allocator.validate(shard)

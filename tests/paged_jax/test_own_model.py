@@ -453,3 +453,22 @@ def test_a_model_holding_an_unhashable_config_is_served(examples, config):
   report = testing.assert_paged_matches_dense(model, unhashable, [[3, 4, 5, 6, 7], [9, 10]],
                                               seed=1)
   assert report["max_rel_error"] < 2e-5
+
+
+def test_allocator_invariants_of_states_with_kv_groups():
+  # Tables [g, S, P] (a full and a windowed group) are not data shards: each group is
+  # checked, as validate does; a stack of such states ([d, g, S, P]) is checked per shard.
+  state = allocator.init(8, 4, 2, 4, windows=(None, 4))
+  state, ok = allocator.append(state, jnp.asarray([9, 3], jnp.int32))
+  assert bool(ok.all())
+  testing.assert_allocator_invariants(state)
+  broken = dataclasses.replace(state, ref_counts=state.ref_counts.at[0].add(1))
+  with pytest.raises(AssertionError, match="ref_counts"):
+    testing.assert_allocator_invariants(broken)
+  stacked = jax.tree_util.tree_map(lambda x, y: np.stack([x, y]), state, broken)
+  with pytest.raises(AssertionError, match="data shard 1"):
+    testing.assert_allocator_invariants(stacked)
+  testing.assert_allocator_invariants(
+      jax.tree_util.tree_map(lambda x: np.stack([x, x]), state))
+  with pytest.raises(ValueError, match="state=dict"):
+    testing.assert_allocator_invariants({"block_tables": state.block_tables})
