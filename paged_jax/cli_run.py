@@ -12,6 +12,7 @@ import collections
 import math
 import sys
 import time
+import warnings
 
 from paged_jax._words import count
 
@@ -150,8 +151,6 @@ class _Progress:
 
 
 def _engine(args):
-  import jax.numpy as jnp
-  from paged_jax.engine import LLM
   budget = _kv_budget_bytes(args)
   opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_budget_bytes=budget,
               max_seqs=args.max_seqs,
@@ -161,6 +160,15 @@ def _engine(args):
     from paged_jax import compile_cache
     compile_cache.enable(args.compilation_cache, override=True)
     opts["compilation_cache"] = False  # the engine then keeps what was just set
+  # The engine warns when the pool caps max_model_len; the report says so in its notes.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="max_model_len=", category=UserWarning)
+    return _build_engine(args, opts, budget)
+
+
+def _build_engine(args, opts: dict, budget):
+  import jax.numpy as jnp
+  from paged_jax.engine import LLM
   try:
     if args.model:
       return LLM.from_pretrained(args.model, dtype=args.dtype, **opts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -113,6 +114,13 @@ def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
     if bound < 2:  # one prompt token and one generated, at least
       raise ValueError(f"the longest sequence this engine could serve is {bound} token(s) "
                        f"({limit}); it must be >= 2: a prompt token and a generated one")
+    if bound < max_seq_len:
+      warnings.warn(
+          f"max_model_len={bound}, below the model's context {max_seq_len}: no sequence "
+          f"longer fits the KV pool alone ({limit}); one that reaches it ends with "
+          "finish_reason 'length'. Give the pool more blocks (num_blocks, kv_budget_bytes) "
+          "for longer sequences, or pass max_model_len to choose this limit (and silence "
+          "this warning)", UserWarning, stacklevel=3)
     return int(bound), limit
   if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
       or not 2 <= max_model_len <= bound):

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -443,6 +444,21 @@ def test_a_prompt_over_the_callers_max_model_len_names_it_as_theirs(model, confi
     capped.check_requests([[3] * 25])
 
 
+def test_a_pool_that_caps_max_model_len_says_so(model, config):
+  # A pool too small for the model's context capped max_model_len in silence: generations
+  # ended with "length" early, read as a wrong-token bug. Now a UserWarning names both; a
+  # max_model_len of the caller's own, or a pool that holds the context, says nothing.
+  with pytest.warns(UserWarning, match=r"max_model_len=32, below the model's context 128: "
+                    r"no sequence longer fits the KV pool alone \(model context 128, KV pool "
+                    r"8 blocks x 4 tokens = 32 tokens\)"):
+    capped = LLM(model, config, block_size=4, num_blocks=8, max_seqs=2)
+  assert capped.max_model_len == 32
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    LLM(model, config, block_size=4, num_blocks=8, max_seqs=2, max_model_len=30)
+    LLM(model, config, block_size=4, num_blocks=32, max_seqs=2)
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
@@ -619,7 +635,10 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
                    "--steps-per-call", "8", "--num-blocks", "16", "--temperature", "0.7",
                    "--top-p", "0.9", "--output-median", "200")
-  assert args.func(args) == 0
+  with warnings.catch_warnings(record=True) as caught:  # the report's note, no warning
+    warnings.simplefilter("always")
+    assert args.func(args) == 0
+  assert not [w for w in caught if "max_model_len=" in str(w.message)]
   captured = capsys.readouterr()
   for key in ("tokens/s", "requests/s", "peak blocks in use", "mean blocks in use",
               "KV utilisation", "preemptions", "host syncs per token", "6 synthetic requests",
