@@ -333,13 +333,13 @@ class LLM:
     outputs = []
     for req in requests:
       for f in range(req.params.n):
-        ids = tuple(tokens.get((req.index, f), ()))
+        ids = tokens.get((req.index, f), [])
         text = None
         if self.tokenizer is not None:
-          text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        lps = tuple(logprobs.get((req.index, f), ())) if req.params.logprobs else None
-        outputs.append(Output(req.index, f, req.prompt, ids, text, finish[(req.index, f)],
-                              lps))
+          text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        lps = logprobs.get((req.index, f), []) if req.params.logprobs else None
+        outputs.append(Output(req.index, f, list(req.prompt), ids, text,
+                              finish[(req.index, f)], lps))
     return outputs
 
   @property

@@ -37,20 +37,23 @@ class Output:
   Attributes:
     prompt_index: index of the prompt in the ``generate`` call.
     sample_index: completion index within the prompt (0 .. n-1).
-    prompt_token_ids: the prompt's token ids.
-    token_ids: generated ids (the stop / EOS token not included).
+    prompt_token_ids: the prompt's token ids (a list).
+    token_ids: generated ids, a list (the stop / EOS token not included).
     text: ``token_ids`` decoded when the engine has a tokenizer, else None.
     finish_reason: "stop" (EOS or a stop id) or "length" (max_tokens or max_model_len).
-    logprobs: log-probability of each generated id (``SamplingParams.logprobs``), else None.
+    logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
+      else None.
+  Lists, as other serving engines give them, so ``out.token_ids == [5, 9]`` compares
+  as a user means (a tuple would compare unequal to any list).
   """
 
   prompt_index: int
   sample_index: int
-  prompt_token_ids: tuple[int, ...]
-  token_ids: tuple[int, ...]
+  prompt_token_ids: list[int]
+  token_ids: list[int]
   text: str | None
   finish_reason: str
-  logprobs: tuple[float, ...] | None = None
+  logprobs: list[float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

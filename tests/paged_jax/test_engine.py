@@ -93,8 +93,8 @@ def test_greedy_matches_dense_oracle_with_batching_and_chunked_prefill(llm, dens
   assert [o.prompt_index for o in outs] == list(range(len(prompts)))
   for p, o in zip(prompts, outs):
     expect, _ = dense_greedy(p, 12)
-    assert list(o.token_ids) == expect
-    assert o.finish_reason == "length" and o.prompt_token_ids == tuple(p) and o.text is None
+    assert o.token_ids == expect  # lists, as a user compares them (tuples never equal)
+    assert o.finish_reason == "length" and o.prompt_token_ids == list(p) and o.text is None
     assert o.logprobs is None
   _check_all_free(llm)
   s = llm.stats
@@ -152,6 +152,7 @@ def test_logprobs_match_dense_log_softmax(llm, dense_greedy):
   for p, o in zip(prompts, outs):
     expect, lps = dense_greedy(p, 6)
     assert list(o.token_ids) == expect
+    assert isinstance(o.logprobs, list) and all(isinstance(x, float) for x in o.logprobs)
     got = np.asarray(o.logprobs)
     assert np.all(np.isfinite(got)) and np.all(got <= 0)
     np.testing.assert_allclose(got, lps, rtol=1e-4, atol=1e-4)
@@ -192,7 +193,7 @@ def test_n_completions_through_fork(llm, dense_greedy):
   b = llm.generate([prompt], hot)
   assert len(a) == 4 and [o.prompt_index for o in a] == [0, 0, 0, 1]
   assert [o.token_ids for o in a[:3]] == [o.token_ids for o in b]
-  assert len({o.token_ids for o in b}) > 1
+  assert len({tuple(o.token_ids) for o in b}) > 1
   _check_all_free(llm)
 
 
@@ -207,7 +208,7 @@ def test_streaming_yields_the_generated_tokens(llm):
     else:
       assert ev.prompt_index not in finished
       got.setdefault(ev.prompt_index, []).append(ev.token_id)
-  assert [tuple(got[i]) for i in range(len(prompts))] == [o.token_ids for o in outs]
+  assert [list(got[i]) for i in range(len(prompts))] == [o.token_ids for o in outs]
   assert finished == {i: "length" for i in range(len(prompts))}
 
 

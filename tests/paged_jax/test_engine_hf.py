@@ -58,7 +58,7 @@ def test_greedy_equals_hf_generate_and_text_prompts(checkpoint):
   # Text prompts go through tokenizer.json; the output is decoded.
   text = " ".join(f"w{t}" for t in prompts[1])
   out, = llm.generate([text], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-  assert out.prompt_token_ids == tuple(prompts[1])
+  assert out.prompt_token_ids == list(prompts[1])
   assert out.token_ids == outs[1].token_ids and out.text == outs[1].text
   allocator.validate(llm.allocator_state)
   assert llm.stats["num_free_blocks"] == 48
@@ -79,7 +79,7 @@ def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   params = SamplingParams(max_tokens=4, ignore_eos=True)
   by_text, = llm.generate([" ".join(f"w{t}" for t in ids)], params)
   by_ids, = llm.generate([ids], params)
-  assert by_text.prompt_token_ids == tuple(ids) and by_text.token_ids == by_ids.token_ids
+  assert by_text.prompt_token_ids == list(ids) and by_text.token_ids == by_ids.token_ids
   assert by_text.text == " ".join(f"w{t}" for t in by_ids.token_ids)
   # A set or a dict has no order of tokens: refused, not served in its iteration order.
   for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys()):
