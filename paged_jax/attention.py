@@ -137,6 +137,14 @@ def _host_num_seqs(num_seqs, block_tables):
   return num_seqs
 
 
+def _host_indices(kv_lens, block_tables, cu_q_lens, num_seqs):
+  """The index arguments with host arrays of another integer type (NumPy's default int64,
+  lists of ints) as int32 (``validation.host_int32``: values checked to fit)."""
+  return tuple(validation.host_int32(name, x) for name, x in (
+      ("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens),
+      ("num_seqs", num_seqs)))
+
+
 def _kernel_args(cache: KVCache):
   """``(k_pages, v_pages, kv_dtype)`` as every kernel takes them: the page arrays, and the
   logical K/V dtype when they hold its storage bits (None: they hold K/V as they are).
@@ -189,7 +197,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
     layer: which layer's pages to read (int or traced int scalar).
     kv_lens: i32[S] tokens in each sequence's cache, the new ones included.
     block_tables: i32[S, P] physical block of each logical block.
-    cu_q_lens: i32[S + 1] cumulative query lengths, starting at 0.
+    cu_q_lens: i32[S + 1] cumulative query lengths, starting at 0. (These three and
+      ``num_seqs`` may also be host arrays of another integer type, NumPy's default int64
+      or lists: their values must fit int32. A JAX array must be int32.)
     num_seqs: i32[] live sequences; rows past it are padding.
     sm_scale: softmax scale, default ``D ** -0.5``.
     sliding_window: W (static int >= 1) or None: the query at position p sees keys at
@@ -197,8 +207,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       before a query tile's window are never read.
     soft_cap: c (static float > 0) or None: scores ``s = sm_scale * q.k`` become
       ``c * tanh(s / c)`` before the mask and softmax.
-    sinks: f32[H] (may be traced) or None: one extra logit per query head in the softmax
-      denominator, with no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
+    sinks: f32[H] (may be traced; another floating dtype is taken as float32) or None: one
+      extra logit per query head in the softmax denominator, with no value:
+      ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
     impl: "auto", "reference", "xla", "pallas_tpu", "pallas_gpu" (Triton backend) or
       "pallas_mosaic_gpu" (Mosaic GPU, Hopper). "auto": on TPU the Pallas TPU kernel; on a
       GPU the Triton one while JAX has that backend (faster, measured on an H200), else
@@ -217,6 +228,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+  kv_lens, block_tables, cu_q_lens, num_seqs = _host_indices(kv_lens, block_tables, cu_q_lens,
+                                                             num_seqs)
+  sinks = validation.float32_sinks(sinks)
   num_seqs = _host_num_seqs(num_seqs, block_tables)
   k_pages, v_pages, kv_dtype = _static_checks(q, cache, layer, kv_lens, block_tables,
                                               cu_q_lens, num_seqs)
@@ -269,6 +283,8 @@ def validate_attention_inputs(q, cache: KVCache, layer, kv_lens, block_tables, c
   """Host-side check of shapes and values (block ids, lengths); raises ``ValueError``.
   With ``sliding_window``, table entries wholly before a sequence's window may be
   ``NO_BLOCK`` (a sliding KV group gives them back), as in ``checked_paged_attention``."""
+  kv_lens, block_tables, cu_q_lens, num_seqs = _host_indices(kv_lens, block_tables, cu_q_lens,
+                                                             num_seqs)
   k_pages, _, _ = _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window)
   validation.dynamic_validate_inputs(q, k_pages, layer, kv_lens, block_tables, cu_q_lens,
@@ -311,8 +327,11 @@ def checked_paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_
                      "..., debug=True) inside jax.experimental.checkify.checkify and throw "
                      "the error it returns")
   sm_scale = validation.static_scale(sm_scale)
-  # paged_attention's static checks, before jit converts the arguments (a numpy int64
-  # kv_lens, refused there, would otherwise pass here).
+  # paged_attention's static checks, before jit converts the arguments (it would turn a
+  # NumPy int64 kv_lens holding 2**40 into int32 without a word).
+  kv_lens, block_tables, cu_q_lens, num_seqs = _host_indices(kv_lens, block_tables, cu_q_lens,
+                                                             num_seqs)
+  sinks = validation.float32_sinks(sinks)
   _static_checks(q, cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
   num_seqs = _host_num_seqs(num_seqs, block_tables)
   validation.static_validate_variants(q.shape[1], sliding_window=sliding_window,

@@ -174,12 +174,14 @@ class KVCache:
       k, v: [T, K, D], a floating dtype (integer or bool K/V is refused, not cast); cast to
         the cache dtype (quantised with one scale per token and KV head for an int8 / float8
         pool).
-      slots: i32[T]. A slot outside ``[0, N * Z)`` (negative means padding) writes nothing:
-        it is never clamped or wrapped into a real block. Slots in range must be distinct:
-        of two tokens given one slot, which is stored is unspecified (K, V and the scales
-        are separate scatters, and on an accelerator each may keep a different token).
+      slots: i32[T] (or a host array of another integer type, NumPy's default int64 or a
+        list: its values must fit int32). A slot outside ``[0, N * Z)`` (negative means
+        padding) writes nothing: it is never clamped or wrapped into a real block. Slots in
+        range must be distinct: of two tokens given one slot, which is stored is unspecified
+        (K, V and the scales are separate scatters, and on an accelerator each may keep a
+        different token).
     """
-    k_TKD, v_TKD, slots_T = k, v, slots
+    k_TKD, v_TKD, slots_T = k, v, validation.host_int32("slots", slots)
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
       validation.check_is_array(name, x)
     validation.check_layer(layer, self.num_layers)
@@ -221,12 +223,13 @@ class KVCache:
     return self.replace_bits(k_bits, v_bits, k_scales, v_scales)
 
   def copy_blocks(self, src: jax.Array, dst: jax.Array) -> "KVCache":
-    """Copy whole blocks ``src[c] -> dst[c]`` (i32[C] each) in every layer (fork / COW).
+    """Copy whole blocks ``src[c] -> dst[c]`` (i32[C] each; host arrays of another integer
+    type as ``write``'s slots) in every layer (fork / COW).
 
     A pair with either id outside ``[0, N)`` (``NO_BLOCK`` included) copies nothing. All
     reads happen before any write.
     """
-    src_C, dst_C = src, dst
+    src_C, dst_C = validation.host_int32("src", src), validation.host_int32("dst", dst)
     validation.check_is_array("src", src_C)
     validation.check_is_array("dst", dst_C)
     _check_int32_vector("src", src_C)

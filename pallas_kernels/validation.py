@@ -19,6 +19,44 @@ def _is_int32(x) -> bool:
   return jnp.dtype(x.dtype) == jnp.int32
 
 
+def host_int32(name: str, x):
+  """``x`` as int32 when it is a host array of another integer type (a NumPy array, whose
+  integers are int64 by default, or a list / tuple of ints) whose values all fit int32;
+  anything else as it is, for the checks to judge (a JAX array must be int32 already:
+  under ``jit`` its values are not known). ``ValueError`` naming ``name`` for a value
+  outside int32."""
+  if isinstance(x, (list, tuple)):
+    try:
+      x = np.asarray(x)
+    except ValueError:  # ragged nesting: check_is_array names it
+      return x
+  if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
+      or not np.issubdtype(x.dtype, np.integer)):
+    return x
+  info = np.iinfo(np.int32)
+  if x.size and (x.min() < info.min or x.max() > info.max):
+    raise ValueError(f"{name} holds {int(x.min() if x.min() < info.min else x.max())}; its "
+                     f"values must fit int32 [{info.min}, {info.max}]")
+  return x.astype(np.int32)
+
+
+def float32_sinks(sinks):
+  """``sinks`` as float32 when it is a floating array of another dtype (bfloat16, a NumPy
+  float64) or a list of floats; the softmax takes the sink logits in float32 (widening is
+  exact). Anything else as it is, for ``static_validate_variants`` to judge."""
+  if isinstance(sinks, (list, tuple)):
+    try:
+      sinks = np.asarray(sinks)
+    except ValueError:
+      return sinks
+  dtype = getattr(sinks, "dtype", None)
+  if dtype is None or getattr(sinks, "shape", None) is None:
+    return sinks
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype) != jnp.float32:
+    return jnp.asarray(sinks, jnp.float32)
+  return sinks
+
+
 def check_is_array(name: str, x, what: str = "an array") -> None:
   """``ValueError`` unless ``x`` is an array (anything with ``ndim`` and ``dtype``): a list
   would fail later as an AttributeError."""

@@ -333,8 +333,8 @@ def _call(**overrides):
     ("layer float", lambda a: dict(layer=jnp.float32(0)), r"layer\.dtype"),
     ("layer a Python float", lambda a: dict(layer=1.7), r"layer=1\.7 must be an int"),
     ("layer a bool", lambda a: dict(layer=True), r"layer=True must be an int"),
-    ("kv_lens a list", lambda a: dict(kv_lens=np.asarray(a["kv_lens"]).tolist()),
-     r"kv_lens is a list; must be an int32 array"),
+    ("kv_lens a list of floats", lambda a: dict(kv_lens=np.asarray(a["kv_lens"], float).tolist()),
+     r"kv_lens\.dtype=float64 must be int32"),
     ("cache type", lambda a: dict(cache=a["cache"].k_pages), r"cache="),
     ("impl", lambda a: dict(impl="cuda_magic"), r"impl='cuda_magic'"),
     ("tables rows", lambda a: dict(block_tables=a["block_tables"][:-1]),
@@ -394,15 +394,29 @@ def test_validate_attention_inputs_checks_values():
     validate_attention_inputs(**{**args, "cu_q_lens": jnp.asarray(cu)})
 
 
-def test_checked_attention_makes_the_static_checks_paged_attention_makes():
-  # Its jit converted a numpy int64 kv_lens to int32 before any check saw it, so the
-  # checked call accepted what paged_attention refuses.
+def test_host_index_arrays_of_any_integer_type_are_taken_when_they_fit_int32():
+  # np.array([5, 3]) is int64: it was refused ("kv_lens.dtype=int64 must be int32"), and
+  # lists were refused as not arrays. Host arrays and lists of ints whose values fit int32
+  # are now taken as int32, by paged_attention, checked_paged_attention (whose jit would
+  # have converted them before any check) and validate_attention_inputs alike; a value
+  # past int32 is refused naming the argument, never wrapped. JAX arrays stay int32 only.
   args = _good_args()
-  args["kv_lens"] = np.asarray(args["kv_lens"]).astype(np.int64)
-  with pytest.raises(ValueError, match=r"kv_lens\.dtype"):
-    paged_attention(**args, impl="xla")
-  with pytest.raises(ValueError, match=r"kv_lens\.dtype"):
-    checked_paged_attention(**args, impl="xla")
+  want = paged_attention(**args, impl="xla")
+  host = {**args, "kv_lens": np.asarray(args["kv_lens"]).astype(np.int64),
+          "block_tables": np.asarray(args["block_tables"]).astype(np.int64).tolist(),
+          "cu_q_lens": np.asarray(args["cu_q_lens"]).astype(np.uint16),
+          "num_seqs": np.asarray(args["num_seqs"], np.int64)}
+  for attend in (paged_attention, checked_paged_attention):
+    np.testing.assert_array_equal(np.asarray(attend(**host, impl="xla")), np.asarray(want))
+  validate_attention_inputs(**host)
+  huge = np.asarray(args["kv_lens"]).astype(np.int64)
+  huge[0] += 2**40  # as an int32 it would wrap to the original length
+  for attend in (paged_attention, checked_paged_attention, validate_attention_inputs):
+    with pytest.raises(ValueError, match=r"kv_lens holds 1099511627\d+; its values must "
+                                         r"fit int32"):
+      attend(**{**args, "kv_lens": huge})
+  with pytest.raises(ValueError, match=r"kv_lens\.dtype=float64 must be int32"):
+    paged_attention(**{**args, "kv_lens": np.asarray(args["kv_lens"], np.float64)})
 
 
 def test_validate_attention_inputs_takes_the_window_as_checked_attention_does():

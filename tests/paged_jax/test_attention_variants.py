@@ -198,6 +198,18 @@ def test_xla_plan_reads_no_page_before_the_window():
 # --- validation --------------------------------------------------------------------------------
 
 
+def test_paged_attention_takes_sinks_of_any_floating_dtype_as_float32():
+  # bfloat16 sinks beside a bfloat16 model, a NumPy float64 array, a list of floats: all
+  # were refused ("sinks.dtype=bfloat16 must be float32"); they are the same logits.
+  want = np.asarray(run(_CASE, "xla", sinks=_SINKS))
+  for sinks in (np.asarray(_SINKS, np.float64), np.asarray(_SINKS).tolist()):
+    np.testing.assert_array_equal(np.asarray(run(_CASE, "xla", sinks=sinks)), want)
+  rounded = jnp.asarray(_SINKS, jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(run(_CASE, "xla", sinks=rounded)),
+      np.asarray(run(_CASE, "xla", sinks=rounded.astype(jnp.float32))))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(sliding_window=0), r"sliding_window=0 must be an int >= 1"),
     (dict(sliding_window=-3), r"sliding_window=-3 must be an int >= 1"),
@@ -210,8 +222,9 @@ def test_xla_plan_reads_no_page_before_the_window():
     (dict(soft_cap="30"), r"soft_cap='30' must be a finite float > 0"),
     (dict(sinks=jnp.zeros((4,), jnp.float32)), r"sinks\.shape=\(4,\) must be \[H\]=\[8\]"),
     (dict(sinks=jnp.zeros((8, 1), jnp.float32)), r"sinks\.shape=\(8, 1\) must be \[H\]"),
-    (dict(sinks=jnp.zeros((8,), jnp.bfloat16)), r"sinks\.dtype=bfloat16 must be float32"),
-    (dict(sinks=[0.0] * 8), r"sinks=list must be a float32 array of shape \[H\]=\[8\]"),
+    (dict(sinks=jnp.zeros((8,), jnp.int32)), r"sinks\.dtype=int32 must be float32"),
+    (dict(sinks=[0] * 8),  # a kernel takes no list; paged_attention takes it as an array
+     r"sinks=list must be a float32 array of shape \[H\]=\[8\]|sinks\.dtype=int64 must be"),
 ])
 @pytest.mark.parametrize("entry", ["paged_attention", "reference", "xla"])
 def test_bad_variant_raises_value_error(entry, kwargs, match):

@@ -155,14 +155,33 @@ def test_the_constructor_refuses_what_a_spec_refuses():
                          r"dtype=float8_e4m3fnuz must be a floating dtype")):
     with pytest.raises(ValueError, match=match):
       KVCache(**kwargs)
-  # Lists: AttributeError 'list' object has no attribute 'ndim' before.
+  # A list of K/V values: AttributeError 'list' object has no attribute 'ndim' before.
   cache = KVCache.create(SPEC)
-  with pytest.raises(ValueError, match="slots is a list; must be an array"):
-    cache.write(0, jnp.ones((1, 2, 4)), jnp.ones((1, 2, 4)), [0])
   with pytest.raises(ValueError, match="k is a list; must be an array"):
     cache.write(0, [[[1.0] * 4] * 2], jnp.ones((1, 2, 4)), jnp.zeros(1, jnp.int32))
-  with pytest.raises(ValueError, match="src is a list; must be an array"):
-    cache.copy_blocks([0], jnp.zeros(1, jnp.int32))
+  with pytest.raises(ValueError, match=r"src\.dtype=float64 must be int32"):
+    cache.copy_blocks([0.5], jnp.zeros(1, jnp.int32))
+
+
+def test_host_slots_and_block_ids_of_any_integer_type():
+  # np.array([...]) is int64, and was refused ("slots.dtype=int64 must be int32"), as were
+  # lists. Host arrays and lists of ints whose values fit int32 are taken; a value past
+  # int32 is refused naming the argument (as int32 it would wrap onto a real slot).
+  rng = np.random.default_rng(2)
+  k = jnp.asarray(rng.normal(size=(3, 2, 4)), jnp.float32)
+  cache = KVCache.create(SPEC)
+  want = cache.write(2, k, -k, jnp.array([7, -1, 12], jnp.int32))
+  for slots in (np.array([7, -1, 12]), [7, -1, 12], np.array([7, -1, 12], np.int16)):
+    got = cache.write(2, k, -k, slots)
+    np.testing.assert_array_equal(np.asarray(got.k_pages), np.asarray(want.k_pages))
+    np.testing.assert_array_equal(np.asarray(got.v_pages), np.asarray(want.v_pages))
+  with pytest.raises(ValueError, match=r"slots holds 4294967303; its values must fit int32"):
+    cache.write(2, k, -k, np.array([7 + 2**32, -1, 12]))
+  copied = want.copy_blocks(jnp.array([1, 3], jnp.int32), jnp.array([0, 2], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(want.copy_blocks([1, 3], np.array([0, 2])).k_pages),
+                                np.asarray(copied.k_pages))
+  with pytest.raises(ValueError, match=r"dst holds -4294967296; its values must fit int32"):
+    want.copy_blocks([1], np.array([-2**32]))
 
 
 def test_copy_blocks_bad_input():
