@@ -12,7 +12,8 @@ Hugging Face checkpoint loader.
 
 from __future__ import annotations
 
-from paged_jax.models.config import LinearRopeScaling, ModelConfig, RopeScaling
+from paged_jax.models.config import (CheckpointNotFoundError, LinearRopeScaling, ModelConfig,
+                                     RopeScaling)
 from paged_jax.models.decoder import Decoder, init_random
 from paged_jax.models.loader import load_pretrained
 from paged_jax.models.moe import MoEMLP
@@ -22,6 +23,7 @@ from paged_jax.step import AttentionMetadata  # moved to paged_jax; kept here fo
 
 __all__ = [
     "AttentionMetadata",
+    "CheckpointNotFoundError",
     "Decoder",
     "LinearRopeScaling",
     "ModelConfig",

@@ -76,6 +76,12 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 """transformers' RoPE for a gpt-oss config.json that names none (theta 150000)."""
 
 
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+  """A checkpoint path, its config.json or one of its weight files does not exist: a
+  ``FileNotFoundError`` (an OS error, as ``open`` gives) and a ``ValueError`` (bad input,
+  named, as every other argument of the library refuses it)."""
+
+
 def _positive_int(name: str, value: Any) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
     raise ValueError(f"{name}={value!r} must be a positive int")
@@ -443,7 +449,7 @@ class ModelConfig:
     if os.path.isdir(path):
       path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"config file {path!r} does not exist")
+      raise CheckpointNotFoundError(f"path={path!r}: config file does not exist")
     hf = _read_json(path)
     # A checkpoint's generation_config.json (beside it) holds the EOS ids generation stops
     # at, often more than config.json lists (chat models' end-of-turn ids); transformers'

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import CheckpointNotFoundError, ModelConfig
 from paged_jax.models import moe
 from paged_jax.models.decoder import Decoder
 
@@ -177,13 +177,14 @@ class _CheckpointReader:
       self._weight_map = dict(weight_map)
       for shard in sorted(set(self._weight_map.values())):
         if not os.path.isfile(os.path.join(path, shard)):
-          raise FileNotFoundError(f"shard {shard!r} named by {index_path!r} does not exist")
+          raise CheckpointNotFoundError(f"shard {shard!r} named by {index_path!r} does not "
+                                        "exist")
     elif os.path.isfile(single_path):
       handle = self._open(SINGLE_FILE)
       self._weight_map = {name: SINGLE_FILE for name in handle.keys()}
     else:
-      raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "
-                              f"directory {path!r}")
+      raise CheckpointNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "
+                                    f"directory path={path!r}")
     self._prefixes = ()  # a multimodal checkpoint's text decoder: its names' prefixes
     if EMBED not in self._weight_map:
       for prefixes in _TEXT_PREFIXES:
@@ -328,7 +329,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
       "q_EHD")``; stacked layer parameters carry a leading L axis.
 
   Raises:
-    FileNotFoundError: the directory, config.json, or a safetensors file is missing.
+    CheckpointNotFoundError: the directory, config.json, or a safetensors file is missing
+      (a ``FileNotFoundError`` and a ``ValueError``).
     ValueError: unsupported model_type / feature, a missing or mis-shaped tensor, or a
       truncated or invalid safetensors file (each named).
   """
@@ -339,7 +341,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
     raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
                      "holding config.json and the safetensors files)")
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist")
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
   with contextlib.ExitStack() as stack:  # one reader: its files are opened once
     reader = _CheckpointReader(path, stack)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
   from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
   from paged_jax.kv_cache import KVCache
   from paged_jax.kv_groups import KVGroups
-  from paged_jax.models import Decoder, ModelConfig, init_random, load_pretrained
+  from paged_jax.models import (CheckpointNotFoundError, Decoder, ModelConfig, init_random,
+                                load_pretrained)
   from paged_jax.protocol import ModelConfigLike, PagedModel
   from paged_jax.sampling import SamplingParams
   from paged_jax.spec import KVCacheSpec
@@ -42,7 +43,8 @@ _HOME = {
                          "default_token_buckets"),
     "paged_jax.kv_cache": ("KVCache",),
     "paged_jax.kv_groups": ("KVGroups",),
-    "paged_jax.models": ("Decoder", "ModelConfig", "init_random", "load_pretrained"),
+    "paged_jax.models": ("CheckpointNotFoundError", "Decoder", "ModelConfig", "init_random",
+                         "load_pretrained"),
     "paged_jax.protocol": ("ModelConfigLike", "PagedModel"),
     "paged_jax.sampling": ("SamplingParams",),
     "paged_jax.spec": ("KVCacheSpec",),
@@ -77,6 +79,7 @@ from paged_jax._version import __version__  # noqa: E402  (one place; the CLI re
 
 __all__ = [
     "AttentionMetadata",
+    "CheckpointNotFoundError",
     "Decoder",
     "EngineState",
     "KVCache",

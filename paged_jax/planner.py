@@ -105,7 +105,8 @@ def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"config={path!r} does not exist")
+    from paged_jax.models.config import CheckpointNotFoundError  # only when refusing
+    raise CheckpointNotFoundError(f"config={path!r} does not exist")
   if not os.path.isfile(path):
     raise ValueError(f"config={path!r} is not a file (a Hugging Face config.json)")
   with open(path, encoding="utf-8") as f:

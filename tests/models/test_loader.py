@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged_jax
 from paged_jax import models
 from tests.models import helpers
 
@@ -81,6 +82,14 @@ def test_sharding_callback_places_each_parameter(tmp_path):
 def test_missing_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="nowhere"):
     models.load_pretrained(tmp_path / "nowhere")
+  # Bad input, as every argument the library refuses: a ValueError too, naming the path.
+  with pytest.raises(ValueError, match=r"path='.*nowhere': checkpoint directory does not"):
+    models.load_pretrained(tmp_path / "nowhere")
+  with pytest.raises(ValueError, match=r"path='.*nowhere': checkpoint directory does not"):
+    paged_jax.LLM.from_pretrained(tmp_path / "nowhere")
+  with pytest.raises(ValueError, match=r"path='.*config\.json': config file does not exist"):
+    models.ModelConfig.from_json(tmp_path)
+  assert paged_jax.CheckpointNotFoundError is models.CheckpointNotFoundError
 
 
 def test_missing_config(tmp_path):
