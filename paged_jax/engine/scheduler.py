@@ -175,8 +175,9 @@ class Scheduler:
         scalar_int = (getattr(t, "shape", None) == ()
                       and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
         if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
+          why = " (a float id is refused, not truncated)" * isinstance(t, (float, np.floating))
           raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
-                           "must be ints (a float id is refused, not truncated)")
+                           f"must be ints{why}")
     ids = [int(t) for t in items]
     if len(ids) == 0:
       raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")

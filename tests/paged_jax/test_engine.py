@@ -465,7 +465,8 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
                      ("text", "tokenizer"), ([4, 2.0, 5], r"prompts\[1\]\[1\]=2.0 is a float"),
                      (np.array([4.5, 6.0]), "prompts\\[1\\] has dtype float64"),
-                     ([4, True], "is a bool"),
+                     ([4, True], r"prompts\[1\]\[1\]=True is a bool; token ids must be "
+                      r"ints$"),
                      (np.array([[4, 5]]), r"prompts\[1\] has shape \(1, 2\); a prompt is "
                       "one sequence")):
     with pytest.raises(ValueError, match=match):
