@@ -190,6 +190,7 @@ class LLM:
     """An engine over a Hugging Face checkpoint directory (``load_pretrained``);
     ``tokenizer.json`` is loaded when present and the ``tokenizers`` package is installed.
     ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
+    options.check_pretrained_keywords(cls, kwargs)  # before the checkpoint is read
     # The one place the engine imports a model: the built-in checkpoint loader.
     from paged_jax.models.loader import load_pretrained
     mesh = kwargs.get("mesh")  # with a mesh each tensor is loaded onto its model slice
@@ -387,3 +388,6 @@ class LLM:
         peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
         device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],
         wall_s=wall_s, compile_s=sum(self._device.compile_seconds.values()))
+
+
+LLM.from_pretrained.__func__.__signature__ = options.pretrained_signature(LLM)

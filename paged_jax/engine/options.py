@@ -4,6 +4,7 @@ what was expected, raised before anything is built or compiled."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from typing import Sequence
@@ -16,7 +17,8 @@ from paged_jax.spec import KVCacheSpec, _canonical_dtype as canonical_dtype
 
 __all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_seed",
            "check_tokenizer", "check_budget", "pool_dtype", "check_token_buckets",
-           "check_max_model_len", "limit_note"]
+           "check_max_model_len", "limit_note", "pretrained_signature",
+           "check_pretrained_keywords"]
 
 
 def check_int(name: str, value, low: int = 1) -> int:
@@ -185,3 +187,28 @@ def pool_spec(config, kv_dtype, layers: int, *, block_size: int, num_blocks, kv_
       raise ValueError(f"{name}={value} must be a multiple of mesh.shape['data']={shards} "
                        f"(each data shard owns {name} / {shards})")
   return spec
+
+
+def _engine_options(engine_cls) -> list[inspect.Parameter]:
+  """The keyword options of ``engine_cls.__init__`` beside a loaded model: all but ``self``,
+  ``model``, ``config`` and ``dtype`` (``from_pretrained`` has its own, the model's)."""
+  params = inspect.signature(engine_cls.__init__).parameters.values()
+  return [p for p in params if p.name not in ("self", "model", "config", "dtype")]
+
+
+def pretrained_signature(engine_cls) -> inspect.Signature:
+  """``from_pretrained``'s signature with the engine's options spelled out, so that
+  ``help``, ``inspect`` and editors show them (its code takes them as ``**kwargs``)."""
+  own = list(inspect.signature(engine_cls.from_pretrained.__func__).parameters.values())
+  return inspect.Signature([p for p in own if p.kind != p.VAR_KEYWORD]
+                           + _engine_options(engine_cls))
+
+
+def check_pretrained_keywords(engine_cls, kwargs: dict) -> None:
+  """A ``TypeError`` (as Python gives for a call) for a keyword the engine does not take,
+  raised before a checkpoint is read: a misspelt option would surface only after loading."""
+  names = {p.name for p in _engine_options(engine_cls)}
+  unknown = sorted(set(kwargs) - names)
+  if unknown:
+    raise TypeError(f"LLM.from_pretrained() got an unexpected keyword argument "
+                    f"{unknown[0]!r}; the engine's options: {', '.join(sorted(names))}")

@@ -136,3 +136,18 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
       cli.main(["run", "--model", str(path), "--prompt", prompt, "--no-progress"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_from_pretrained_shows_and_checks_the_engine_options(tmp_path):
+  # Its options were hidden in **kwargs (help() and editors showed none), and a misspelt
+  # one surfaced only after the whole checkpoint was read: now the signature lists them,
+  # and an unknown keyword is a TypeError before anything is read (here: no checkpoint).
+  import inspect
+  params = inspect.signature(LLM.from_pretrained).parameters
+  assert list(params)[:3] == ["path", "dtype", "impl"]
+  for name in ("block_size", "num_blocks", "kv_budget_bytes", "max_seqs", "mesh",
+               "max_tokens_per_step", "enable_prefix_caching", "kv_cache_dtype"):
+    assert params[name].default == inspect.signature(LLM).parameters[name].default, name
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'blocksize'; the "
+                                      r"engine's options: block_size, "):
+    LLM.from_pretrained(tmp_path / "nowhere", blocksize=8)
