@@ -22,8 +22,11 @@ from own_model import TinyGPT, TinyGPTConfig, dense_greedy  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
 
+# A pool of 14 blocks of 4 tokens, smaller than the model's context (64): its sequences are
+# at most 18 + 10 tokens, so max_model_len says how long they may be (else the engine warns
+# that the pool caps them at 56).
 ENGINE = dict(block_size=4, num_blocks=14, max_seqs=4, max_tokens_per_step=16,
-              token_buckets=(16,), steps_per_call=8)
+              token_buckets=(16,), steps_per_call=8, max_model_len=32)
 PREFIX = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
 SUFFIXES = ([1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13], [20, 21, 22, 23, 24, 25],
             [30, 31])

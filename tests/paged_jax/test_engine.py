@@ -451,9 +451,9 @@ def test_a_pool_that_caps_max_model_len_says_so(model, config):
   # max_model_len of the caller's own, or a pool that holds the context, says nothing.
   with pytest.warns(UserWarning, match=r"max_model_len=32, below the model's context 128: "
                     r"no sequence longer fits the KV pool alone \(model context 128, KV pool "
-                    r"8 blocks x 4 tokens = 32 tokens\)"):
+                    r"8 blocks x 4 tokens = 32 tokens\)") as caught:
     capped = LLM(model, config, block_size=4, num_blocks=8, max_seqs=2)
-  assert capped.max_model_len == 32
+  assert capped.max_model_len == 32 and [w.filename for w in caught] == [__file__]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     LLM(model, config, block_size=4, num_blocks=8, max_seqs=2, max_model_len=30)

@@ -138,6 +138,14 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_a_capped_max_model_len_is_reported_at_the_users_call(checkpoint):
+  # The warning points at the line that built the engine (here), not into the library.
+  path, _ = checkpoint
+  with pytest.warns(UserWarning, match=r"max_model_len=16, below the model's context") as w:
+    LLM.from_pretrained(path, block_size=4, num_blocks=4, max_seqs=2)
+  assert [r.filename for r in w] == [__file__]
+
+
 def test_from_pretrained_shows_and_checks_the_engine_options(tmp_path):
   # Its options were hidden in **kwargs (help() and editors showed none), and a misspelt
   # one surfaced only after the whole checkpoint was read: now the signature lists them,
