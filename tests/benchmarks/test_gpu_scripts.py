@@ -46,6 +46,25 @@ def test_parity_refuses_unknown_cases_and_impls(tmp_path):
 
 
 @pytest.mark.slow
+def test_engine_smoke_serves_through_every_impl(tmp_path):
+  done = _run_script("engine.py", "--smoke-cpu", "--out", str(tmp_path))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  table = (tmp_path / "engine.md").read_text()
+  for impl in ("auto", "pallas_gpu", "pallas_mosaic_gpu", "xla"):
+    for kv in ("float32", "int8"):  # tokens equal to the dense loop, blocks all free
+      assert f"| {impl} | {kv} | 2/2 | 100.0% | 0 | True |" in table, table
+    speed = [line for line in table.splitlines() if line.startswith(f"| {impl} | ")
+             and line.count("|") == 9]
+    assert len(speed) == 1 and float(speed[0].split("|")[5]) > 0, table  # tokens/s
+
+
+def test_engine_refuses_unknown_impls(tmp_path):
+  done = _run_script("engine.py", "--impls", "auto,triton", "--out", str(tmp_path),
+                     timeout=120)
+  assert done.returncode == 2 and "--impls: unknown triton" in done.stderr
+
+
+@pytest.mark.slow
 def test_run_smoke_checks_pass_and_times_every_impl(tmp_path):
   done = _run_script("run.py", "--smoke-cpu", "--out", str(tmp_path))
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
