@@ -28,7 +28,7 @@ def host_int32(name: str, x):
   if isinstance(x, (list, tuple)):
     try:
       x = np.asarray(x)
-    except ValueError:  # ragged nesting: check_is_array names it
+    except (ValueError, TypeError):  # ragged nesting, traced items: check_is_array names it
       return x
   if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
       or not np.issubdtype(x.dtype, np.integer)):
@@ -47,7 +47,7 @@ def float32_sinks(sinks):
   if isinstance(sinks, (list, tuple)):
     try:
       sinks = np.asarray(sinks)
-    except ValueError:
+    except (ValueError, TypeError):  # ragged nesting, traced items: named by the checks
       return sinks
   dtype = getattr(sinks, "dtype", None)
   if dtype is None or getattr(sinks, "shape", None) is None:

@@ -417,6 +417,10 @@ def test_host_index_arrays_of_any_integer_type_are_taken_when_they_fit_int32():
       attend(**{**args, "kv_lens": huge})
   with pytest.raises(ValueError, match=r"kv_lens\.dtype=float64 must be int32"):
     paged_attention(**{**args, "kv_lens": np.asarray(args["kv_lens"], np.float64)})
+  # Under jit a list argument is a list of tracers: refused by name, not a TypeError.
+  traced = jax.jit(lambda lens: paged_attention(**{**args, "kv_lens": lens}, impl="xla"))
+  with pytest.raises(ValueError, match=r"kv_lens is a list; must be an int32 array"):
+    traced([jnp.int32(n) for n in np.asarray(args["kv_lens"])])
 
 
 def test_validate_attention_inputs_takes_the_window_as_checked_attention_does():
