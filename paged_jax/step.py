@@ -183,10 +183,14 @@ def _as_int_array(name: str, x) -> jax.Array:
   return jnp.asarray(x)
 
 
-def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
+def _check_alloc_state(alloc_state) -> None:
   if not isinstance(alloc_state, allocator.AllocatorState):
     raise ValueError(f"alloc_state={type(alloc_state).__name__} must be an "
                      "allocator.AllocatorState")
+
+
+def _check_step_args(alloc_state, tokens_T, num_new_S) -> None:
+  _check_alloc_state(alloc_state)
   if tokens_T.ndim != 1 or not jnp.issubdtype(tokens_T.dtype, jnp.integer):
     raise ValueError(f"tokens.shape={tuple(tokens_T.shape)} dtype={tokens_T.dtype} must be "
                      "an integer [T]")
@@ -274,6 +278,7 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     allocator state and cache, and ``ok_S``.
   """
   protocol.check_model(model)
+  _check_alloc_state(alloc_state)  # before the cache's cross-check reads its fields
   if jnp.ndim(tokens_T) == 1 and jnp.shape(tokens_T)[0] == 0:
     raise ValueError("tokens.shape=(0,): a forward step needs T >= 1 rows (its logits are "
                      "read at each sequence's last row)")
@@ -330,6 +335,7 @@ def decode_step(model, alloc_state: allocator.AllocatorState, cache, tokens_S: j
   Returns:
     ``(logits_SV, alloc_state, cache, ok_S)`` as ``forward_step``.
   """
+  _check_alloc_state(alloc_state)
   tokens_S, active_S = _as_int_array("tokens", tokens_S), jnp.asarray(active_S)
   num_seq_rows = alloc_state.max_seqs
   for name, x, kind, what in (("tokens", tokens_S, jnp.integer, "ints"),
@@ -427,6 +433,7 @@ class Steps:
 
   def forward(self, alloc_state, cache, tokens_T, num_new_S):
     """``forward_step`` jitted; ``alloc_state`` and ``cache`` are donated."""
+    tokens_T, num_new_S = _device_args(tokens=tokens_T, num_new=num_new_S)
     return _forward_jit(self.graphdef, self.params, alloc_state, cache, tokens_T, num_new_S,
                         kwargs=self.forward_kwargs)
 
@@ -434,5 +441,19 @@ class Steps:
 
   def decode(self, alloc_state, cache, tokens_S, active_S):
     """``decode_step`` jitted; ``alloc_state`` and ``cache`` are donated."""
+    tokens_S, active_S = _device_args(tokens=tokens_S, active=active_S)
     return _decode_jit(self.graphdef, self.params, alloc_state, cache, tokens_S, active_S,
                        kwargs=self.forward_kwargs)
+
+
+def _device_args(**inputs) -> list:
+  """``Steps``' token inputs as JAX arrays before the jitted call: lists (which ``jit``
+  would trace item by item) and NumPy arrays (another signature than a JAX array of the
+  same shape: a second compilation) alike; host integers past int32 refused by name."""
+  out = []
+  for name, x in inputs.items():
+    if not isinstance(x, jax.Array):
+      x = np.asarray(x)
+      x = jnp.asarray(x) if x.dtype == np.bool_ else _as_int_array(name, x)
+    out.append(x)
+  return out

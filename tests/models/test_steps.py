@@ -131,6 +131,33 @@ def test_decode_step_traces_once(run):
   assert run["decode_compiles"] <= 1
 
 
+def test_steps_take_lists_and_numpy_arrays_as_jax_arrays(model, steps):
+  # Lists were traced item by item (a TracerArrayConversionError), and NumPy arrays beside
+  # JAX arrays of the same shape compiled a second time: both are JAX arrays before the
+  # jitted call now, with the same results and one compilation.
+  tokens_T, num_new_S = _pack(PROMPTS)
+  results, sizes = [], []
+  for convert in (jnp.asarray, np.asarray, lambda x: np.asarray(x).tolist()):
+    alloc, cache = _fresh(model)
+    logits, alloc, cache, ok = steps.forward(alloc, cache, convert(tokens_T),
+                                             convert(num_new_S))
+    active = [True] * MAX_SEQS
+    logits2, alloc, cache, ok2 = steps.decode(alloc, cache, convert(tokens_T[:MAX_SEQS]),
+                                              active if convert is not jnp.asarray
+                                              else jnp.asarray(active))
+    assert bool(ok.all()) and bool(ok2.all())
+    results.append((np.asarray(logits), np.asarray(logits2)))
+    sizes.append((steps_lib._forward_jit._cache_size(), steps_lib._decode_jit._cache_size()))
+  for got in results[1:]:
+    np.testing.assert_array_equal(got[0], results[0][0])
+    np.testing.assert_array_equal(got[1], results[0][1])
+  assert sizes[1] == sizes[0] and sizes[2] == sizes[0], sizes
+  with pytest.raises(ValueError, match="num_new holds 4294967299"):
+    steps.forward(*_fresh(model), tokens_T, np.array([2**32 + 3] + [0] * (MAX_SEQS - 1)))
+  with pytest.raises(ValueError, match=r"alloc_state=dict must be an allocator"):
+    steps_lib.forward_step(model, {"block_size": 4}, _fresh(model)[1], tokens_T, num_new_S)
+
+
 def test_ragged_batch_equals_each_alone(model, steps, run):
   for s, prompt in enumerate(PROMPTS):
     alloc, cache = _fresh(model)
