@@ -1154,7 +1154,8 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
 
 
 @_state_op
-def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, jax.Array]:
+def attach(state: AllocatorState, blocks, num_blocks, *,
+           tokens=None) -> tuple[AllocatorState, jax.Array]:
   """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks of a hit of k
   levels (``blocks`` in the layout of ``block_tables``, e.g. from ``lookup``): its first k
   blocks (with groups, each group's blocks of ``_hit_span_gSP``; other entries are not
@@ -1167,6 +1168,14 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
   (depths 0..k-1, each linked to the previous one, one salt), with groups in the anchor
   group, and every other group's blocks sit beside the chain's (``_beside_SP``, same salt).
   ``k == 0`` is always ok.
+
+  A ``lookup`` result holds for the state it read. Attach it to that state (as the engine
+  does, in the same step), or pass ``tokens`` (i32[S, J], as given to ``lookup``): each
+  attached block's stored tokens must then equal the sequence's at its level, else the
+  sequence is refused. Without them a result kept across operations that take blocks
+  (``append``, ``fork``, another ``attach``) can name a block evicted meanwhile and
+  registered again with other tokens under the same parent: a chain still, but not this
+  prompt's (its K/V would be another prompt's).
   """
   s, p, n, z = state.max_seqs, state.max_blocks_per_seq, state.num_blocks, state.block_size
   b = jnp.asarray(blocks)
@@ -1184,12 +1193,16 @@ def attach(state: AllocatorState, blocks, num_blocks) -> tuple[AllocatorState, j
   a_SP = b_gSP[anchor]
   bc_gSP = jnp.clip(b_gSP, 0, n - 1)
   salt_S = state.salt_N[jnp.clip(a_SP[:, 0], 0, n - 1)]
+  same_tokens_SP = True
+  if tokens is not None:  # the blocks still hold this prompt's tokens (a stale lookup's not)
+    same_tokens_SP = jnp.all(state.block_tokens_NZ[bc_gSP[anchor]]
+                             == _token_blocks(state, tokens), axis=-1)
   ok_g = []
   for g in range(state.num_groups):
     same_salt_SP = state.salt_N[bc_gSP[g]] == salt_S[:, None]
     if g == anchor:
       ok_g.append((a_SP >= 0) & (a_SP < n) & _chained_SP(state, a_SP) & same_salt_SP
-                  & (state.group_N[bc_gSP[g]] == anchor))
+                  & (state.group_N[bc_gSP[g]] == anchor) & same_tokens_SP)
     else:
       ok_g.append(_beside_SP(state, b_gSP[g], a_SP, g) & same_salt_SP)
   use_gSP = _hit_span_gSP(state, k_S)

@@ -268,6 +268,42 @@ def test_attach_refuses_bad_requests_and_changes_nothing():
   A.validate(s)
 
 
+def test_attach_with_tokens_refuses_a_stale_lookup():
+  # A lookup kept while another sequence evicts its second block and registers other tokens
+  # there, under the same parent: the stale result is still a chain, so attach without
+  # tokens grants it (documented); with the prompt's tokens it is refused, state unchanged.
+  z, rows = 4, lambda d: jnp.asarray(
+      [d.get(i, []) + [0] * (16 - len(d.get(i, []))) for i in range(4)], jnp.int32)
+  p0, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+  s = A.init(3, z, 4, 4)
+  s, _ = A.append(s, i32(8, 0, 0, 0))
+  s = A.register(s, rows({0: p0 + x}))
+  s = A.release(s, jnp.asarray([True, False, False, False]))
+  s, _ = A.append(s, i32(0, 0, 0, 1))  # the third block, held
+  prompt = rows({1: p0 + x + [0]})
+  stale, hit = A.lookup(s, prompt, i32(0, 8, 0, 0))
+  assert np.asarray(hit).tolist() == [0, 2, 0, 0]
+  other, hit2 = A.lookup(s, rows({2: p0 + y + [0]}), i32(0, 0, 8, 0))
+  s, _ = A.attach(s, other, hit2)  # p0's block
+  s, ok = A.append(s, i32(0, 0, 4, 0))  # evicts x's block for y
+  assert bool(ok[2])
+  s = A.register(s, rows({2: p0 + y}))
+  s = A.release(s, jnp.asarray([False, False, True, False]))
+  assert np.asarray(A.lookup(s, prompt, i32(0, 8, 0, 0))[1]).tolist() == [0, 1, 0, 0]
+  before = s
+  refused, ok = A.attach(s, stale, hit, tokens=prompt)
+  assert np.asarray(ok).tolist() == [True, False, True, True]
+  for name in ("block_tables", "seq_lens", "ref_counts", "num_free"):
+    np.testing.assert_array_equal(getattr(refused, name), getattr(before, name), err_msg=name)
+  granted, ok = A.attach(s, stale, hit)  # what the docstring warns of
+  assert bool(ok[1]) and np.asarray(granted.block_tokens_NZ)[
+      np.asarray(granted.block_tables)[1, 1]].tolist() == y
+  fresh, fresh_hit = A.lookup(s, prompt, i32(0, 8, 0, 0))
+  attached, ok = A.attach(s, fresh, fresh_hit, tokens=prompt)  # a current result passes
+  assert bool(ok[1]) and int(attached.seq_lens[1]) == 4
+  A.validate(attached)
+
+
 # ----------------------------------------------------------------------------- eviction
 
 
