@@ -283,6 +283,9 @@ class LLM:
       self._state = self._device.admit(self._state, *self._to_device(*chunk))
 
   def _abort(self, mask_S: np.ndarray) -> None:
+    if state_lib.lost(self._state):  # interrupted mid-call: every slot is dropped anyway
+      self._state = self._init_state()  # (with the prefix cache), so the interrupt
+      return  # propagates as it was, and the engine serves again
     self._device.ensure_compiled("abort", self._params, self._state)
     self._state = self._device.abort(self._state, *self._to_device(mask_S))
 
@@ -292,6 +295,8 @@ class LLM:
 
   def _serve(self, requests) -> Iterator[StreamEvent]:
     self._scheduler.check_idle()  # raised here, at the call, not at the first event
+    if state_lib.lost(self._state):  # an interrupt after the last call's donation
+      self._state = self._init_state()
     return self._scheduler.serve(requests, run=self._run, admit=self._admit,
                                  abort=self._abort)
 

@@ -161,6 +161,12 @@ adds its report to unbounded totals (``add_counters``), so no int32 wraps and no
 sum stops growing on a long-lived engine (2**31 prompt tokens, 2**24 busy steps)."""
 
 
+def lost(st: EngineState) -> bool:
+  """Whether ``st``'s buffers were given to a donating device call whose result never came
+  back (an interrupt, e.g. Ctrl-C, between the call and the assignment of its result)."""
+  return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(st))
+
+
 def restart_counters(st: EngineState) -> EngineState:
   """``st``'s counters at 0, their shapes (and shardings) kept: the start of a call."""
   return dataclasses.replace(st, **{k: jnp.zeros_like(getattr(st, k)) for k in COUNTERS})

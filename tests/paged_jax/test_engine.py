@@ -445,6 +445,33 @@ def test_a_prompt_over_the_callers_max_model_len_names_it_as_theirs(model, confi
     capped.check_requests([[3] * 25])
 
 
+@pytest.mark.parametrize("where", ["_call", "admit"])
+def test_an_interrupt_between_a_donating_call_and_its_result_leaves_the_engine_serving(
+    model, config, where):
+  # Ctrl-C landing after a device call took the donated state but before its result was
+  # assigned left the engine on deleted buffers: the cleanup's abort raised "Buffer has been
+  # deleted or donated" in place of the KeyboardInterrupt, and every later generate failed.
+  llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3)
+  prompts, params = _prompts((5, 17, 9, 30), seed=21), SamplingParams(max_tokens=6)
+  want = [o.token_ids for o in llm.generate(prompts, params)]
+  owner = llm._device if where == "admit" else llm
+  real = getattr(owner, where)
+
+  def interrupted(*args):
+    real(*args)  # the state's buffers are donated, the result is dropped
+    raise KeyboardInterrupt
+
+  setattr(owner, where, interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    llm.generate(prompts, params)
+  if where == "_call":
+    del llm._call  # the instance's stand-in: the method again
+  else:
+    setattr(owner, where, real)
+  assert [o.token_ids for o in llm.generate(prompts, params)] == want
+  _check_all_free(llm)
+
+
 def test_a_pool_that_caps_max_model_len_says_so(model, config):
   # A pool too small for the model's context capped max_model_len in silence: generations
   # ended with "length" early, read as a wrong-token bug. Now a UserWarning names both; a
