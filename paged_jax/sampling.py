@@ -20,6 +20,7 @@ Semantics (per row):
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import jax
@@ -38,6 +39,14 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+  """A real number (a Fraction too, which NumPy's isfinite does not take) is finite."""
+  try:
+    return math.isfinite(float(x))
+  except OverflowError:  # a Fraction past float's range
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +89,7 @@ class SamplingParams:
     seed, n = self.seed, self.n
     if not _is_int(max_tokens) or max_tokens < 1:
       raise ValueError(f"{max_tokens=} must be an int >= 1")
-    if (not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0
+    if (not _is_real(temperature) or not _finite(temperature) or temperature < 0
         or temperature > _FLOAT32_MAX):
       raise ValueError(f"{temperature=} must be a finite number >= 0 (at most float32's "
                        f"largest, {_FLOAT32_MAX:.4g}: the sampler divides in float32)")

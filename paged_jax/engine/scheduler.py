@@ -152,10 +152,9 @@ class Scheduler:
       encoded = self.tokenizer.encode(prompt)
       # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
       prompt = getattr(encoded, "ids", encoded)
-    if isinstance(prompt, (abc.Set, abc.Mapping)):  # a set, a dict, or its keys
+    if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray)):  # bytes: not ids
       raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
-                       "tokens: a prompt is a sequence of token ids (a list, tuple or 1-D "
-                       "int array)")
+                       "tokens or holds no ids: a prompt is a str or a sequence of token ids")
     prompt = np.asarray(prompt) if hasattr(prompt, "__array__") else prompt  # one transfer
     dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
     try:
@@ -196,7 +195,8 @@ class Scheduler:
     per string, so two different salts can never share a cache entry."""
     if cache_salt is None or isinstance(cache_salt, str):
       cache_salt = [cache_salt] * num_prompts
-    elif not isinstance(cache_salt, Sequence) or len(cache_salt) != num_prompts:
+    elif (not isinstance(cache_salt, Sequence) or isinstance(cache_salt, bytes)
+          or len(cache_salt) != num_prompts):
       raise ValueError(f"cache_salt={cache_salt!r} must be None, a str, or one str (or None) "
                        f"per prompt ({num_prompts})")
     ids = []

@@ -544,6 +544,14 @@ def test_sampling_params_validation(kwargs, field):
     SamplingParams(**kwargs)
 
 
+def test_sampling_params_take_any_real_number():
+  # A Fraction is a real number NumPy's isfinite refused with a TypeError.
+  from fractions import Fraction
+  assert SamplingParams(temperature=Fraction(1, 4), top_p=Fraction(1, 2)).temperature == 0.25
+  with pytest.raises(ValueError, match="temperature=Fraction"):
+    SamplingParams(temperature=Fraction(10**400, 3))
+
+
 def test_sampling_params_defaults_and_frozen():
   p = SamplingParams()
   assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop_token_ids, p.n) == (

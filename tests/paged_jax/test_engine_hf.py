@@ -81,10 +81,13 @@ def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   by_ids, = llm.generate([ids], params)
   assert by_text.prompt_token_ids == list(ids) and by_text.token_ids == by_ids.token_ids
   assert by_text.text == " ".join(f"w{t}" for t in by_ids.token_ids)
-  # A set or a dict has no order of tokens: refused, not served in its iteration order.
-  for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys()):
+  # A set or a dict has no order of tokens: refused, not served in its iteration order;
+  # bytes are not token ids (b"ab" was served as the ids 97, 98).
+  for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys(), b"ab", bytearray(b"ab")):
     with pytest.raises(ValueError, match=r"prompts\[0\] is a .*which has no order"):
       llm.generate([prompt], params)
+  with pytest.raises(ValueError, match=r"cache_salt=b'ab' must be None, a str, or one str"):
+    llm.generate([ids], params, cache_salt=b"ab")
   assert llm.stats["num_free_blocks"] == 48
 
 
