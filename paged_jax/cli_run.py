@@ -158,7 +158,7 @@ def _engine(args):
               kv_cache_dtype=args.kv_cache_dtype, compilation_cache=True)
   if args.compilation_cache is not None:  # given: it wins over JAX_COMPILATION_CACHE_DIR
     from paged_jax import compile_cache
-    compile_cache.enable(args.compilation_cache, override=True)
+    compile_cache.enable(args.compilation_cache, override=True, name="--compilation-cache")
     opts["compilation_cache"] = False  # the engine then keeps what was just set
   # The engine warns when the pool caps max_model_len; the report says so in its notes.
   with warnings.catch_warnings():
@@ -368,8 +368,9 @@ def _precompile(llm, progress: bool) -> _Precompiled:
   def say(i, n, what):
     calls[0] = n
     if i == 0:
-      _say(progress, f"  {count(n, 'device call')} to compile (a warm compilation cache "
-           "loads them instead):")
+      cached = (" (a warm compilation cache loads them instead)"
+                if llm.compilation_cache_dir is not None else " (the compilation cache is off)")
+      _say(progress, f"  {count(n, 'device call')} to compile{cached}:")
     _say(progress, f"  compiling {i + 1}/{n}: {what} (at {time.perf_counter() - t0:.1f} s)")
 
   jax.monitoring.register_event_listener(on_event)

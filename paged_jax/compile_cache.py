@@ -50,14 +50,15 @@ def resolve(setting: bool | str | os.PathLike | None = True) -> pathlib.Path | N
   raise ValueError(f"compilation_cache={setting!r} must be True, False or a directory path")
 
 
-def enable(setting: bool | str | os.PathLike | None = True, *,
-           override: bool = False) -> pathlib.Path | None:
+def enable(setting: bool | str | os.PathLike | None = True, *, override: bool = False,
+           name: str = "compilation_cache") -> pathlib.Path | None:
   """Point JAX's persistent compilation cache at the directory ``setting`` selects.
 
   Returns the directory in use (None when off). Leaves a directory the user already set
   through ``jax.config`` alone, and returns it, unless ``override`` (a setting the user
   gave explicitly, as the CLI's ``--compilation-cache``): then ``setting`` replaces it, and
-  an "off" setting turns JAX's cache off.
+  an "off" setting turns JAX's cache off. ``name``: what a directory that cannot be made
+  is called in the ``ValueError`` (the environment variable when the path came from it).
   """
   directory = resolve(setting)
   current = jax.config.jax_compilation_cache_dir
@@ -70,7 +71,9 @@ def enable(setting: bool | str | os.PathLike | None = True, *,
   try:
     directory.mkdir(parents=True, exist_ok=True)
   except OSError as e:
-    raise ValueError(f"compilation_cache={str(directory)!r} cannot be created: {e}") from e
+    if (setting is True or setting is None) and os.environ.get(ENV_VAR) is not None:
+      name = ENV_VAR
+    raise ValueError(f"{name}={str(directory)!r} cannot be created: {e}") from e
   _point_jax_at(str(directory))
   if jax.config.jax_persistent_cache_min_compile_time_secs > _MIN_COMPILE_SECS:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", _MIN_COMPILE_SECS)

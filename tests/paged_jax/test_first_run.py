@@ -103,6 +103,23 @@ def test_compilation_cache_settings(tmp_path, monkeypatch):
   assert compile_cache.resolve(True) is None
   with pytest.raises(ValueError, match="compilation_cache=3"):
     compile_cache.resolve(3)
+  # A directory that cannot be made is named as the user gave it: the environment
+  # variable, the CLI's flag, or the argument (each was "compilation_cache=...").
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  monkeypatch.setenv(compile_cache.ENV_VAR, str(blocker / "sub"))
+  config = compile_cache.jax.config
+  current = config.jax_compilation_cache_dir
+  config.update("jax_compilation_cache_dir", None)  # else enable keeps the one JAX has
+  try:
+    with pytest.raises(ValueError, match=f"^{compile_cache.ENV_VAR}='.*file/sub' cannot be"):
+      compile_cache.enable(True)
+    with pytest.raises(ValueError, match="^--compilation-cache='.*file' cannot be created"):
+      compile_cache.enable(str(blocker), override=True, name="--compilation-cache")
+    with pytest.raises(ValueError, match="^compilation_cache='.*file' cannot be created"):
+      compile_cache.enable(str(blocker))
+  finally:
+    config.update("jax_compilation_cache_dir", current)
 
 
 def _plan_sequences(capsys, *extra) -> tuple[int, str]:
@@ -158,9 +175,11 @@ def test_run_int8_pool_end_to_end(capsys):
   code = cli.main(["run", "--kv-cache-dtype", "int8", "--num-requests", "4",
                    "--prompt-median", "8", "--output-median", "4", "--num-blocks", "1024",
                    "--max-seqs", "4", "--max-tokens-per-step", "32", "--steps-per-call", "4",
-                   "--compilation-cache", "off", "--no-progress"])
+                   "--compilation-cache", "off"])
   assert code == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
+  # The cache is off: no promise that a warm cache would load the calls.
+  assert "device calls to compile (the compilation cache is off):" in err, err
   pool = next(line for line in out.splitlines() if line.strip().startswith("KV pool"))
   assert ("1024 blocks of 16 tokens, int8 with a float32 scale per token and KV head, "
           "4.5 MiB") in pool, pool
