@@ -357,7 +357,7 @@ class LLM:
     it. ``requests``: those whose every completion finished (a closed stream's unfinished
     ones are not counted); ``generated_tokens``: every token the device generated.
     ``kv_utilization``: tokens stored / token slots of the blocks in use, mean over the
-    steps that ran a batch. ``compile_s``: the
+    steps that ran a batch (0.0 before any). ``compile_s``: the
     seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
     counted among the free) describe the pool now, and no reset changes them."""
@@ -365,7 +365,7 @@ class LLM:
     steps, busy = r.get("steps", 0), r.get("busy_steps", 0)
     preempt, peak = r.get("preemptions", 0), r.get("peak_blocks_in_use", 0)
     mean_blocks = r.get("blocks_in_use_sum", 0.0) / max(steps, 1)
-    util = r["utilization_sum"] / busy if busy else 1.0
+    util = r["utilization_sum"] / busy if busy else 0.0
     tokens = h["tokens"]
     wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
     # The pool now (read on demand, outside the serving loop), not since a reset.

@@ -472,6 +472,16 @@ def test_an_interrupt_between_a_donating_call_and_its_result_leaves_the_engine_s
   _check_all_free(llm)
 
 
+def test_stats_before_anything_ran_report_no_utilisation(model, config):
+  # kv_utilization read 1.0 (full) for an engine that had stored nothing.
+  llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=2)
+  assert llm.stats["kv_utilization"] == 0.0 and llm.stats["generated_tokens"] == 0
+  llm.generate(_prompts((6,)), SamplingParams(max_tokens=3))
+  assert 0.0 < llm.stats["kv_utilization"] <= 1.0
+  llm.reset_stats()
+  assert llm.stats["kv_utilization"] == 0.0
+
+
 def test_a_pool_that_caps_max_model_len_says_so(model, config):
   # A pool too small for the model's context capped max_model_len in silence: generations
   # ended with "length" early, read as a wrong-token bug. Now a UserWarning names both; a
