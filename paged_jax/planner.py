@@ -30,8 +30,9 @@ from paged_jax.spec import KVCacheSpec
 
 MAX_BUDGET_BYTES = 2**60  # 1 EiB: past any device
 MAX_STREAM = 2**23  # sequences the plan draws at most (~0.5 GB of host memory at the peak)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "eb": 10**18, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+          "eib": 2**60}
 
 
 def parse_bytes(text: str | int, name: str = "budget") -> int:

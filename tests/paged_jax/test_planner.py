@@ -15,9 +15,17 @@ from paged_jax import KVCacheSpec, cli, models, planner
 
 @pytest.mark.parametrize("text,expected", [("16GiB", 16 * 2**30), ("8GB", 8 * 10**9),
                                            ("1.5e9", 1_500_000_000), (4096, 4096),
-                                           ("512 MiB", 512 * 2**20)])
+                                           ("512 MiB", 512 * 2**20), ("2PiB", 2**51),
+                                           ("3PB", 3 * 10**15)])
 def test_parse_bytes(text, expected):
   assert planner.parse_bytes(text) == expected
+
+
+def test_parse_bytes_names_the_bound_for_any_unit():
+  # "10EiB" was "must be a size like '16GiB'" (the unit unknown), "99999999999GiB" the bound.
+  for text in ("10EiB", "2EB", "99999999999GiB"):
+    with pytest.raises(ValueError, match=r"must be below 1 EiB"):
+      planner.parse_bytes(text)
 
 
 @pytest.mark.parametrize("text", ["lots", "16XB", ""])
