@@ -40,7 +40,9 @@ def parse_bytes(text: str | int, name: str = "budget") -> int:
   CLI passes its option, ``--budget``)."""
   if isinstance(text, (int, np.integer)):
     return int(text)
-  match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+  # The number's exponent needs digits after the e: "10EiB" is 10 EiB, "1.5e9" a count.
+  match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*",
+                       str(text))
   if not match or match.group(2).lower() not in _UNITS:
     raise ValueError(f"{name}={text!r} must be a size like '16GiB', '8GB' or a byte count")
   try:
