@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import warnings
 
 import jax
+
+from paged_jax._caller import user_stacklevel
 
 ENV_VAR = "PAGED_JAX_COMPILATION_CACHE"
 _OFF = ("", "0", "off", "false", "no", "none")
@@ -63,6 +66,12 @@ def enable(setting: bool | str | os.PathLike | None = True, *, override: bool = 
   directory = resolve(setting)
   current = jax.config.jax_compilation_cache_dir
   if current and not override:
+    explicit = setting is not True and setting is not None
+    if explicit and (directory is None or directory.resolve() != pathlib.Path(current).resolve()):
+      warnings.warn(f"{name}={str(setting)!r} is not used: JAX's compilation cache is "
+                    f"{current!r} in this process (set before, by another engine, the CLI or "
+                    "JAX_COMPILATION_CACHE_DIR), and one process has one", UserWarning,
+                    stacklevel=user_stacklevel())
     return pathlib.Path(current)
   if directory is None:
     if current:

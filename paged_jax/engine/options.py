@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
-import sys
 import warnings
 from typing import Sequence
 
@@ -15,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import protocol
+from paged_jax._caller import user_stacklevel
 from paged_jax.spec import KVCacheSpec, _canonical_dtype as canonical_dtype
 
 __all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_seed",
@@ -107,16 +106,6 @@ def check_token_buckets(token_buckets, max_tokens_per_step: int) -> tuple[int, .
   return tuple(int(b) for b in token_buckets)
 
 
-def _user_stacklevel() -> int:
-  """The ``stacklevel`` of a warning raised here that names the first caller outside this
-  package (``LLM(...)`` or ``LLM.from_pretrained(...)`` in the user's code)."""
-  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  level, frame = 1, sys._getframe(1)
-  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-    level, frame = level + 1, frame.f_back
-  return level
-
-
 def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
                         limit: str) -> tuple[int, str]:
   """``(max_model_len, note)``: ``max_model_len`` (None: the longest the model and the pool
@@ -134,7 +123,7 @@ def check_max_model_len(max_model_len, max_seq_len: int, pool_tokens: int,
           f"longer fits the KV pool alone ({limit}); one that reaches it ends with "
           "finish_reason 'length'. Give the pool more blocks (num_blocks, kv_budget_bytes) "
           "for longer sequences, or pass max_model_len to choose this limit (and silence "
-          "this warning)", UserWarning, stacklevel=_user_stacklevel())
+          "this warning)", UserWarning, stacklevel=user_stacklevel())
     return int(bound), limit
   if (isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer))
       or not 2 <= max_model_len <= bound):

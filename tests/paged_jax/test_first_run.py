@@ -300,6 +300,39 @@ def test_an_explicit_cache_setting_replaces_jax_compilation_cache_dir(tmp_path):
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_an_engine_whose_cache_directory_is_not_used_says_so(tmp_path):
+  # A second engine's compilation_cache="B", after a first set "A", used A in silence
+  # (one cache per process); now a warning at the user's line names both.
+  script = textwrap.dedent("""
+      import sys, warnings
+      from paged_jax import LLM, ModelConfig
+      from paged_jax.models import init_random
+      a, b = sys.argv[1:3]
+      c = ModelConfig(model_type='llama', vocab_size=64, embed_dim=32, mlp_dim=48,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_seq_len=32)
+      model = init_random(c, seed=0, impl='xla')
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = LLM(model, c, num_blocks=8, max_seqs=2, compilation_cache=a)
+        LLM(model, c, num_blocks=8, max_seqs=2, compilation_cache=a)  # the same: silent
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = LLM(model, c, num_blocks=8, max_seqs=2, compilation_cache=b)  # line 15
+      assert str(second.compilation_cache_dir) == a == str(first.compilation_cache_dir)
+      [w] = caught
+      print(w.lineno, w.message)
+  """)
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  out = subprocess.run([sys.executable, "-c", script, a, b], capture_output=True, text=True,
+                       timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.strip() == (
+      f"15 compilation_cache={b!r} is not used: JAX's compilation cache is {a!r} in this "
+      "process (set before, by another engine, the CLI or JAX_COMPILATION_CACHE_DIR), and one "
+      "process has one")
+
+
 def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
   # A warm run printed "compiling 1/3 ..." and a compile time with no word that the calls
   # were loaded, not compiled. JAX's cache-hit events now count them, in the progress
