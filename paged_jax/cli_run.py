@@ -158,8 +158,9 @@ def _engine(args):
               kv_cache_dtype=args.kv_cache_dtype, compilation_cache=True)
   if args.compilation_cache is not None:  # given: it wins over JAX_COMPILATION_CACHE_DIR
     from paged_jax import compile_cache
-    compile_cache.enable(args.compilation_cache, override=True, name="--compilation-cache")
-    opts["compilation_cache"] = False  # the engine then keeps what was just set
+    chosen = compile_cache.enable(args.compilation_cache, override=True,
+                                  name="--compilation-cache")
+    opts["compilation_cache"] = chosen is not None  # the engine keeps what was just set
   # The engine warns when the pool caps max_model_len; the report says so in its notes.
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="max_model_len=", category=UserWarning)

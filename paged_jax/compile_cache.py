@@ -68,7 +68,8 @@ def enable(setting: bool | str | os.PathLike | None = True, *, override: bool = 
   if current and not override:
     explicit = setting is not True and setting is not None
     if explicit and (directory is None or directory.resolve() != pathlib.Path(current).resolve()):
-      warnings.warn(f"{name}={str(setting)!r} is not used: JAX's compilation cache is "
+      shown = repr(os.fspath(setting)) if isinstance(setting, os.PathLike) else repr(setting)
+      warnings.warn(f"{name}={shown} is not used: JAX's compilation cache is "
                     f"{current!r} in this process (set before, by another engine, the CLI or "
                     "JAX_COMPILATION_CACHE_DIR), and one process has one", UserWarning,
                     stacklevel=user_stacklevel())

@@ -345,6 +345,7 @@ def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
           for _ in range(2)]
   for run in runs:
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "Warning" not in run.stderr, run.stderr[-3000:]  # the flag's cache is the engine's
   compile_line = lambda run: next(line for line in run.stdout.splitlines()
                                   if "compile time" in line)
   cold, warm = map(compile_line, runs)
