@@ -283,11 +283,14 @@ class LLM:
       self._state = self._device.admit(self._state, *self._to_device(*chunk))
 
   def _abort(self, mask_S: np.ndarray) -> None:
-    if state_lib.lost(self._state):  # interrupted mid-call: every slot is dropped anyway
-      self._state = self._init_state()  # (with the prefix cache), so the interrupt
-      return  # propagates as it was, and the engine serves again
-    self._device.ensure_compiled("abort", self._params, self._state)
-    self._state = self._device.abort(self._state, *self._to_device(mask_S))
+    """Drop ``mask_S``'s sequences (every serve ends here). A state lost to an interrupt
+    (a call took the donated state; its result never came back) is rebuilt empty: the
+    sequences go anyway, the prefix cache with them; the interrupt propagates as it was."""
+    if state_lib.lost(self._state):
+      self._state = self._init_state()
+    elif mask_S.any():
+      self._device.ensure_compiled("abort", self._params, self._state)
+      self._state = self._device.abort(self._state, *self._to_device(mask_S))
 
   def _to_device(self, *host):
     # A mesh's calls place host rows on their shards themselves.
@@ -295,8 +298,6 @@ class LLM:
 
   def _serve(self, requests) -> Iterator[StreamEvent]:
     self._scheduler.check_idle()  # raised here, at the call, not at the first event
-    if state_lib.lost(self._state):  # an interrupt after the last call's donation
-      self._state = self._init_state()
     return self._scheduler.serve(requests, run=self._run, admit=self._admit,
                                  abort=self._abort)
 

@@ -43,8 +43,7 @@ class Output:
     finish_reason: "stop" (EOS or a stop id) or "length" (max_tokens or max_model_len).
     logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
       else None.
-  Lists, as other serving engines give them, so ``out.token_ids == [5, 9]`` compares
-  as a user means (a tuple would compare unequal to any list).
+  Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
   """
 
   prompt_index: int
@@ -54,6 +53,9 @@ class Output:
   text: str | None
   finish_reason: str
   logprobs: list[float] | None = None
+
+  def __hash__(self):  # the lists as tuples: equal outputs hash alike
+    return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,7 @@ class Scheduler:
       encoded = self.tokenizer.encode(prompt)
       # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
       prompt = getattr(encoded, "ids", encoded)
-    if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray)):  # bytes: not ids
+    if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
       raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
                        "tokens or holds no ids: a prompt is a str or a sequence of token ids")
     prompt = np.asarray(prompt) if hasattr(prompt, "__array__") else prompt  # one transfer
@@ -392,8 +394,6 @@ class Scheduler:
       if finalizing():
         return
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
-      left = np.array([o is not None for o in slot_owner])
-      if left.any():
-        abort(left)
+      abort(np.array([o is not None for o in slot_owner]))  # no-op when none are left
       self.counters["wall_s"] += time.perf_counter() - t0 - suspended
       self.counters["requests"] += sum(finished[r.index] == r.params.n for r in requests)

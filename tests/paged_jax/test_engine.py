@@ -445,7 +445,7 @@ def test_a_prompt_over_the_callers_max_model_len_names_it_as_theirs(model, confi
     capped.check_requests([[3] * 25])
 
 
-@pytest.mark.parametrize("where", ["_call", "admit"])
+@pytest.mark.parametrize("where", ["_call", "admit", "admit_last"])
 def test_an_interrupt_between_a_donating_call_and_its_result_leaves_the_engine_serving(
     model, config, where):
   # Ctrl-C landing after a device call took the donated state but before its result was
@@ -454,22 +454,40 @@ def test_an_interrupt_between_a_donating_call_and_its_result_leaves_the_engine_s
   llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3)
   prompts, params = _prompts((5, 17, 9, 30), seed=21), SamplingParams(max_tokens=6)
   want = [o.token_ids for o in llm.generate(prompts, params)]
-  owner = llm._device if where == "admit" else llm
-  real = getattr(owner, where)
+  owner, name = (llm, "_call") if where == "_call" else (llm._device, "admit")
+  real, calls, last = getattr(owner, name), [], [None]
 
   def interrupted(*args):
-    real(*args)  # the state's buffers are donated, the result is dropped
-    raise KeyboardInterrupt
+    out = real(*args)  # the state's buffers are donated, the result is dropped
+    calls.append(1)
+    # "admit_last": the generate's last admission, which clears finished slots after every
+    # sequence ended (no slot left for the cleanup to drop: the state was left lost).
+    if where != "admit_last" or len(calls) == last[0]:
+      raise KeyboardInterrupt
+    return out
 
-  setattr(owner, where, interrupted)
+  if where == "admit_last":  # count a generate's admissions first
+    setattr(owner, name, interrupted)
+    llm.generate(prompts, params)
+    last[0], calls[:] = len(calls), []
+
+  setattr(owner, name, interrupted)
   with pytest.raises(KeyboardInterrupt):
     llm.generate(prompts, params)
-  if where == "_call":
+  if name == "_call":
     del llm._call  # the instance's stand-in: the method again
   else:
-    setattr(owner, where, real)
+    setattr(owner, name, real)
+  _check_all_free(llm)  # stats and the allocator state readable at once
   assert [o.token_ids for o in llm.generate(prompts, params)] == want
   _check_all_free(llm)
+
+
+def test_outputs_hash_with_their_lists():
+  from paged_jax.engine import Output
+  a, b = (Output(0, 0, [1, 2], [3], None, "length", [-0.5]) for _ in range(2))
+  assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+  assert hash(a) != hash(Output(0, 0, [1, 2], [4], None, "length", [-0.5]))
 
 
 def test_stats_before_anything_ran_report_no_utilisation(model, config):
