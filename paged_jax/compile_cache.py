@@ -66,8 +66,9 @@ def enable(setting: bool | str | os.PathLike | None = True, *, override: bool = 
   directory = resolve(setting)
   current = jax.config.jax_compilation_cache_dir
   if current and not override:
-    explicit = setting is not True and setting is not None
-    if explicit and (directory is None or directory.resolve() != pathlib.Path(current).resolve()):
+    # A directory of the caller's own (False / "off" leave JAX's setting alone, as said).
+    if directory is not None and setting is not True and setting is not None and (
+        directory.resolve() != pathlib.Path(current).resolve()):
       shown = repr(os.fspath(setting)) if isinstance(setting, os.PathLike) else repr(setting)
       warnings.warn(f"{name}={shown} is not used: JAX's compilation cache is "
                     f"{current!r} in this process (set before, by another engine, the CLI or "

@@ -321,6 +321,10 @@ def test_an_engine_whose_cache_directory_is_not_used_says_so(tmp_path):
       assert str(second.compilation_cache_dir) == a == str(first.compilation_cache_dir)
       [w] = caught
       print(w.lineno, w.message)
+      with warnings.catch_warnings():  # False / "off" leave JAX's cache alone, as documented
+        warnings.simplefilter("error")
+        LLM(model, c, num_blocks=8, max_seqs=2, compilation_cache=False)
+        LLM(model, c, num_blocks=8, max_seqs=2, compilation_cache="off")
   """)
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -331,6 +335,15 @@ def test_an_engine_whose_cache_directory_is_not_used_says_so(tmp_path):
       f"15 compilation_cache={b!r} is not used: JAX's compilation cache is {a!r} in this "
       "process (set before, by another engine, the CLI or JAX_COMPILATION_CACHE_DIR), and one "
       "process has one")
+
+
+def test_warnings_point_past_the_package_but_not_past_a_sibling_file():
+  # The stack walk took a user's paged_jax_demo.py, beside the package, for the package.
+  from paged_jax import _caller
+  package = _caller._PACKAGE
+  assert _caller._inside(os.path.join(package, "engine", "llm.py"))
+  assert not _caller._inside(package + "_demo.py")
+  assert not _caller._inside(os.path.join(os.path.dirname(package), "script.py"))
 
 
 def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
