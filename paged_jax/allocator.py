@@ -1154,8 +1154,8 @@ def lookup(state: AllocatorState, tokens, num_tokens, salt=None, *,
 
 
 @_state_op
-def attach(state: AllocatorState, blocks, num_blocks, *,
-           tokens=None) -> tuple[AllocatorState, jax.Array]:
+def attach(state: AllocatorState, blocks, num_blocks, *, tokens=None,
+           salt=None) -> tuple[AllocatorState, jax.Array]:
   """Give each sequence s with ``num_blocks[s] = k > 0`` the registered blocks of a hit of k
   levels (``blocks`` in the layout of ``block_tables``, e.g. from ``lookup``): its first k
   blocks (with groups, each group's blocks of ``_hit_span_gSP``; other entries are not
@@ -1170,9 +1170,10 @@ def attach(state: AllocatorState, blocks, num_blocks, *,
   ``k == 0`` is always ok.
 
   A ``lookup`` result holds for the state it read. Attach it to that state (as the engine
-  does, in the same step), or pass ``tokens`` (i32[S, J], as given to ``lookup``): each
-  attached block's stored tokens must then equal the sequence's at its level, else the
-  sequence is refused. Without them a result kept across operations that take blocks
+  does, in the same step), or pass ``tokens`` (i32[S, J]) and ``salt`` (i32[S], default 0)
+  as given to ``lookup``: each attached block's stored tokens must then equal the
+  sequence's at its level, and its chain's salt the sequence's, else the sequence is
+  refused. Without them a result kept across operations that take blocks
   (``append``, ``fork``, another ``attach``) can name a block evicted meanwhile and
   registered again with other tokens under the same parent: a chain still, but not this
   prompt's (its K/V would be another prompt's).
@@ -1197,6 +1198,9 @@ def attach(state: AllocatorState, blocks, num_blocks, *,
   if tokens is not None:  # the blocks still hold this prompt's tokens (a stale lookup's not)
     same_tokens_SP = jnp.all(state.block_tokens_NZ[bc_gSP[anchor]]
                              == _token_blocks(state, tokens), axis=-1)
+    same_tokens_SP &= (salt_S == _salt(state, salt))[:, None]
+  elif salt is not None:
+    raise ValueError("salt= checks a lookup's result with tokens=: pass both, or neither")
   ok_g = []
   for g in range(state.num_groups):
     same_salt_SP = state.salt_N[bc_gSP[g]] == salt_S[:, None]

@@ -454,6 +454,8 @@ def _device_args(**inputs) -> list:
   for name, x in inputs.items():
     if not isinstance(x, jax.Array):
       x = np.asarray(x)
-      x = jnp.asarray(x) if x.dtype == np.bool_ else _as_int_array(name, x)
+      if x.dtype != np.bool_ and np.issubdtype(x.dtype, np.integer):  # int32 under x64 too
+        x = _as_int_array(name, x).astype(jnp.int32)
+      x = jnp.asarray(x)
     out.append(x)
   return out

@@ -20,8 +20,8 @@ has run there at least once:
    "xla" engine's. Engines run one after another, each once after a warm-up round.
 
 Each impl runs in its own try (one that fails or refuses is recorded with its error);
-rows are printed as they come and ``$OUT/engine.md`` is rewritten after each one. The time
-budget is checked before each engine is built.
+rows are printed as they come, and ``$OUT/engine.md`` is written after the token checks and
+again at the end. The time budget is checked before each speed engine is built.
 
   PYTHONPATH=. python benchmarks/gpu/engine.py [--budget-s 240] [--impls auto,xla]
   PYTHONPATH=. python benchmarks/gpu/engine.py --smoke-cpu   # plumbing, interpret mode

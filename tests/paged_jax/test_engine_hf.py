@@ -83,7 +83,8 @@ def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   assert by_text.text == " ".join(f"w{t}" for t in by_ids.token_ids)
   # A set or a dict has no order of tokens: refused, not served in its iteration order;
   # bytes are not token ids (b"ab" was served as the ids 97, 98).
-  for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys(), b"ab", bytearray(b"ab")):
+  for prompt in ({9, 3, 7}, {7: 100, 3: 200}, {7: 1}.keys(), b"ab", bytearray(b"ab"),
+                 memoryview(b"ab")):
     with pytest.raises(ValueError, match=r"prompts\[0\] is a .*which has no order"):
       llm.generate([prompt], params)
   with pytest.raises(ValueError, match=r"cache_salt=b'ab' must be None, a str, or one str"):
@@ -162,3 +163,10 @@ def test_from_pretrained_shows_and_checks_the_engine_options(tmp_path):
   with pytest.raises(TypeError, match=r"unexpected keyword argument 'blocksize'; the "
                                       r"engine's options: block_size, "):
     LLM.from_pretrained(tmp_path / "nowhere", blocksize=8)
+
+  class Mine(LLM):  # a subclass taking **kwargs: its own call judges them
+    def __init__(self, model, config, **kwargs):
+      super().__init__(model, config, **kwargs)
+
+  with pytest.raises(ValueError, match="checkpoint directory does not exist"):
+    Mine.from_pretrained(tmp_path / "nowhere", num_blocks=8)

@@ -302,6 +302,11 @@ def test_attach_with_tokens_refuses_a_stale_lookup():
   attached, ok = A.attach(s, fresh, fresh_hit, tokens=prompt)  # a current result passes
   assert bool(ok[1]) and int(attached.seq_lens[1]) == 4
   A.validate(attached)
+  # The chain's salt must be the caller's too (lookup's default, 0, here).
+  _, ok = A.attach(s, fresh, fresh_hit, tokens=prompt, salt=i32(0, 5, 0, 0))
+  assert not bool(ok[1])
+  with pytest.raises(ValueError, match="salt= checks a lookup's result with tokens="):
+    A.attach(s, fresh, fresh_hit, salt=i32(0, 5, 0, 0))
 
 
 # ----------------------------------------------------------------------------- eviction
