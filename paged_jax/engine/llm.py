@@ -255,8 +255,8 @@ class LLM:
     return self._call_for(self._bucket)(params, st, slots_wanted)
 
   def reset_stats(self) -> None:
-    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step).
-    The totals live on the host (each device call counts from 0): no device call here."""
+    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step);
+    host totals, no device call. Call it between generates (in a stream they would mix)."""
     self._scheduler.reset_counters()
     self._device.serve_compile_s = 0.0
 

@@ -341,7 +341,7 @@ class Scheduler:
 
     ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
     ``admit(entries)`` writes slots' host rows (``_fill_slots``) into the device state;
-    ``abort(mask_S)`` drops sequences left in slots when the stream is closed early.
+    ``abort(mask_S)`` ends every serve: drops what is left in slots (else an empty mask).
     """
     self.check_idle()  # two streams made before either ran: the second is refused here
     self._serving = True
