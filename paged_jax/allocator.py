@@ -126,6 +126,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax._promotion import standard_promotion
+from paged_jax.pallas_kernels import validation
 
 NO_BLOCK = -1
 """Block-table entry of an unused logical block, and the `fork` copy id meaning "no copy"."""
@@ -217,22 +218,10 @@ def _check_positive_int(name: str, value) -> int:
   return int(value)
 
 
-def check_int32_range(name: str, x) -> None:
-  """A concrete (host) integer input must fit int32: JAX would wrap it silently (also used
-  by ``paged_jax.step`` on what it passes on to ``append``)."""
-  if isinstance(x, jax.Array):  # tracers too
-    return  # already a JAX integer array (int32 unless x64 is on)
-  host = np.asarray(x)
-  if host.size and np.issubdtype(host.dtype, np.integer) and (
-      host.min() < np.iinfo(np.int32).min or host.max() > _INT32_MAX):
-    raise ValueError(f"{name} holds {host.max() if host.max() > _INT32_MAX else host.min()}, "
-                     "which does not fit int32 (the allocator's integers are int32)")
-
-
 def _check_vector(name: str, x, length: int, kind: str) -> jax.Array:
   """``x`` as an array of shape ``[length]``; kind "int" (cast to int32) or "bool"."""
   if kind == "int":
-    check_int32_range(name, x)
+    validation.check_int32_range(name, x)
   x = jnp.asarray(x)
   if x.shape != (length,):
     raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({length},)")
@@ -606,7 +595,7 @@ def slots(state: AllocatorState, seq_ids, positions) -> jax.Array:
   the result has a leading g axis: each group's slots (its blocks differ).
   """
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
-    check_int32_range(name, x)
+    validation.check_int32_range(name, x)
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   for name, x in (("seq_ids", seq_ids), ("positions", positions)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -664,8 +653,8 @@ def fork(state: AllocatorState, src,
   copies in every group (its demand is g fresh tail blocks) and the copy pairs are
   i32[g * F], group-major (all of group 0's forks, then group 1's, ...).
   """
-  check_int32_range("src", src)
-  check_int32_range("dst", dst)
+  validation.check_int32_range("src", src)
+  validation.check_int32_range("dst", dst)
   src_F, dst_F = jnp.asarray(src), jnp.asarray(dst)
   if src_F.ndim != 1:
     raise ValueError(f"src.shape={tuple(src_F.shape)} must be rank 1 ([F])")
@@ -731,7 +720,7 @@ def preempt(state: AllocatorState, priority, needed) -> tuple[AllocatorState, ja
   ``(state, preempted_S)``; nothing is released when ``num_free >= needed`` already.
   """
   prio_S = _check_vector("priority", priority, state.max_seqs, "int")
-  check_int32_range("needed", needed)
+  validation.check_int32_range("needed", needed)
   needed = jnp.asarray(needed)
   if needed.ndim != 0 or not jnp.issubdtype(needed.dtype, jnp.integer):
     raise ValueError(f"needed.shape={tuple(needed.shape)}, needed.dtype={needed.dtype}: "

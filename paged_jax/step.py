@@ -61,6 +61,7 @@ from paged_jax import allocator
 from paged_jax import protocol
 from paged_jax._promotion import standard_promotion
 from paged_jax.pallas_kernels import metadata
+from paged_jax.pallas_kernels import validation
 
 __all__ = ["AttentionMetadata", "StepInputs", "Steps", "decode_step", "forward_step",
            "prepare_step", "tokens_from_history"]
@@ -179,7 +180,7 @@ def _pack_rows(values_T: jax.Array, counts_S: jax.Array, keep_S: jax.Array) -> j
 def _as_int_array(name: str, x) -> jax.Array:
   """``x`` as a JAX array; a host integer array whose values do not fit int32 is refused
   (cast, they would wrap: 2**32 + 3 new tokens taken as 3)."""
-  allocator.check_int32_range(name, x)
+  validation.check_int32_range(name, x)
   return jnp.asarray(x)
 
 

@@ -19,12 +19,31 @@ def _is_int32(x) -> bool:
   return jnp.dtype(x.dtype) == jnp.int32
 
 
+def check_int32_range(name: str, x) -> None:
+  """``ValueError`` naming ``name`` when a host integer input (a NumPy array, a list, a
+  Python int) holds a value outside int32: JAX would wrap it silently. A JAX array (a
+  tracer too) passes: its dtype is fixed already and, under ``jit``, its values unknown."""
+  if isinstance(x, jax.Array):
+    return
+  try:
+    host = np.asarray(x)
+  except (ValueError, TypeError):  # ragged nesting, traced items: named by later checks
+    return
+  if not host.size or not np.issubdtype(host.dtype, np.integer):
+    return
+  info = np.iinfo(np.int32)
+  low, high = int(host.min()), int(host.max())
+  if low < info.min or high > info.max:
+    raise ValueError(f"{name} holds {high if high > info.max else low}, which does not fit "
+                     f"int32 [{info.min}, {info.max}]")
+
+
 def host_int32(name: str, x):
   """``x`` as int32 when it is a host array of another integer type (a NumPy array, whose
   integers are int64 by default, or a list / tuple of ints) whose values all fit int32;
   anything else as it is, for the checks to judge (a JAX array must be int32 already:
   under ``jit`` its values are not known). ``ValueError`` naming ``name`` for a value
-  outside int32."""
+  outside int32 (``check_int32_range``)."""
   if isinstance(x, (list, tuple)):
     try:
       x = np.asarray(x)
@@ -33,10 +52,7 @@ def host_int32(name: str, x):
   if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
       or not np.issubdtype(x.dtype, np.integer)):
     return x
-  info = np.iinfo(np.int32)
-  if x.size and (x.min() < info.min or x.max() > info.max):
-    raise ValueError(f"{name} holds {int(x.min() if x.min() < info.min else x.max())}; its "
-                     f"values must fit int32 [{info.min}, {info.max}]")
+  check_int32_range(name, x)
   return x.astype(np.int32)
 
 
