@@ -19,6 +19,17 @@ def _is_int32(x) -> bool:
   return jnp.dtype(x.dtype) == jnp.int32
 
 
+def _list_as_array(x):
+  """A list or tuple as a NumPy array; anything else, or a list NumPy cannot take (ragged
+  nesting, traced items), as it is, for the checks to name."""
+  if not isinstance(x, (list, tuple)):
+    return x
+  try:
+    return np.asarray(x)
+  except (ValueError, TypeError):
+    return x
+
+
 def check_int32_range(name: str, x) -> None:
   """``ValueError`` naming ``name`` when a host integer input (a NumPy array, a list, a
   Python int) holds a value outside int32: JAX would wrap it silently. A JAX array (a
@@ -44,11 +55,7 @@ def host_int32(name: str, x):
   anything else as it is, for the checks to judge (a JAX array must be int32 already:
   under ``jit`` its values are not known). ``ValueError`` naming ``name`` for a value
   outside int32 (``check_int32_range``)."""
-  if isinstance(x, (list, tuple)):
-    try:
-      x = np.asarray(x)
-    except (ValueError, TypeError):  # ragged nesting, traced items: check_is_array names it
-      return x
+  x = _list_as_array(x)
   if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
       or not np.issubdtype(x.dtype, np.integer)):
     return x
@@ -60,11 +67,7 @@ def float32_sinks(sinks):
   """``sinks`` as float32 when it is a floating array of another dtype (bfloat16, a NumPy
   float64) or a list of floats; the softmax takes the sink logits in float32 (widening is
   exact). Anything else as it is, for ``static_validate_variants`` to judge."""
-  if isinstance(sinks, (list, tuple)):
-    try:
-      sinks = np.asarray(sinks)
-    except (ValueError, TypeError):  # ragged nesting, traced items: named by the checks
-      return sinks
+  sinks = _list_as_array(sinks)
   dtype = getattr(sinks, "dtype", None)
   if dtype is None or getattr(sinks, "shape", None) is None:
     return sinks
