@@ -44,12 +44,14 @@ defines ``param_partition_specs(axis_name)`` returning a ``PartitionSpec`` pytre
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paged_jax._caller import user_stacklevel
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["CONFIG_FIELDS", "ModelConfigLike", "PagedModel", "check_config", "check_model",
@@ -221,6 +223,21 @@ def eos_token_ids(config) -> tuple[int, ...]:
     raise ValueError(f"config.eos_token_ids={getattr(config, 'eos_token_ids')!r} must be a "
                      "tuple of ints >= 0")
   return tuple(int(t) for t in ids)
+
+
+def served_eos_token_ids(config) -> tuple[int, ...]:
+  """``eos_token_ids(config)`` for an engine to stop at, with a ``UserWarning`` (at the
+  user's line) naming any id outside ``[0, vocab_size)``: the model can never emit it, so
+  its requests end only at ``max_tokens`` or a stop id (a checkpoint's EOS past a
+  truncated vocabulary). Kept, not refused: the rest of the ids still stop."""
+  ids = eos_token_ids(config)
+  outside = [t for t in ids if t >= config.vocab_size]
+  if outside:
+    warnings.warn(f"config.eos_token_ids={ids} holds {outside}, outside the vocabulary "
+                  f"(vocab_size={config.vocab_size}): the model never emits "
+                  f"{'it' if len(outside) == 1 else 'them'}, so no request stops there",
+                  UserWarning, stacklevel=user_stacklevel())
+  return ids
 
 
 def model_dtype(model) -> jnp.dtype:

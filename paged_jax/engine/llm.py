@@ -180,7 +180,7 @@ class LLM:
     self._scheduler = Scheduler(
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
-        vocab_size=int(config.vocab_size), eos=protocol.eos_token_ids(config),
+        vocab_size=int(config.vocab_size), eos=protocol.served_eos_token_ids(config),
         limit_note=limit,
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()

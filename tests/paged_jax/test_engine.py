@@ -515,6 +515,20 @@ def test_a_pool_that_caps_max_model_len_says_so(model, config):
     LLM(model, config, block_size=4, num_blocks=32, max_seqs=2)
 
 
+def test_an_eos_id_outside_the_vocabulary_is_warned_of(model, config):
+  # A config whose EOS id the model can never emit (vocab_size 128, EOS 128: a checkpoint's
+  # EOS past a truncated vocabulary) served in silence, every request ending at max_tokens.
+  # Now a UserWarning at the user's line names the id; the other EOS ids still stop.
+  bad = dataclasses.replace(config, eos_token_ids=(EOS, config.vocab_size))
+  with pytest.warns(UserWarning, match=r"config.eos_token_ids=\(2, 128\) holds \[128\], "
+                    r"outside the vocabulary \(vocab_size=128\): the model never emits it") as w:
+    llm = LLM(model, bad, block_size=4, num_blocks=64, max_seqs=2)
+  assert [x.filename for x in w] == [__file__] and llm._scheduler.eos == (EOS, 128)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    LLM(model, config, block_size=4, num_blocks=64, max_seqs=2)
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
