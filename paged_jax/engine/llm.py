@@ -321,9 +321,9 @@ class LLM:
     self._scheduler.check(prompts, params, cache_salt)
 
   def generate(self, prompts, params=None, *, cache_salt=None) -> list[Output]:
-    """Serve ``prompts`` (token-id lists, or strings with a tokenizer) with ``params`` (one
-    ``SamplingParams`` or one per prompt). Returns one ``Output`` per completion in prompt
-    order, n consecutive ones for a prompt with ``n > 1``.
+    """Serve ``prompts`` (token-id lists or 1-D arrays, a [B, T] array of B prompts, or
+    strings with a tokenizer) with ``params`` (one ``SamplingParams`` or one per prompt).
+    Returns one ``Output`` per completion in prompt order, n consecutive ones for n > 1.
 
     ``cache_salt``: None, one str for every prompt, or one str (or None) per prompt. Prefix
     cache entries are shared only between requests with the same salt (none counts as one

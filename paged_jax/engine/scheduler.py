@@ -120,8 +120,7 @@ class Scheduler:
     self.max_seqs, self.slots_per_shard = max_seqs, slots_per_shard
     self.max_model_len, self.token_buckets = max_model_len, token_buckets
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
-    self.tokenizer = tokenizer
-    self._rng = np.random.default_rng(seed)
+    self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
     self._arrivals = 0
     self._salt_ids: dict[str, int] = {}
     self._serving = False  # a serve() has started and has not ended (exhausted / closed)
@@ -222,8 +221,11 @@ class Scheduler:
 
   def requests(self, prompts, params, cache_salt=None) -> list[Request]:
     """Validate a ``generate`` call's arguments (``ValueError`` naming the request)."""
+    if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
+      prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-      raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts")
+      raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts or a "
+                       "[B, T] array of B prompts (one prompt: put it in a list)")
     salts = self._salts(cache_salt, len(prompts))
     if params is None:
       params = SamplingParams()
@@ -271,8 +273,7 @@ class Scheduler:
     while waiting and (slots := pick_slots(free, waiting[0].params.n,
                                            self.slots_per_shard)) is not None:
       req = waiting.pop(0)
-      req.arrival = self._arrivals
-      self._arrivals += 1
+      req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
       p, n_prompt = req.params, len(req.prompt)
       free = [s for s in free if s not in slots]
       for f, s in enumerate(slots):
@@ -289,8 +290,8 @@ class Scheduler:
 
   def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray]:
     """The events of one call's report, and the slots whose completion finished."""
-    self.counters["host_syncs"] += 1
-    self.counters["device_calls"] += 1
+    for counter in ("host_syncs", "device_calls"):
+      self.counters[counter] += 1
     add_counters(self.device_counters, report)
     clear = np.zeros(self.max_seqs, bool)
     events = []
@@ -378,8 +379,7 @@ class Scheduler:
         # next call the same state: it would loop for ever. Never expected; a loud error
         # (the stream's cleanup below frees the slots) instead of a silent hang.
         now = _progress_key(report)
-        stalled = stalled + 1 if not admitted and now == last else 0
-        last = now
+        stalled, last = (stalled + 1 if not admitted and now == last else 0), now
         if stalled >= 2:
           raise RuntimeError(
               "paged_jax engine: three device calls in a row made no progress (no token, no "

@@ -529,6 +529,20 @@ def test_an_eos_id_outside_the_vocabulary_is_warned_of(model, config):
     LLM(model, config, block_size=4, num_blocks=64, max_seqs=2)
 
 
+def test_a_two_dimensional_array_is_a_batch_of_prompts(llm, dense_greedy):
+  # A [B, T] array (a tokenizer's batch output) was refused as "not a list of prompts"; it
+  # is B prompts of T tokens, NumPy or JAX. One prompt as a 1-D array stays refused (one
+  # prompt, or T prompts of one token?), with a message saying how to pass it.
+  rows = np.array(_prompts((6, 6), seed=21))
+  want = [dense_greedy([int(t) for t in r], 3, stop=(EOS,))[0] for r in rows]
+  for batch in (rows, jnp.asarray(rows, jnp.int32)):
+    assert [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=3))] == want
+  with pytest.raises(ValueError, match=r"prompts=ndarray must be a list of prompts or a "
+                     r"\[B, T\] array of B prompts \(one prompt: put it in a list\)"):
+    llm.generate(rows[0], SamplingParams(max_tokens=3))
+  _check_all_free(llm)
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
   good = _prompts((5,), seed=12)[0]
   for bad, match in (([], "empty"), ([1, 500], "vocabulary"), ([3] * 200, "max_model_len"),
