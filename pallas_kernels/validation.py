@@ -137,11 +137,11 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                        f"{list(expected_scales)} [L, K, N, Z]")
   _, num_q_heads, head_dim = q_THD.shape
   if head_dim != dims["D"]:
-    raise ValueError(f"q head dim {head_dim} (q.shape[2]) must equal the cache head dim "
-                     f"{dims['D']}")
+    raise ValueError(f"q.shape[2]={head_dim} (the head dim D) must equal the cache's head "
+                     f"dim D={dims['D']}")
   if num_q_heads % dims["K"] != 0:
-    raise ValueError(f"q heads H={num_q_heads} (q.shape[1]) must be a multiple of the "
-                     f"cache's KV heads K={dims['K']}")
+    raise ValueError(f"q.shape[1]={num_q_heads} (the query heads H) must be a multiple of "
+                     f"the cache's KV heads K={dims['K']}")
   for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),
                   ("cu_q_lens", cu_q_lens)):
     check_is_array(name, x, "an int32 array")

@@ -312,8 +312,10 @@ def _call(**overrides):
 @pytest.mark.parametrize("name,make,match", [
     ("q rank", lambda a: dict(q=a["q"][0]), r"q\.shape"),
     ("q integer", lambda a: dict(q=a["q"].astype(jnp.int32)), r"q\.dtype"),
-    ("H not multiple of K", lambda a: dict(q=a["q"][:, :3]), r"multiple of"),
-    ("head dim", lambda a: dict(q=a["q"][..., :32]), r"head dim"),
+    ("H not multiple of K", lambda a: dict(q=a["q"][:, :3]),
+     r"q\.shape\[1\]=3 \(the query heads H\) must be a multiple of the cache's KV heads K="),
+    ("head dim", lambda a: dict(q=a["q"][..., :32]),
+     r"q\.shape\[2\]=32 \(the head dim D\) must equal the cache's head dim D="),
     ("tables rank", lambda a: dict(block_tables=a["block_tables"][0]), r"block_tables\.shape"),
     ("tables dtype", lambda a: dict(block_tables=a["block_tables"].astype(jnp.int64)
                                     if jax.config.jax_enable_x64 else
@@ -353,6 +355,11 @@ def _call(**overrides):
     ("no pages", lambda a: dict(block_tables=a["block_tables"][:, :0]),
      r"block_tables\.shape=\(\d+, 0\) must be \[S, P\]"),
     ("num_seqs a float", lambda a: dict(num_seqs=1.0), r"num_seqs=1\.0 must be an int32"),
+    # A bool showed as "num_seqs=JitTracer(bool[])"; a string or None failed inside JAX.
+    ("num_seqs a bool", lambda a: dict(num_seqs=True), r"num_seqs=True must be an int32 "
+     r"scalar \(an int or an integer scalar array\)"),
+    ("num_seqs a string", lambda a: dict(num_seqs="1"), r"num_seqs='1' must be an int32"),
+    ("num_seqs None", lambda a: dict(num_seqs=None), r"num_seqs=None must be an int32"),
     ("q a list", lambda a: dict(q=np.asarray(a["q"]).tolist()), r"q is a list; must be an "
      r"array \[T, H, D\]"),
 ])
