@@ -34,7 +34,10 @@ Supported ``model_type``s, each read as transformers (5.x) reads its ``config.js
   "llama3" or "yarn" (``models.rope.YarnScaling``, its attention factor multiplying cos and
   sin); any other type ("dynamic", "longrope", ...) and ``partial_rotary_factor != 1``
   are refused. Both the legacy keys (``rope_theta`` + ``rope_scaling`` with "type" or
-  "rope_type") and transformers>=5's ``rope_parameters`` are read.
+  "rope_type") and transformers>=5's ``rope_parameters`` are read. The pretraining length
+  of "llama3" / "yarn" is read as transformers reads it: a top-level
+  ``original_max_position_embeddings`` first, then the dict's, then
+  ``max_position_embeddings``.
 - The MLP: SwiGLU (``hidden_act`` "silu") or GeGLU (Gemma's "gelu_pytorch_tanh"), or
   gpt-oss's experts (each a clamped SwiGLU, ``swiglu_alpha`` / ``swiglu_limit``).
 
@@ -541,7 +544,8 @@ def _rope_parameters_by_layer_type(hf: Mapping[str, Any]
   dict per layer type as Gemma 3 writes it)."""
   params = dict(hf.get("rope_parameters") or {})
   sliding = None
-  if isinstance(params.get(FULL), Mapping) or isinstance(params.get(SLIDING), Mapping):
+  nested = isinstance(params.get(FULL), Mapping) or isinstance(params.get(SLIDING), Mapping)
+  if nested:
     sliding = dict(params.get(SLIDING) or {})
     params = dict(params.get(FULL) or {})
   legacy = hf.get("rope_scaling")
@@ -558,6 +562,17 @@ def _rope_parameters_by_layer_type(hf: Mapping[str, Any]
   if gemma3:
     sliding = dict(sliding or {})
     sliding.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+  # As transformers' standardize_rope_params: a llama3 / yarn RoPE's pretraining length is a
+  # top-level original_max_position_embeddings when there is one (Phi-3 writes it there;
+  # it wins over the dict's own, flat parameters only), else the dict's, else
+  # max_position_embeddings.
+  for group in (params, sliding):
+    if group is None or group.get("rope_type", group.get("type")) not in ("llama3", "yarn"):
+      continue
+    if hf.get("original_max_position_embeddings") is not None and not nested:
+      group["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    elif hf.get("max_position_embeddings") is not None:
+      group.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
   return params, sliding
 
 

@@ -60,6 +60,34 @@ def test_llama3_rope_without_its_keys_is_refused():
                                       "original_max_position_embeddings": 16})
 
 
+_YARN = {"rope_type": "yarn", "factor": 4.0}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("rope,top", [
+    ({**_YARN, "original_max_position_embeddings": 32}, 16),  # the top-level value wins
+    ({**_LLAMA3, "original_max_position_embeddings": 16}, 64),
+    (_YARN, 64),  # only the top-level value (was refused)
+    (_YARN, None),  # none: max_position_embeddings (was refused)
+    (_LLAMA3, None),
+    ({**_YARN, "original_max_position_embeddings": 32}, None),  # the dict's own
+])
+def test_rope_pretraining_length_is_read_as_transformers_reads_it(rope, top):
+  # A top-level original_max_position_embeddings (Phi-3 writes it there) was ignored for
+  # the rope dict's own: every logit off (3.2 of ~5 in an audit's tiny Llama), no error.
+  transformers = pytest.importorskip("transformers")
+  hf = helpers.hf_config_dict(rope_parameters={**rope, "rope_theta": 10000.0})
+  if top is not None:
+    hf["original_max_position_embeddings"] = top
+  ours = ModelConfig.from_hf_dict(hf)
+  rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+      transformers.LlamaConfig(**hf))
+  np.testing.assert_allclose(ours.rope_inv_frequencies(), rotary.inv_freq.numpy(), rtol=4e-7)
+  assert math.isclose(ours.rope_attention_factor(), rotary.attention_scaling, rel_tol=1e-6)
+  want = top or rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+  assert ours.rope_scaling.original_max_position_embeddings == want
+
+
 def test_llama3_inverse_frequencies_by_hand():
   # head_dim 4: base inv_freq = theta ** -(0/4, 2/4). original context 32, low 1, high 4:
   # wavelengths above 32 are slowed by factor 8, below 8 kept, between interpolated.

@@ -185,9 +185,12 @@ def test_config_defaults_and_refusals_follow_transformers():
   hub = {**GPT_OSS_20B, "quantization_config": {"quant_method": "mxfp4"}}
   with pytest.raises(ValueError, match="quantization_config.*dequantise"):
     models.ModelConfig.from_hf_dict(hub)
-  with pytest.raises(ValueError, match="yarn' lacks 'original_max_position_embeddings'"):
-    models.ModelConfig.from_hf_dict({**GPT_OSS_20B, "rope_scaling": {"rope_type": "yarn",
-                                                                     "factor": 32.0}})
+  # A yarn dict without its pretraining length takes max_position_embeddings, as
+  # transformers' standardize_rope_params does (was refused).
+  short = models.ModelConfig.from_hf_dict({**GPT_OSS_20B, "rope_scaling": {
+      "rope_type": "yarn", "factor": 32.0}})
+  assert (short.rope_scaling.original_max_position_embeddings
+          == GPT_OSS_20B["max_position_embeddings"])
   with pytest.raises(ValueError, match="experts_per_token=5 must be in"):
     models.ModelConfig.from_hf_dict({**GPT_OSS_20B, "num_local_experts": 4,
                                      "num_experts_per_tok": 5})
