@@ -6,10 +6,11 @@ below them takes plain ints and floats.
 Supported ``model_type``s, each read as transformers (5.x) reads its ``config.json``:
 - "llama" (Llama 2 / 3 / 3.1+): ``attention_bias`` (biases on q, k, v and o) supported;
   ``mlp_bias=True`` refused. Every layer attends to the whole sequence.
-- "mistral": ``sliding_window`` (None: full attention) applies to every layer.
-- "qwen2": q/k/v biases, ``tie_word_embeddings``. A window only when
-  ``use_sliding_window``; which layers slide: ``layer_types`` when the config lists them,
-  else layers ``>= max_window_layers``.
+- "mistral": ``sliding_window`` (None: full attention) applies to every layer; no biases
+  (an ``attention_bias`` key is ignored, as transformers ignores it).
+- "qwen2": q/k/v biases and none on o, whatever ``attention_bias`` says;
+  ``tie_word_embeddings``. A window only when ``use_sliding_window``; which layers slide:
+  ``layer_types`` when the config lists them, else layers ``>= max_window_layers``.
 - "qwen3": as "qwen2" plus an RMSNorm over each head of q and k before RoPE; biases on
   q/k/v/o only with ``attention_bias``.
 - "gemma2": ``layer_types`` (default: even layers slide, odd ones are global), attention
@@ -388,7 +389,10 @@ class ModelConfig:
                          "'default' is not supported")
 
     gpt_oss = model_type == "gpt_oss"
-    attention_bias = bool(hf.get("attention_bias", gpt_oss))
+    # transformers' Mistral and Qwen2 fix their biases in code (none; q/k/v only) and
+    # ignore an attention_bias key; the others read it.
+    attention_bias = (model_type not in ("mistral", "qwen2")
+                      and bool(hf.get("attention_bias", gpt_oss)))
     num_experts = experts_per_token = 0
     if gpt_oss:  # transformers' attribute_map: num_experts -> num_local_experts
       num_experts = hf.get("num_local_experts", hf.get("num_experts"))

@@ -4,7 +4,8 @@ Each test builds a tiny random HF model, re-draws its weights at O(1) scale (tra
 std-0.02 init makes logits nearly uniform, which would hide mistakes), saves it with
 ``save_pretrained`` (one of them sharded), loads it back with ``models.load_pretrained`` (no
 torch inside) and compares the dense forward. Cases: plain Llama; Llama-3 rope scaling with
-attention biases, sharded; Mistral; Qwen2 with tied embeddings. The plain Llama case also
+attention biases, sharded; Mistral; Qwen2 with tied embeddings (both with an
+``attention_bias`` key their transformers classes ignore). The plain Llama case also
 runs the paged forward through the allocator-backed prefill step.
 """
 
@@ -31,8 +32,10 @@ CASES = {
     # Also Llama's attention_bias (q, k, v and o biases).
     "llama3_rope_bias_sharded": dict(model_type="llama", rope_scaling=LLAMA3_ROPE,
                                      rope_theta=500000.0, attention_bias=True),
-    "mistral": dict(model_type="mistral"),
-    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    # attention_bias=True in their config.json: transformers' Mistral (no biases) and Qwen2
+    # (q/k/v biases, none on o) ignore it; load_pretrained asked for the o/k bias tensors.
+    "mistral": dict(model_type="mistral", attention_bias=True),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True),
 }
 
 
