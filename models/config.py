@@ -342,6 +342,10 @@ class ModelConfig:
       raise ValueError(f"hf={type(hf).__name__} must be a mapping (a parsed config.json)")
     hf = text_config_of(hf)
     model_type = hf.get("model_type")
+    if model_type == "gemma3":  # text_config_of found none
+      raise ValueError("model_type='gemma3' in config.json needs its text decoder's config "
+                       "under 'text_config' (a multimodal Gemma 3 config), which is missing "
+                       "or not an object; a text-only config is model_type 'gemma3_text'")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type={model_type!r} in config.json is not supported; expected "
                        f"one of {SUPPORTED_MODEL_TYPES}, or gemma3 (served as its text "

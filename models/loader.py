@@ -183,8 +183,13 @@ class _CheckpointReader:
       handle = self._open(SINGLE_FILE)
       self._weight_map = {name: SINGLE_FILE for name in handle.keys()}
     else:
+      pickled = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model")
+                       and f.endswith((".bin", ".bin.index.json")))
+      note = (f"; it holds {', '.join(pickled)}: PyTorch pickles are not read (no torch), "
+              "save the model with safe_serialization=True (transformers' default) "
+              "first") if pickled else ""
       raise CheckpointNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "
-                                    f"directory path={path!r}")
+                                    f"directory path={path!r}{note}")
     self._prefixes = ()  # a multimodal checkpoint's text decoder: its names' prefixes
     if EMBED not in self._weight_map:
       for prefixes in _TEXT_PREFIXES:

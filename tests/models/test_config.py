@@ -131,6 +131,9 @@ def test_qwen2_sliding_window_only_when_enabled():
 
 @pytest.mark.parametrize("override, match", [
     (dict(model_type="gpt2"), "model_type='gpt2'.* or gemma3 \\(served as its text decoder"),
+    # A multimodal type without its text_config was told gemma3 is served (it is).
+    (dict(model_type="gemma3"), "model_type='gemma3' in config.json needs its text "
+     "decoder's config under 'text_config'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(model_type="gemma2", layer_types=["full_attention"]), "layer_types="),
     (dict(model_type="gemma2", layer_types=["full_attention", "chunked_attention"]),

@@ -104,6 +104,11 @@ def test_missing_safetensors(tmp_path):
   os.remove(tmp_path / "model.safetensors")
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     models.load_pretrained(tmp_path)
+  # A directory of PyTorch pickles only: the message says so and what to do.
+  (tmp_path / "pytorch_model.bin").write_bytes(b"")
+  with pytest.raises(FileNotFoundError, match=r"it holds pytorch_model\.bin: PyTorch pickles "
+                     r"are not read \(no torch\), save the model with safe_serialization"):
+    models.load_pretrained(tmp_path)
 
 
 def test_missing_shard(tmp_path):
