@@ -339,7 +339,9 @@ def _ragged_kernel(
   def for_each_page(index, chunk, slot, action, when=True):
     """Applies ``action`` ("start" or "wait") to the K and V copies of chunk ``chunk`` of
     item ``index`` into ``slot``, if ``when``, for the pages the item reads and no others."""
-    pages_needed = lax.div(item(_HORIZON, index) + (block_size - 1), block_size)
+    # An int32 divisor: a Python int is int64 under jax_enable_x64, and lax.div refuses
+    # mixed dtypes.
+    pages_needed = lax.div(item(_HORIZON, index) + (block_size - 1), jnp.int32(block_size))
     first_page = item(_FIRST_PAGE, index) + chunk * pages_per_chunk
     for r in range(pages_per_chunk):
       page = first_page + r
