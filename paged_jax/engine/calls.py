@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import uuid
 from typing import Any, Callable
 
 import chex
@@ -125,6 +126,10 @@ class DeviceCalls:
         if self.plan is not None:  # one shard_map over the mesh; state with a data axis
           call = self.plan.device_call(call, param_specs=self.param_specs)
         if self.max_traces is not None:
+          # chex counts the traces of a footprint: the function's name and source and the
+          # stack's function names where it is wrapped, alike for every bucket and every
+          # engine built at one line. A name of its own makes the count per engine and bucket.
+          call.__name__ = f"step_T{bucket}_{uuid.uuid4().hex[:8]}"
           call = chex.assert_max_traces(call, n=self.max_traces)
         call = jax.jit(call, donate_argnums=(1,))
       self.steps[bucket] = call

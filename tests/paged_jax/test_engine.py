@@ -696,13 +696,17 @@ def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_
 
 
 def test_engine_step_traces_once(model, config):
-  # max_traces=1 wraps the jitted device call in chex.assert_max_traces(n=1).
-  llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
-            steps_per_call=8, max_traces=1)
-  for lengths, n in (((3,), 1), ((12, 5, 30, 2), 1), ((7,), 3), ((4, 9), 2)):
-    llm.generate(_prompts(lengths, seed=len(lengths)),
-                 SamplingParams(max_tokens=5, n=n, temperature=0.5, seed=1))
-  _check_all_free(llm)
+  # max_traces=1 wraps the jitted device call in chex.assert_max_traces(n=1), per engine
+  # and token bucket: chex counted every bucket, and every engine built at one line, as
+  # one function, so two buckets or a second engine failed with nothing retraced.
+  for _ in range(2):
+    llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=16,
+              steps_per_call=8, max_traces=1, token_buckets=(8, 16))
+    for lengths, n in (((3,), 1), ((12, 5, 30, 2), 1), ((7,), 3), ((4, 9), 2)):
+      llm.generate(_prompts(lengths, seed=len(lengths)),
+                   SamplingParams(max_tokens=5, n=n, temperature=0.5, seed=1))
+    assert sorted(llm._calls) == [8, 16]
+    _check_all_free(llm)
 
 
 def _run_args(*argv):
