@@ -31,9 +31,9 @@ class KVCache:
   dtype the layout defines (``layout.storage_dtype``: the raw bits of 8- and 16-bit floats as
   unsigned integers, so no backend converts the whole pool around a gather or scatter);
   ``k_pages`` / ``v_pages`` view them in ``dtype`` (a whole-pool conversion: for tests and
-  inspection, not for a step). A quantised pool (``dtype`` int8 or float8_e4m3fn) also keeps
-  ``k_scales`` / ``v_scales`` ``[L, K, N, Z]`` float32, one per token and KV head; they are
-  None otherwise.
+  inspection, not for a step). A quantised pool (``dtype`` int8, float8_e4m3fn or
+  float8_e5m2) also keeps ``k_scales`` / ``v_scales`` ``[L, K, N, Z]`` float32, one per token
+  and KV head; they are None otherwise.
 
   ``KVCache(k_pages, v_pages)`` takes pages in their logical dtype; with ``dtype`` int8 or
   float8 and float pages it quantises them; ``KVCache(k_bits, v_bits, dtype=..., k_scales=...,

@@ -66,8 +66,9 @@ class KVCacheSpec:
     head_dim: D.
     block_size: Z, tokens per block.
     num_blocks: N, physical blocks in the pool (shared by all sequences).
-    dtype: element type of the pages: float32, bfloat16, float16, or int8 / float8_e4m3fn
-      (quantised: one byte per element plus a float32 scale per token and KV head).
+    dtype: element type of the pages: float32, bfloat16, float16, or int8 / float8_e4m3fn /
+      float8_e5m2 (quantised: one byte per element plus a float32 scale per token and KV
+      head).
   """
 
   num_layers: int

@@ -255,8 +255,8 @@ class LLM:
     return self._call_for(self._bucket)(params, st, slots_wanted)
 
   def reset_stats(self) -> None:
-    """Zero every counter of ``stats`` (e.g. after a warm-up call that compiled the step);
-    host totals, no device call. Call it between generates (in a stream they would mix)."""
+    """Zero ``stats``' counters (``compile_s`` and the pool's figures stay), e.g. after a
+    warm-up call; host totals, no device call. Between generates (in a stream they mix)."""
     self._scheduler.reset_counters()
     self._device.serve_compile_s = 0.0
 
@@ -358,10 +358,10 @@ class LLM:
     it. ``requests``: those whose every completion finished (a closed stream's unfinished
     ones are not counted); ``generated_tokens``: every token the device generated.
     ``kv_utilization``: tokens stored / token slots of the blocks in use, mean over the
-    steps that ran a batch (0.0 before any). ``compile_s``: the
-    seconds all compilations took, by ``precompile`` or on first use (``compile_seconds``).
+    steps that ran a batch (0.0 before any). No reset changes ``compile_s`` (the seconds all
+    compilations took, by ``precompile`` or on first use: ``compile_seconds``' sum), nor
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
-    counted among the free) describe the pool now, and no reset changes them."""
+    counted among the free), which describe the pool now."""
     r, h = self._scheduler.device_counters, self._scheduler.counters
     steps, busy = r.get("steps", 0), r.get("busy_steps", 0)
     preempt, peak = r.get("preemptions", 0), r.get("peak_blocks_in_use", 0)
