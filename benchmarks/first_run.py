@@ -79,19 +79,28 @@ def main(argv=None):
     lines.append(f"| {name} | {med(rows, 'wall_s'):.1f} s | {med(rows, 'compile_s'):.2f} s | "
                  f"{med(rows, 'serving_s'):.2f} s | {med(rows, 'tokens_per_s'):.0f} |")
   ratio = med(warm, "wall_s") / med(cold, "wall_s")
-  lines += ["", f"warm / cold wall time: {ratio:.2f} (goal <= 0.33)", "",
+  verdict = lambda ok: "met" if ok else "MISSED"
+  lines += ["", f"warm / cold wall time: {ratio:.2f} (goal <= 0.33: {verdict(ratio <= 0.33)})",
+            "",
             "| --num-requests | generated tokens | serving time | tokens/s | steady tokens/s |",
             "|---:|---:|---:|---:|---:|"]
   for n, row in by_count.items():
     lines.append(f"| {n} | {row['tokens']:.0f} | {row['serving_s']:.2f} s | "
-                 f"{row['tokens_per_s']:.0f} | {row['steady']:.0f} |")
+                 f"{row['tokens_per_s']:.0f} | {_figure_or_na(row['steady'])} |")
   lo, hi = (by_count[n]["tokens_per_s"] for n in counts)
-  lines += ["", f"tokens/s {counts[1]} / {counts[0]} requests: {hi / lo:.2f} (goal within 2x)"]
+  quick = " (quick: too few requests for the goal's fixed costs; a plumbing check)" * args.quick
+  lines += ["", f"tokens/s {counts[1]} / {counts[0]} requests: {hi / lo:.2f} (goal within 2x: "
+            f"{verdict(0.5 <= hi / lo <= 2)}){quick}"]
   text = "\n".join(lines)
   print(text)
   if not args.quick:
     RESULTS_PATH.write_text(text + "\n\nCommand: `python benchmarks/first_run.py`\n")
   return dict(cold=cold, warm=warm, by_count=by_count)
+
+
+def _figure_or_na(x: float) -> str:
+  """A figure the report printed, or "n/a" where it left it out (NaN)."""
+  return "n/a" if x != x else f"{x:.0f}"
 
 
 if __name__ == "__main__":
