@@ -29,7 +29,8 @@ def add_run_parser(subparsers) -> None:
   from paged_jax.workload import Workload
   w = Workload()
   p = subparsers.add_parser(
-      "run", help="serve a synthetic workload on a tiny embedded model and print a report",
+      "run", help="serve a workload and print a report: a tiny embedded model (default) or a "
+      "checkpoint (--model DIR)",
       description="Continuous-batching serving run. Without --model: a tiny Llama (2 layers, "
       "width 128, vocab 256) with seeded random weights serves a synthetic workload of "
       "log-normal prompt and output lengths. Every device-call shape is compiled (or loaded "
@@ -101,10 +102,12 @@ def _say(enabled: bool, message: str) -> None:
 
 class _Progress:
   """Serving progress on stderr: requests done, tokens, tokens/s; a line at most every
-  ``every_s`` seconds (and at the end), so a log shows steady progress, not bursts."""
+  ``every_s`` seconds (and at the end), so a log shows steady progress, not bursts. On a
+  terminal each line overwrites the last (``\\r``); in a file or a pipe each is a line."""
 
   def __init__(self, total: int, enabled: bool, every_s: float = 0.5):
     self.total, self.enabled, self.every_s = total, enabled, every_s
+    self.overwrite = getattr(sys.stderr, "isatty", lambda: False)()
     self.done = self.tokens = 0
     self.t0 = time.perf_counter()
     self.last = 0.0  # the first line after every_s: a rate over a moment means nothing
@@ -117,12 +120,13 @@ class _Progress:
     if self.enabled and (now - self.last >= self.every_s or done == self.total):
       self.last = now
       rate = tokens / now if now > 0 else 0.0
-      sys.stderr.write(f"\r  served {done}/{self.total} requests, {count(tokens, 'token')}, "
-                       f"{rate:.0f} tokens/s, {now:.1f} s ")
+      line = (f"  served {done}/{self.total} requests, {count(tokens, 'token')}, "
+              f"{rate:.0f} tokens/s, {now:.1f} s")
+      sys.stderr.write(f"\r{line} " if self.overwrite else line + "\n")
       sys.stderr.flush()
 
   def close(self) -> None:
-    if self.enabled:
+    if self.enabled and self.overwrite:
       sys.stderr.write("\n")
       sys.stderr.flush()
 

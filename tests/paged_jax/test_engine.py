@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -744,6 +745,9 @@ def test_cli_run_prints_report(capsys, monkeypatch):
               "--output-median 200 is above the cap of 96 tokens"):
     assert key in captured.out
   assert "served 6/6 requests" in captured.err  # the progress line
+  # Not a terminal (captured, as a log file or a pipe): each progress update its own line.
+  # Carriage returns put every update of a log on one line.
+  assert "\r" not in captured.err and re.search(r"served 6/6 requests, .* s\n", captured.err)
   assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
   assert "on cpu, attention xla (auto)" in captured.err
   assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
