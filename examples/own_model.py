@@ -65,7 +65,8 @@ class Block(nnx.Module):
     self.fc2 = nnx.Linear(c.mlp_dim, c.embed_dim, rngs=rngs)
 
   def __call__(self, x_TE, attend):
-    """``attend(q_THD, k_THD, v_THD) -> out_THD`` is the paged or the dense attention."""
+    """``attend(q_THD, k_TKD, v_TKD) -> out_THD`` is the paged or the dense attention (every
+    head has its own K and V here: K = H)."""
     # qkv's columns are (head, q|k|v, D): a slice of whole heads holds their q, k and v.
     qkv_TH3D = self.qkv(self.ln1(x_TE)).reshape(x_TE.shape[0], -1, 3, self.c.head_dim)
     out_THD = attend(qkv_TH3D[:, :, 0], qkv_TH3D[:, :, 1], qkv_TH3D[:, :, 2])
@@ -94,12 +95,12 @@ class TinyGPT(nnx.Module):
     """The protocol paged_jax serves: logits [T, V] (or one row per logits_indices)."""
     m = metadata
 
-    def attend_at(layer, q_THD, k_THD, v_THD):
+    def attend_at(layer, q_THD, k_TKD, v_TKD):
       nonlocal cache
       # This layer's place in the cache: (layer, m.slots_T, m.block_tables_SP), or its KV
       # group's when the engine groups sliding and full layers (config.layer_windows).
       cache_layer, slots_T, block_tables_SP = m.for_layer(layer)
-      cache = cache.write(cache_layer, k_THD, v_THD, slots_T)
+      cache = cache.write(cache_layer, k_TKD, v_TKD, slots_T)
       return paged_attention(q_THD, cache, cache_layer, m.kv_lens_S, block_tables_SP,
                              m.cu_q_lens, m.num_seqs, sliding_window=self.c.window(layer))
 
@@ -112,8 +113,8 @@ class TinyGPT(nnx.Module):
     """Dense causal logits [B, T, V], no cache (the oracle)."""
     b, t = tokens_BT.shape
 
-    def attend_at(layer, q_THD, k_THD, v_THD):
-      q, k, v = (x.reshape(b, t, *x.shape[1:]) for x in (q_THD, k_THD, v_THD))
+    def attend_at(layer, q_THD, k_TKD, v_TKD):
+      q, k, v = (x.reshape(b, t, *x.shape[1:]) for x in (q_THD, k_TKD, v_TKD))
       scores = jnp.einsum("BTHD,BJHD->BHTJ", q, k) * q.shape[-1] ** -0.5
       i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
       window = self.c.window(layer)
