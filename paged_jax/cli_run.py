@@ -83,7 +83,8 @@ def add_run_parser(subparsers) -> None:
                  "float8_e5m2 (one byte per value plus a float32 scale per token and KV head; "
                  "about twice the sequences of bfloat16) (default: the model dtype)")
   p.add_argument("--compilation-cache", default=None, metavar="DIR",
-                 help="persistent compilation cache directory, or 'off'; given, it "
+                 help="persistent compilation cache directory, or off (also: '', 0, false, "
+                 "no, none; ./none names a directory so called); given, it "
                  "replaces $JAX_COMPILATION_CACHE_DIR (default: $JAX_COMPILATION_CACHE_DIR, "
                  "else $PAGED_JAX_COMPILATION_CACHE, else ~/.cache/paged_jax/jax)")
   p.add_argument("--no-progress", action="store_true",

@@ -84,7 +84,8 @@ def enable(setting: bool | str | os.PathLike | None = True, *, override: bool = 
   except OSError as e:
     if (setting is True or setting is None) and os.environ.get(ENV_VAR) is not None:
       name = ENV_VAR
-    raise ValueError(f"{name}={str(directory)!r} cannot be created: {e}") from e
+    what = " (a file of that name is there; it must be a directory)" * directory.is_file()
+    raise ValueError(f"{name}={str(directory)!r} cannot be created: {e}{what}") from e
   _point_jax_at(str(directory))
   if jax.config.jax_persistent_cache_min_compile_time_secs > _MIN_COMPILE_SECS:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", _MIN_COMPILE_SECS)

@@ -114,7 +114,8 @@ def test_compilation_cache_settings(tmp_path, monkeypatch):
   try:
     with pytest.raises(ValueError, match=f"^{compile_cache.ENV_VAR}='.*file/sub' cannot be"):
       compile_cache.enable(True)
-    with pytest.raises(ValueError, match="^--compilation-cache='.*file' cannot be created"):
+    with pytest.raises(ValueError, match="^--compilation-cache='.*file' cannot be created: "
+                       r".*\(a file of that name is there; it must be a directory\)$"):
       compile_cache.enable(str(blocker), override=True, name="--compilation-cache")
     with pytest.raises(ValueError, match="^compilation_cache='.*file' cannot be created"):
       compile_cache.enable(str(blocker))
