@@ -37,8 +37,8 @@ Supported ``model_type``s, each read as transformers (5.x) reads its ``config.js
   are refused. Both the legacy keys (``rope_theta`` + ``rope_scaling`` with "type" or
   "rope_type") and transformers>=5's ``rope_parameters`` are read. The pretraining length
   of "llama3" / "yarn" is read as transformers reads it: a top-level
-  ``original_max_position_embeddings`` first, then the dict's, then
-  ``max_position_embeddings``.
+  ``original_max_position_embeddings`` first (flat parameters only; not Gemma 3's), then
+  the dict's, then ``max_position_embeddings``.
 - The MLP: SwiGLU (``hidden_act`` "silu") or GeGLU (Gemma's "gelu_pytorch_tanh"), or
   gpt-oss's experts (each a clamped SwiGLU, ``swiglu_alpha`` / ``swiglu_limit``).
 
@@ -362,7 +362,7 @@ class ModelConfig:
            else hf.get("hidden_act", "silu"))
     if act not in ACTIVATIONS:
       raise ValueError(f"hidden_act={act!r} is not supported; expected one of {ACTIVATIONS}")
-    if hf.get("mlp_bias", False):
+    if hf.get("mlp_bias", False) and model_type == "llama":  # the one family reading it
       raise ValueError("mlp_bias=True is not supported (gated MLPs without biases only)")
     quantization = hf.get("quantization_config") or {}
     if quantization:
@@ -572,12 +572,13 @@ def _rope_parameters_by_layer_type(hf: Mapping[str, Any]
     sliding.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
   # As transformers' standardize_rope_params: a llama3 / yarn RoPE's pretraining length is a
   # top-level original_max_position_embeddings when there is one (Phi-3 writes it there;
-  # it wins over the dict's own, flat parameters only), else the dict's, else
+  # it wins over the dict's own for flat parameters only: not per layer type, as Gemma 3's
+  # always are in transformers, a legacy flat rope_scaling too), else the dict's, else
   # max_position_embeddings.
   for group in (params, sliding):
     if group is None or group.get("rope_type", group.get("type")) not in ("llama3", "yarn"):
       continue
-    if hf.get("original_max_position_embeddings") is not None and not nested:
+    if hf.get("original_max_position_embeddings") is not None and not (nested or gemma3):
       group["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
     elif hf.get("max_position_embeddings") is not None:
       group.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])

@@ -30,6 +30,14 @@ def test_head_dim_defaults_to_width_over_heads():
   assert ModelConfig.from_hf_dict(hf).head_dim == 16
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_mlp_bias_is_ignored_where_transformers_ignores_it(model_type):
+  # Only Llama's MLP reads mlp_bias in transformers; the others' MLPs have no biases
+  # whatever the key says, and their checkpoints were refused.
+  plain = helpers.tiny_config(model_type)
+  assert helpers.tiny_config(model_type, mlp_bias=True) == plain
+
+
 def test_llama_attention_bias_and_qwen2_bias():
   assert helpers.tiny_config("llama", attention_bias=True).o_bias
   qwen = helpers.tiny_config("qwen2", tie_word_embeddings=True)
@@ -86,6 +94,24 @@ def test_rope_pretraining_length_is_read_as_transformers_reads_it(rope, top):
   assert math.isclose(ours.rope_attention_factor(), rotary.attention_scaling, rel_tol=1e-6)
   want = top or rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
   assert ours.rope_scaling.original_max_position_embeddings == want
+
+
+@pytest.mark.parametrize("own", [32, None])
+def test_gemma3_rope_pretraining_length_ignores_a_top_level_one(own):
+  # transformers keeps Gemma 3's RoPE per layer type, where a top-level
+  # original_max_position_embeddings is not read (a review caught the flat rule applied to
+  # Gemma 3's legacy rope_scaling: the global layers' frequencies off by up to 60%).
+  transformers = pytest.importorskip("transformers")
+  rope = {"rope_type": "yarn", "factor": 4.0}
+  if own is not None:
+    rope["original_max_position_embeddings"] = own
+  hf = helpers.hf_config_dict("gemma3_text", hidden_act="gelu_pytorch_tanh", sliding_window=8,
+                              query_pre_attn_scalar=16, rope_scaling=rope,
+                              layer_types=["sliding_attention", "full_attention"],
+                              original_max_position_embeddings=16)
+  theirs = transformers.Gemma3TextConfig(**hf).rope_parameters["full_attention"]
+  assert ModelConfig.from_hf_dict(hf).rope_scaling.original_max_position_embeddings == (
+      theirs["original_max_position_embeddings"]) == (own or hf["max_position_embeddings"])
 
 
 def test_llama3_inverse_frequencies_by_hand():
