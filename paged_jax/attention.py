@@ -130,13 +130,7 @@ def _auto_impl(q, k_pages, block_tables, kv_dtype, sliding_window) -> str:
 def _host_num_seqs(num_seqs, block_tables):
   """A host integer ``num_seqs`` (a Python int, a NumPy scalar of any integer type) in
   range as an int32 scalar, as the kernels take it; anything else as it is (checked by
-  ``_static_checks``, which names a value out of range). ``ValueError`` for what is no
-  integer or array at all (a bool, a string, None), named here: past this point JAX would
-  show it as a tracer or fail to read it."""
-  if isinstance(num_seqs, bool) or not (isinstance(num_seqs, (int, float, np.number))
-                                        or hasattr(num_seqs, "dtype")):
-    raise ValueError(f"num_seqs={num_seqs!r} must be an int32 scalar (an int or an integer "
-                     "scalar array)")
+  ``_static_checks``, which names a value out of range)."""
   if (isinstance(num_seqs, (int, np.integer)) and not isinstance(num_seqs, bool)
       and 0 <= num_seqs <= jnp.shape(block_tables)[0]):
     return jnp.int32(num_seqs)
@@ -145,7 +139,13 @@ def _host_num_seqs(num_seqs, block_tables):
 
 def _host_indices(kv_lens, block_tables, cu_q_lens, num_seqs):
   """The index arguments with host arrays of another integer type (NumPy's default int64,
-  lists of ints) as int32 (``validation.host_int32``: values checked to fit)."""
+  lists of ints) as int32 (``validation.host_int32``: values checked to fit). ``ValueError``
+  for a ``num_seqs`` that is no number or array at all (a bool, a string, None), named here
+  for every entry point: past this point JAX would show it as a tracer or fail to read it."""
+  if isinstance(num_seqs, (bool, np.bool_)) or not (
+      isinstance(num_seqs, (int, float, np.number)) or hasattr(num_seqs, "dtype")):
+    raise ValueError(f"num_seqs={num_seqs!r} must be an int32 scalar (an int or an integer "
+                     "scalar array)")
   return tuple(validation.host_int32(name, x) for name, x in (
       ("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens),
       ("num_seqs", num_seqs)))

@@ -40,10 +40,17 @@ def check_int32_range(name: str, x) -> None:
     host = np.asarray(x)
   except (ValueError, TypeError):  # ragged nesting, traced items: named by later checks
     return
-  if not host.size or not np.issubdtype(host.dtype, np.integer):
+  if host.dtype == object:  # Python ints past int64: NumPy keeps them as objects
+    values = [int(v) for v in host.ravel()
+              if isinstance(v, (int, np.integer)) and not isinstance(v, bool)]
+    if not values:
+      return
+    low, high = min(values), max(values)
+  elif host.size and np.issubdtype(host.dtype, np.integer):
+    low, high = int(host.min()), int(host.max())
+  else:
     return
   info = np.iinfo(np.int32)
-  low, high = int(host.min()), int(host.max())
   if low < info.min or high > info.max:
     raise ValueError(f"{name} holds {high if high > info.max else low}, which does not fit "
                      f"int32 [{info.min}, {info.max}]")
@@ -56,6 +63,8 @@ def host_int32(name: str, x):
   under ``jit`` its values are not known). ``ValueError`` naming ``name`` for a value
   outside int32 (``check_int32_range``)."""
   x = _list_as_array(x)
+  if isinstance(x, np.ndarray) and x.dtype == object:
+    check_int32_range(name, x)  # Python ints past int64
   if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
       or not np.issubdtype(x.dtype, np.integer)):
     return x

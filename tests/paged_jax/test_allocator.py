@@ -427,6 +427,19 @@ def test_host_integers_beyond_int32_are_refused_not_wrapped(call):
     call(small(), -(2**32 + 1))
 
 
+@pytest.mark.parametrize("call", [
+    lambda s, big: A.append(s, [big, 0, 0, 0]),
+    lambda s, big: A.preempt(s, i32(0, 1, 2, 3), big),
+    lambda s, big: A.fork(s, [big], i32(1)),
+])
+def test_python_ints_beyond_int64_are_refused_by_name(call):
+  # NumPy keeps a Python int past int64 as an object: the range check passed it over, and
+  # JAX's conversion failed with "OverflowError: Python int too large to convert to C long".
+  for big in (2**70, -(2**70)):
+    with pytest.raises(ValueError, match=rf"holds {big}, which does not fit int32"):
+      call(small(), big)
+
+
 def test_clock_is_rebased_before_it_can_wrap():
   # A state whose clock is about to reach 2**30 (a server running for months): append
   # shifts the clock and every stamp down together, the recent stamps keep their order

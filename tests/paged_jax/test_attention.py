@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 import types
 import zlib
 
@@ -368,6 +370,18 @@ def test_bad_input_raises_value_error(name, make, match):
     _call(**make(_good_args()))
 
 
+def test_num_seqs_of_no_number_type_is_refused_by_every_entry_point():
+  # validate_attention_inputs took True and "1" without a word (and None as a TypeError)
+  # where paged_attention refused them.
+  args = _good_args()
+  attend = functools.partial(paged_attention, impl="xla")
+  for entry in (attend, checked_paged_attention, validate_attention_inputs):
+    for bad in (True, np.bool_(True), "1", None):
+      with pytest.raises(ValueError, match=rf"num_seqs={re.escape(repr(bad))} must be an "
+                         r"int32 scalar \(an int or an integer scalar array\)"):
+        entry(**{**args, "num_seqs": bad})
+
+
 def test_traced_sm_scale_is_refused_by_name():
   # sm_scale is a constant of the compiled kernels: under jit it must stay static.
   args = _good_args()
@@ -422,6 +436,9 @@ def test_host_index_arrays_of_any_integer_type_are_taken_when_they_fit_int32():
     with pytest.raises(ValueError, match=r"kv_lens holds 1099511627\d+, which does not "
                                          r"fit int32"):
       attend(**{**args, "kv_lens": huge})
+    # A Python int past int64 (a NumPy object array): named too, not an OverflowError.
+    with pytest.raises(ValueError, match=r"kv_lens holds 2361183241434822606848, which does "):
+      attend(**{**args, "kv_lens": [2**71] + np.asarray(args["kv_lens"])[1:].tolist()})
   with pytest.raises(ValueError, match=r"kv_lens\.dtype=float64 must be int32"):
     paged_attention(**{**args, "kv_lens": np.asarray(args["kv_lens"], np.float64)})
   # Under jit a list argument is a list of tracers: refused by name, not a TypeError.
