@@ -79,7 +79,6 @@ def main(argv=None):
     lines.append(f"| {name} | {med(rows, 'wall_s'):.1f} s | {med(rows, 'compile_s'):.2f} s | "
                  f"{med(rows, 'serving_s'):.2f} s | {med(rows, 'tokens_per_s'):.0f} |")
   ratio = med(warm, "wall_s") / med(cold, "wall_s")
-  verdict = lambda ok: "met" if ok else "MISSED"
   lines += ["", f"warm / cold wall time: {ratio:.2f} (goal <= 0.33: {verdict(ratio <= 0.33)})",
             "",
             "| --num-requests | generated tokens | serving time | tokens/s | steady tokens/s |",
@@ -96,6 +95,10 @@ def main(argv=None):
   if not args.quick:
     RESULTS_PATH.write_text(text + "\n\nCommand: `python benchmarks/first_run.py`\n")
   return dict(cold=cold, warm=warm, by_count=by_count)
+
+
+def verdict(ok: bool) -> str:
+  return "met" if ok else "MISSED"
 
 
 def _figure_or_na(x: float) -> str:
