@@ -185,7 +185,8 @@ class _CheckpointReader:
     else:
       pickled = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model")
                        and f.endswith((".bin", ".bin.index.json")))
-      note = (f"; it holds {', '.join(pickled)}: PyTorch pickles are not read (no torch), "
+      shown = ", ".join(pickled[:3]) + (f" and {len(pickled) - 3} more" if len(pickled) > 3 else "")
+      note = (f"; it holds {shown}: PyTorch pickles are not read (no torch), "
               "save the model with safe_serialization=True (transformers' default) "
               "first") if pickled else ""
       raise CheckpointNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in checkpoint "

@@ -321,7 +321,7 @@ class LLM:
     self._scheduler.check(prompts, params, cache_salt)
 
   def generate(self, prompts, params=None, *, cache_salt=None) -> list[Output]:
-    """Serve ``prompts`` (token-id lists or 1-D arrays, a [B, T] array of B prompts, or
+    """Serve ``prompts`` (token-id lists or 1-D arrays, a [B, T] array of B unpadded prompts, or
     strings with a tokenizer) with ``params`` (one ``SamplingParams`` or one per prompt).
     Returns one ``Output`` per completion in prompt order, n consecutive ones for n > 1.
 
