@@ -63,12 +63,11 @@ def host_int32(name: str, x):
   under ``jit`` its values are not known). ``ValueError`` naming ``name`` for a value
   outside int32 (``check_int32_range``)."""
   x = _list_as_array(x)
-  if isinstance(x, np.ndarray) and x.dtype == object:
-    check_int32_range(name, x)  # Python ints past int64
-  if (not isinstance(x, np.ndarray) or x.dtype == np.int32 or x.dtype == np.bool_
-      or not np.issubdtype(x.dtype, np.integer)):
+  if not isinstance(x, np.ndarray):
     return x
-  check_int32_range(name, x)
+  check_int32_range(name, x)  # Python ints past int64 (object arrays) included
+  if x.dtype == np.int32 or x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
+    return x
   return x.astype(np.int32)
 
 
