@@ -451,12 +451,6 @@ def _device_args(**inputs) -> list:
   """``Steps``' token inputs as JAX arrays before the jitted call: lists (which ``jit``
   would trace item by item) and NumPy arrays (another signature than a JAX array of the
   same shape: a second compilation) alike; host integers past int32 refused by name."""
-  out = []
-  for name, x in inputs.items():
-    if not isinstance(x, jax.Array):
-      x = np.asarray(x)
-      if x.dtype != np.bool_ and np.issubdtype(x.dtype, np.integer):  # int32 under x64 too
-        x = _as_int_array(name, x).astype(jnp.int32)
-      x = jnp.asarray(x)
-    out.append(x)
-  return out
+  # validation.host_int32: host integers as int32 (under x64 too), range checked by name.
+  return [x if isinstance(x, jax.Array) else jnp.asarray(validation.host_int32(name, np.asarray(x)))
+          for name, x in inputs.items()]
