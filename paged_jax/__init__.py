@@ -72,7 +72,9 @@ def __getattr__(name: str):
 
 
 def __dir__():
-  return sorted(set(globals()) | set(__all__))
+  # What a user may reach: the public names and the module's dunders, not the helpers this
+  # file imports for itself (importlib, TYPE_CHECKING) nor private submodules.
+  return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
 
 
 from paged_jax._version import __version__  # noqa: E402  (one place; the CLI reads it too)

@@ -41,6 +41,13 @@ def test_every_lazily_imported_name_is_public():
   assert lazy <= set(dir(paged_jax))
 
 
+def test_dir_lists_public_names_and_dunders_only():
+  # dir() showed the module's own helpers (importlib, TYPE_CHECKING, annotations, _HOME).
+  listed = set(dir(paged_jax))
+  assert set(paged_jax.__all__) <= listed and "__version__" in listed
+  assert listed - set(paged_jax.__all__) == {n for n in listed if n.startswith("__")}
+
+
 def test_unknown_names_still_raise_attribute_error():
   with pytest.raises(AttributeError, match="no_such_name"):
     paged_jax.no_such_name  # noqa: B018
