@@ -121,8 +121,7 @@ class Scheduler:
     self.max_model_len, self.token_buckets = max_model_len, token_buckets
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
     self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
-    self._arrivals = 0
-    self._salt_ids: dict[str, int] = {}
+    self._arrivals, self._salt_ids = 0, {}  # salt -> id
     self._serving = False  # a serve() has started and has not ended (exhausted / closed)
     self.reset_counters()
 
@@ -224,8 +223,9 @@ class Scheduler:
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-      raise ValueError(f"prompts={type(prompts).__name__} must be a list of prompts or a "
-                       "[B, T] array of B prompts (one prompt: put it in a list)")
+      raise ValueError(f"prompts={type(prompts).__name__}{getattr(prompts, 'shape', '')} must "
+                       "be a list of prompts or a [B, T] array of B prompts (one prompt: put it "
+                       "in a list)")
     salts = self._salts(cache_salt, len(prompts))
     if params is None:
       params = SamplingParams()

@@ -538,9 +538,11 @@ def test_a_two_dimensional_array_is_a_batch_of_prompts(llm, dense_greedy):
   want = [dense_greedy([int(t) for t in r], 3, stop=(EOS,))[0] for r in rows]
   for batch in (rows, jnp.asarray(rows, jnp.int32)):
     assert [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=3))] == want
-  with pytest.raises(ValueError, match=r"prompts=ndarray must be a list of prompts or a "
-                     r"\[B, T\] array of B prompts \(one prompt: put it in a list\)"):
+  with pytest.raises(ValueError, match=r"prompts=ndarray\(6,\) must be a list of prompts or "
+                     r"a \[B, T\] array of B prompts \(one prompt: put it in a list\)"):
     llm.generate(rows[0], SamplingParams(max_tokens=3))
+  with pytest.raises(ValueError, match=r"prompts=ndarray\(2, 1, 6\) must be a list of"):
+    llm.generate(rows[:, None], SamplingParams(max_tokens=3))  # the message named no shape
   _check_all_free(llm)
 
 
