@@ -180,9 +180,13 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
                                                   slot_S)
     return alloc, cache.copy_blocks(copy_src, copy_dst)
 
-  # Most steps fork nobody: skip the free-order sort and the block copy then.
-  alloc, cache = jax.lax.cond(jnp.any(child_S), fork_children, lambda a, c: (a, c), alloc,
-                              cache)
+  # Most steps fork nobody: skip the free-order sort and the block copy then. The fork
+  # writes the pool that the forward's attention reads; nothing orders the two when the
+  # model's last attention is no step of a loop that hands the pool on (a 1-layer or
+  # unrolled decoder), and XLA then copied the pool, K and V, three times a step to let
+  # it run the fork first. A predicate computed from the logits orders it after them.
+  fork = jnp.any(child_S) & _computed_after(logits_SV)
+  alloc, cache = jax.lax.cond(fork, fork_children, lambda a, c: (a, c), alloc, cache)
   # A fork that got no block simply recomputes the prompt later (its KV is empty). Its
   # history needs no copy: the host wrote the prompt into every slot of the request, and
   # the parent has generated nothing yet (children fork at its first prefill's end), so
@@ -226,6 +230,14 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
       cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(
           jnp.where(first_S, hit_S * z, 0), dtype=jnp.int32),
   )
+
+
+def _computed_after(x_SV: jax.Array) -> jax.Array:
+  """True, as a value XLA computes from ``x_SV`` and cannot fold to a constant (a NaN is
+  unequal to itself, so ``x == x`` is data): what it gates runs after ``x_SV``.
+  ``lax.optimization_barrier`` orders nothing here: XLA drops it before placing copies."""
+  x = x_SV[0, 0]
+  return (x == x) | jnp.isnan(x)
 
 
 @standard_promotion

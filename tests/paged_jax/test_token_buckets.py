@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import os
 import re
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from paged_jax.models import ModelConfig, init_random
 from paged_jax import allocator
@@ -49,20 +54,46 @@ def test_bucketed_steps_give_the_same_tokens(tiny):
   assert sorted(llm._calls) == [8, 24, 64]  # every bucket served some device call
 
 
-def test_device_call_never_copies_the_pool(tiny):
-  # A pool passed through a lax.switch / cond branch is copied by XLA on every step (the
-  # first token-bucket design had 6 pool-sized copies per step). The compiled device call,
-  # scrub on release included (it zeroes blocks under a cond), must update the pool in
-  # place: no copy instruction of the pool's shape.
-  model, config = tiny
+def _pool_copies(model, config):
+  """Copy instructions of the pool's shape in the compiled device call of an engine."""
   llm = LLM(model, config, block_size=4, num_blocks=97, max_seqs=3, max_tokens_per_step=64,
             steps_per_call=4, scrub_on_release=True, max_traces=1)
   pages = llm._state.cache.k_pages
   pool = f"f32[{','.join(map(str, pages.shape))}]"
   hlo = llm._call_for(64).lower(llm._params, llm._state, jnp.int32(0)).compile().as_text()
   assert pool in hlo
-  copies = [line for line in hlo.splitlines()
-            if re.search(re.escape(pool) + r"\{[^}]*\} copy\(", line)]
+  return [line for line in hlo.splitlines()
+          if re.search(re.escape(pool) + r"\{[^}]*\} copy\(", line)]
+
+
+def _own_gpt(num_layers):
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  spec = importlib.util.spec_from_file_location(
+      "own_model_for_copies", os.path.join(here, "examples", "own_model.py"))
+  own_model = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = own_model  # its dataclasses look their module up there
+  spec.loader.exec_module(own_model)
+  config = own_model.TinyGPTConfig(max_seq_len=128, num_layers=num_layers)
+  return own_model.TinyGPT(config, rngs=nnx.Rngs(0)), config
+
+
+@pytest.mark.parametrize("model_kind", ["built-in, 2 layers", "built-in, 1 layer",
+                                        "own_model.py, 2 layers"])
+def test_device_call_never_copies_the_pool(tiny, model_kind):
+  # A pool passed through a lax.switch / cond branch is copied by XLA on every step (the
+  # first token-bucket design had 6 pool-sized copies per step). The compiled device call,
+  # scrub on release included (it zeroes blocks under a cond), must update the pool in
+  # place: no copy instruction of the pool's shape. A decoder whose last attention is no
+  # step of a loop over layers (1 layer, or layers unrolled as examples/own_model.py runs
+  # them) had 6: the fork, which writes the pool, could run before that attention read it.
+  if model_kind == "built-in, 2 layers":
+    model, config = tiny
+  elif model_kind == "built-in, 1 layer":
+    config = dataclasses.replace(tiny[1], num_layers=1)
+    model = init_random(config, seed=0, impl="xla")
+  else:
+    model, config = _own_gpt(2)
+  copies = _pool_copies(model, config)
   assert not copies, copies[:3]
 
 
