@@ -47,6 +47,7 @@ import inspect
 import warnings
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -111,9 +112,13 @@ def static_graphdef(graphdef):
 
 
 def merge(graphdef, params):
-  """``nnx.merge`` of a graphdef, as it is or as ``static_graphdef`` wrapped it."""
+  """``nnx.merge`` of a graphdef, as it is or as ``static_graphdef`` wrapped it, over
+  Variables made at the current trace level (``jax.tree.map`` rebuilds them; no op): merged
+  inside a loop's body from parameters closed over from outside, the model may then run
+  Flax transforms of its own (``nnx.scan`` over layers), which refuse Variables of another
+  trace level."""
   return nnx.merge(graphdef.graphdef if isinstance(graphdef, _ByIdentity) else graphdef,
-                   params)
+                   jax.tree.map(lambda leaf: leaf, params))
 
 
 def check_model(model) -> None:

@@ -295,7 +295,13 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
     out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
                               logits_indices=inputs.last_S, **forward_kwargs)
   except ValueError as e:
-    if hasattr(e, "add_note"):  # Python 3.11+: shown under the message
+    if hasattr(e, "add_note") and "trace level" in str(e):  # Flax's, from an nnx transform
+      e.add_note(f"(raised in {type(model).__name__}.paged_forward: a model that runs Flax "
+                 "transforms (nnx.scan over layers) must be built at the trace level it runs "
+                 "at; inside a jax.lax.scan or while_loop body, merge it there: "
+                 "graphdef, state = nnx.split(model) outside, then nnx.merge(graphdef, "
+                 "jax.tree.map(lambda x: x, state)) in the body; LLM and Steps do this)")
+    elif hasattr(e, "add_note"):  # Python 3.11+: shown under the message
       dims = tuple(getattr(cache, n, "?") for n in ("num_layers", "num_kv_heads", "head_dim"))
       e.add_note(f"(raised in {type(model).__name__}.paged_forward; the cache's L, K, D "
                  f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "

@@ -255,7 +255,6 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   exceed this one, so the host picks the size that fits. The pool never passes through a
   ``switch`` (XLA would copy it each step).
   """
-  model = protocol.merge(graphdef, params)
   st = restart_counters(st)  # the report counts this call; the host sums them
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
 
@@ -265,6 +264,9 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
 
   def body(c):
     st, i, _ = c
+    # The model is built inside the loop's trace: a model that runs Flax transforms of its
+    # own (``nnx.scan`` over layers) refuses graph nodes made at another trace level.
+    model = protocol.merge(graphdef, params)
     st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
                        prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups,
                        vocab_size=vocab_size)

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import paged_jax
-from paged_jax import LLM, SamplingParams, allocator, testing
+from paged_jax import LLM, SamplingParams, allocator, paged_attention, testing
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples")
@@ -472,3 +472,104 @@ def test_allocator_invariants_of_states_with_kv_groups():
       jax.tree_util.tree_map(lambda x: np.stack([x, x]), state))
   with pytest.raises(ValueError, match="state=dict"):
     testing.assert_allocator_invariants({"block_tables": state.block_tables})
+
+
+class _ScannedLayer(nnx.Module):
+  def __init__(self, c, rngs):
+    self.qkv = nnx.Linear(c.embed_dim, 3 * c.num_heads * c.head_dim, rngs=rngs)
+    self.out = nnx.Linear(c.num_heads * c.head_dim, c.embed_dim, rngs=rngs)
+    self.head_dim = c.head_dim
+
+  def __call__(self, x_TE, attend):
+    qkv_TH3D = self.qkv(x_TE).reshape(x_TE.shape[0], -1, 3, self.head_dim)
+    out_THD = attend(qkv_TH3D[:, :, 0], qkv_TH3D[:, :, 1], qkv_TH3D[:, :, 2])
+    return x_TE + self.out(out_THD.reshape(x_TE.shape[0], -1))
+
+
+class _NnxScannedGPT(nnx.Module):
+  """Layers stacked by nnx.vmap and run by nnx.scan (a traced layer index), as Flax users
+  write deep models; the dense forward attends through the example's own model."""
+
+  def __init__(self, examples, c, rngs):
+    self.c, self.dense = c, examples.own.TinyGPT(c, rngs=rngs)  # its embeddings and head
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs):
+      return _ScannedLayer(c, rngs)
+    self.layers = stacked(rngs)
+
+  def _run(self, tokens_T, positions_T, attend_at, carry):
+    x_TE = self.dense.wte(tokens_T) + self.dense.wpe(positions_T)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+    def each(state, block, layer):
+      x_TE, carry = state
+      box = [carry]
+
+      def attend(q, k, v):
+        out, box[0] = attend_at(layer, q, k, v, box[0])
+        return out
+      return block(x_TE, attend), box[0]
+
+    x_TE, carry = each((x_TE, carry), self.layers, jnp.arange(self.c.num_layers))
+    return self.dense.head(self.dense.ln_f(x_TE)), carry
+
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+    m = metadata
+
+    def attend_at(layer, q, k, v, cache):
+      cache = cache.write(layer, k, v, m.slots_T)
+      return paged_attention(q, cache, layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens,
+                             m.num_seqs), cache
+
+    logits_TV, cache = self._run(tokens_T, positions_T, attend_at, cache)
+    return logits_TV if logits_indices is None else logits_TV[logits_indices], cache
+
+  def __call__(self, tokens_BT):
+    b, t = tokens_BT.shape
+
+    def attend_at(layer, q, k, v, carry):
+      del layer
+      q, k, v = (x.reshape(b, t, *x.shape[1:]) for x in (q, k, v))
+      scores = jnp.einsum("BTHD,BJHD->BHTJ", q, k) * q.shape[-1] ** -0.5
+      scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+      out = jnp.einsum("BHTJ,BJHD->BTHD", jax.nn.softmax(scores, axis=-1), v)
+      return out.reshape(b * t, *out.shape[2:]), carry
+
+    logits_TV, _ = self._run(tokens_BT.reshape(-1), jnp.tile(jnp.arange(t), b), attend_at,
+                             jnp.zeros(()))
+    return logits_TV.reshape(b, t, -1)
+
+
+def test_a_model_scanning_its_layers_with_nnx_scan_is_served(examples, config):
+  # LLM built the model (nnx.merge) outside its while_loop and ran it inside: nnx.scan
+  # refused the Variables of another trace level ("Cannot extract graph node from
+  # different trace level") and a note blamed the cache's shapes.
+  model = _NnxScannedGPT(examples, config, nnx.Rngs(3))
+  llm = LLM(model, config, block_size=4, num_blocks=32, max_seqs=2, max_tokens_per_step=16,
+            steps_per_call=4)
+  prompts = [[3, 4, 5, 6, 7], [9, 10]]
+  outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+  for prompt, out in zip(prompts, outs):
+    assert list(out.token_ids) == examples.own.dense_greedy(model, prompt, 4)[0]
+
+  # A loop of one's own that calls decode_step on it inside jax.lax.scan hits Flax's
+  # refusal; the note says how to build the model in the loop's body.
+  alloc = allocator.init(8, 4, 2, 8)
+  cache = paged_jax.KVCache.create(paged_jax.protocol.kv_cache_spec(
+      config, block_size=4, num_blocks=8, dtype=jnp.float32))
+
+  @nnx.jit
+  def loop(model, alloc, cache):
+    def body(carry, _):
+      alloc, cache = carry
+      _, alloc, cache, _ = paged_jax.decode_step(model, alloc, cache, jnp.asarray([1, 2]),
+                                                 jnp.asarray([True, True]))
+      return (alloc, cache), None
+    return jax.lax.scan(body, (alloc, cache), length=2)[0]
+
+  with pytest.raises(ValueError, match="trace level") as err:
+    loop(model, alloc, cache)
+  assert "nnx.merge(graphdef, jax.tree.map(lambda x: x, state)) in the body" in str(
+      err.value.__notes__)
