@@ -9,6 +9,7 @@ variant with the same ``split_attention`` signature would sit beside it.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,27 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
     raise ValueError(f"tiling={tiling!r} must be a GpuTiling or None")
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
+  _check_offsets(k_pages_LKNZD)
+
+
+# JAX's Triton lowering addresses a ref with 32-bit element offsets unless the array holds
+# more than 2**32 bytes: a one-byte pool (int8, float8 bits) of 2**31 to 2**32 elements
+# would read past offset 2**31 - 1 at a negative one (read in jax 0.10.2's lowering; not
+# run on a GPU). Two- and four-byte pools of that many elements take 64-bit offsets.
+_OFFSET_BYTES_32 = 2 ** 32
+
+
+def _check_offsets(k_pages_LKNZD) -> None:
+  """``ValueError`` for a pool JAX's Triton lowering would address with overflowing 32-bit
+  offsets (see ``_OFFSET_BYTES_32``)."""
+  size = math.prod(k_pages_LKNZD.shape)
+  itemsize = jnp.dtype(k_pages_LKNZD.dtype).itemsize
+  if size > 2 ** 31 and size * itemsize <= _OFFSET_BYTES_32:
+    raise ValueError(
+        f"k_pages.shape={tuple(k_pages_LKNZD.shape)} ({size} elements of {itemsize} byte) "
+        "is too large a one-byte pool for the Triton kernel: JAX's Triton lowering "
+        "addresses it with 32-bit offsets, which overflow past 2**31 elements (use "
+        "impl='pallas_mosaic_gpu' or 'xla', or fewer blocks)")
 
 
 def _compute_dtype(q_THD, k_pages_LKNZD, kv_dtype):
@@ -80,6 +102,7 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   (with its default tiling): what an "auto" choice asks before picking it. Static: only
   shapes and dtypes are read."""
   def check_shapes(**shape):
+    _check_offsets(k_pages_LKNZD)
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
     tiling.check_shapes(**shape, itemsize=jnp.dtype(_compute_dtype(q_THD, k_pages_LKNZD,

@@ -212,6 +212,34 @@ def test_auto_on_a_gpu_takes_triton_while_jax_has_it(monkeypatch, compute_capabi
   assert resolve_impl("auto") == "pallas_tpu"
 
 
+def test_triton_refuses_a_one_byte_pool_its_32_bit_offsets_cannot_address(monkeypatch):
+  # JAX's Triton lowering addresses a ref with 32-bit element offsets up to 2**32 bytes: an
+  # int8 / float8 pool (Llama-3.2-1B at 20000 blocks: 2.6e9 elements) would read its high
+  # blocks at negative offsets. The kernel refuses it, so "auto" takes Mosaic GPU or XLA;
+  # a bfloat16 pool of as many elements (64-bit offsets) and a smaller one are taken.
+  from paged_jax import attention
+  from paged_jax.pallas_kernels import gpu, mosaic_gpu
+  _on_gpu(monkeypatch, "9.0")
+  q = jax.ShapeDtypeStruct((8, 32, 64), jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  big = (16, 8, 20000, 16, 64)  # 2.6e9 elements
+  for dtype, kv_dtype, refused in ((jnp.int8, jnp.int8, True),
+                                   (jnp.uint8, jnp.float8_e4m3fn, True),
+                                   (jnp.uint16, jnp.bfloat16, False)):
+    pages = jax.ShapeDtypeStruct(big, dtype)
+    reason = gpu.unsupported_reason(q, pages, tables, kv_dtype=kv_dtype)
+    assert (reason is not None) == refused, reason
+    if refused:
+      assert "32-bit offsets" in reason and f"k_pages.shape={big}" in reason
+      assert attention._auto_impl(q, pages, tables, kv_dtype, None) == "pallas_mosaic_gpu"
+      monkeypatch.setattr(mosaic_gpu, "available", lambda: False)
+      assert attention._auto_impl(q, pages, tables, kv_dtype, None) == "xla"
+      monkeypatch.undo()
+      _on_gpu(monkeypatch, "9.0")
+  small = jax.ShapeDtypeStruct((16, 8, 16384, 16, 64), jnp.int8)  # 2**31 elements: fits
+  assert gpu.unsupported_reason(q, small, tables, kv_dtype=jnp.int8) is None
+
+
 @pytest.mark.parametrize("compute_capability", ["8.0", "8.9", "10.0", "12.0", None, "gfx90a"])
 def test_auto_without_triton_takes_mosaic_only_on_hopper(without_triton, compute_capability):
   # The Mosaic GPU kernel is wgmma + TMA (sm_90 only): on Ampere, Ada, Blackwell and a
