@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,11 @@ class KVCache:
     object.__setattr__(cache, "dtype", dtype)
     return cache
 
+  def __reduce__(self):
+    # copy, deepcopy and pickle (of a host copy) rebuild the cache from its fields; their
+    # default path sets attributes, which the frozen class refuses.
+    return (KVCache.tree_unflatten, (self.dtype, tuple(getattr(self, n) for n in self._CHILDREN)))
+
   def replace_bits(self, k_bits, v_bits, k_scales=None, v_scales=None) -> "KVCache":
     """The same cache over new storage arrays (same shapes and storage dtype)."""
     return KVCache.tree_unflatten(self.dtype, (k_bits, v_bits, k_scales, v_scales))
@@ -111,6 +117,10 @@ class KVCache:
   @classmethod
   def create(cls, spec: KVCacheSpec, *, sharding=None) -> "KVCache":
     """A zeroed cache of the shape ``spec`` describes (scales of 1 when quantised)."""
+    if isinstance(spec, jax.core.Tracer):  # jax.eval_shape(KVCache.create, spec)
+      raise ValueError(f"spec={spec!r} must be a KVCacheSpec, passed as a static value: "
+                       "jax.eval_shape(functools.partial(KVCache.create, spec)) sizes a "
+                       "cache without allocating it")
     if not isinstance(spec, KVCacheSpec):
       raise ValueError(f"spec={spec!r} must be a KVCacheSpec")
     shape = layout.pages_shape(spec.num_layers, spec.num_kv_heads, spec.num_blocks,
@@ -251,5 +261,6 @@ class KVCache:
                              copy(self.v_scales))
 
   def nbytes(self) -> int:
-    scales = 0 if self.k_scales is None else self.k_scales.nbytes + self.v_scales.nbytes
-    return self.k_bits.nbytes + self.v_bits.nbytes + scales
+    """Bytes of the pool and its scales; also of an abstract cache (``jax.eval_shape``)."""
+    arrays = [x for x in self.tree_flatten_with_keys()[0] if x[1] is not None]
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for _, x in arrays)

@@ -215,3 +215,27 @@ def test_cache_is_a_pytree():
   assert len(leaves) == 2
   rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
   assert isinstance(rebuilt, KVCache) and rebuilt.spec == SPEC
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_cache_copies_pickles_and_sizes_abstractly(dtype):
+  # copy.copy, copy.deepcopy and pickle of a host copy raised FrozenInstanceError (their
+  # default path sets attributes); nbytes() of jax.eval_shape's cache an AttributeError.
+  import copy
+  import functools
+  import pickle
+  spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=5,
+                     dtype=dtype)
+  cache = KVCache.create(spec)
+  cache = cache.write(1, jnp.full((2, 2, 4), 0.5), jnp.full((2, 2, 4), -0.25),
+                      jnp.asarray([3, 17], jnp.int32))
+  host = jax.device_get(cache)
+  for twin in (copy.copy(cache), copy.deepcopy(cache), pickle.loads(pickle.dumps(host))):
+    assert isinstance(twin, KVCache) and twin.spec == spec and twin.dtype == cache.dtype
+    for a, b in zip(jax.tree.leaves(twin), jax.tree.leaves(cache)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  abstract = jax.eval_shape(functools.partial(KVCache.create, spec))
+  assert abstract.nbytes() == cache.nbytes() == spec.total_bytes
+  with pytest.raises(ValueError, match=r"passed as a static value: jax.eval_shape\("
+                     r"functools.partial\(KVCache.create, spec\)\)"):
+    jax.eval_shape(KVCache.create, spec)  # the spec (it has a dtype) read as a scalar
