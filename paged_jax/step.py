@@ -422,8 +422,14 @@ class Steps:
   The model (any ``flax.nnx.Module`` with ``paged_forward``) is split once (``nnx.split``)
   so each call is a plain ``jax.jit`` dispatch; the graph definition is static, so a step
   compiles once per input shape (one ``T`` for ``forward``, one ``S`` for ``decode``: pad to
-  fixed sizes). The parameters are the model's at construction time; build a new ``Steps``
-  after changing them. ``forward_kwargs`` (hashable values) go to ``paged_forward``.
+  fixed sizes). The parameters are an argument of each call, not part of the compilation:
+  ``Steps`` keeps the state ``nnx.split`` returned at construction, which under Flax 0.12
+  (tested) holds the model's own Variables, so an in-place update of their values
+  (``nnx.update``, an optimizer step) is used by the next call, with no recompilation. A
+  submodule or Variable replaced by a new object, or a Python value ``paged_forward`` read
+  while tracing, is not: build a new ``Steps`` then. (``LLM`` keeps its parameters alike;
+  on a mesh, sharded copies.) ``forward_kwargs`` (hashable values) go to
+  ``paged_forward``.
 
   Usage::
 

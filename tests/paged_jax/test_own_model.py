@@ -573,3 +573,25 @@ def test_a_model_scanning_its_layers_with_nnx_scan_is_served(examples, config):
     loop(model, alloc, cache)
   assert "nnx.merge(graphdef, jax.tree.map(lambda x: x, state)) in the body" in str(
       err.value.__notes__)
+
+
+def test_steps_use_in_place_parameter_updates_as_documented(examples, config):
+  # Steps' docstring said its parameters were the model's at construction; they are the
+  # model's own Variables (Flax 0.12): an nnx.update is used by the next call, uncompiled.
+  model = examples.own.TinyGPT(config, rngs=nnx.Rngs(7))
+  steps = paged_jax.Steps(model)
+  spec = paged_jax.protocol.kv_cache_spec(config, block_size=4, num_blocks=8,
+                                          dtype=jnp.float32)
+
+  def logits(steps):
+    alloc, cache = allocator.init(8, 4, 2, 8), paged_jax.KVCache.create(spec)
+    return steps.forward(alloc, cache, jnp.asarray([3, 4, 5, 9, 10, 0], jnp.int32),
+                         jnp.asarray([3, 2], jnp.int32))[0]
+
+  before = logits(steps)
+  nnx.update(model.head, jax.tree.map(lambda x: -x, nnx.state(model.head)))
+  with _compiles() as seen:
+    after = logits(steps)
+  assert not seen  # the same executable
+  np.testing.assert_allclose(after, -before, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(after, logits(paged_jax.Steps(model)))
