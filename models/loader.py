@@ -34,7 +34,10 @@ from paged_jax.models.decoder import Decoder
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16}
+# safetensors dtypes NumPy lacks, read as raw bytes (float8 weights with no quantization
+# config hold plain values, which transformers loads as such).
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+               "F8_E5M2": ml_dtypes.float8_e5m2}
 # Checkpoint tensors no model reads and transformers loads without a word: the RoPE
 # frequencies older exports saved as buffers (they are recomputed from the config).
 _IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -46,6 +49,10 @@ _TEXT_PREFIXES = (
     (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
 )
 _VISION_TENSORS = re.compile(r"(^|\.)(vision_tower|multi_modal_projector)\.")
+# A checkpoint saved from the base model class (LlamaModel, not LlamaForCausalLM): the
+# decoder's tensors without the "model." prefix and no lm_head, as transformers' causal LM
+# loads it (its embeddings then serve as the head when the config ties them).
+_BASE_MODEL_PREFIXES = (("model.", ""),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +200,7 @@ class _CheckpointReader:
                                     f"directory path={path!r}{note}")
     self._prefixes = ()  # a multimodal checkpoint's text decoder: its names' prefixes
     if EMBED not in self._weight_map:
-      for prefixes in _TEXT_PREFIXES:
+      for prefixes in (*_TEXT_PREFIXES, _BASE_MODEL_PREFIXES):
         if self._checkpoint_name(EMBED, prefixes) in self._weight_map:
           self._prefixes = prefixes
           break
@@ -259,7 +266,11 @@ class _CheckpointReader:
         raise ValueError(f"tensor {name!r} is stored MXFP4-quantised ({name}_blocks, "
                          f"{name}_scales) in the checkpoint at {self._path!r}: dequantise it "
                          "to bfloat16 first (models.moe's docstring)")
-      raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}")
+      base = (" (it was saved from the base model class, without the causal LM's head: "
+              "its config must tie the word embeddings)"
+              if self._prefixes == _BASE_MODEL_PREFIXES and name == LM_HEAD else "")
+      raise ValueError(f"tensor {name!r} is missing from the checkpoint at {self._path!r}"
+                       f"{base}")
     file = self._weight_map[name]
     self.names_read.add(name)
     handle = self._open(file)
@@ -272,7 +283,11 @@ class _CheckpointReader:
       raise ValueError(f"tensor {name!r} in {file!r} has shape {shape}, expected "
                        f"{tuple(expected_shape)}")
     if dtype not in _RAW_DTYPES:
-      return handle.get_tensor(name)
+      try:
+        return handle.get_tensor(name)
+      except (AttributeError, TypeError, ValueError) as e:  # a dtype NumPy cannot hold
+        raise ValueError(f"tensor {name!r} in {file!r} has dtype {dtype}, which the loader "
+                         f"cannot read ({e})") from e
     start, header = self._header(file)
     begin, end = header[name]["data_offsets"]
     raw = np.memmap(os.path.join(self._path, file), dtype=np.uint8, mode="r",

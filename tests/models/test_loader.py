@@ -224,3 +224,37 @@ def test_generation_config_eos_ids_are_the_ones_generation_stops_at(tmp_path):
   gen.write_text("[1, 2]")
   with pytest.raises(ValueError, match="generation_config.json.*JSON object"):
     models.ModelConfig.from_json(tmp_path)
+
+
+def test_a_base_model_checkpoint_loads_as_transformers_causal_lm_does(tmp_path):
+  # LlamaModel.save_pretrained writes the decoder's tensors without "model." and no
+  # lm_head; transformers' LlamaForCausalLM loads it (tied: the embeddings are the head).
+  # It was refused as "tensor 'model.embed_tokens.weight' is missing".
+  hf, tensors = _checkpoint(tmp_path / "full", tie_word_embeddings=True)
+  assert "lm_head.weight" not in tensors
+  base = {name[len("model."):]: value for name, value in tensors.items()}
+  helpers.write_numpy_checkpoint(tmp_path / "base", hf, base)
+  model, _ = models.load_pretrained(tmp_path / "base", dtype=jnp.float32)
+  full, _ = models.load_pretrained(tmp_path / "full", dtype=jnp.float32)
+  tokens_BT = jnp.asarray([[3, 1, 4, 1, 5, 9]], jnp.int32)
+  np.testing.assert_array_equal(model(tokens_BT), full(tokens_BT))
+  # Untied, a base checkpoint has no head to load: refused, saying why.
+  helpers.write_numpy_checkpoint(tmp_path / "base", dict(hf, tie_word_embeddings=False),
+                                 base)
+  with pytest.raises(ValueError, match=r"'lm_head.weight' is missing .* saved from the base "
+                     r"model class, without the causal LM's head"):
+    models.load_pretrained(tmp_path / "base")
+
+
+def test_float8_tensors_load_as_their_values(tmp_path):
+  # A weight stored as F8_E4M3 (no quantization_config: plain values) failed inside NumPy
+  # ("module 'numpy' has no attribute 'float8_e4m3fn'"), naming neither tensor nor file.
+  import ml_dtypes
+  hf, tensors = _checkpoint(tmp_path)
+  name = "model.layers.0.self_attn.q_proj.weight"
+  tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+  helpers.write_numpy_checkpoint(tmp_path, hf, tensors)
+  model, _ = models.load_pretrained(tmp_path, dtype=jnp.float32)
+  e, h, d = 64, 4, 16
+  np.testing.assert_array_equal(model.layers.attn.q_EHD[...][0],
+                                tensors[name].astype(np.float32).T.reshape(e, h, d))
