@@ -456,7 +456,7 @@ class ModelConfig:
   def from_json(cls, path: str | os.PathLike, *, max_seq_len: int | None = None
                 ) -> "ModelConfig":
     """``from_hf_dict`` of a ``config.json`` file, or of the one in a checkpoint directory."""
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if os.path.isdir(path):
       path = os.path.join(path, "config.json")
     if not os.path.isfile(path):

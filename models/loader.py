@@ -312,6 +312,8 @@ def _warn_unread(reader: _CheckpointReader, path: str, config: ModelConfig) -> N
 
 def _param_dtype(dtype) -> np.dtype:
   """``dtype=`` of ``load_pretrained``: the parameters' and activations' dtype."""
+  if type(dtype).__module__ == "torch":  # torch.bfloat16, as a transformers habit
+    dtype = str(dtype).rsplit(".", 1)[-1]
   try:
     canonical = jnp.dtype(dtype)
   except TypeError:
@@ -355,14 +357,20 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
     ValueError: unsupported model_type / feature, a missing or mis-shaped tensor, or a
       truncated or invalid safetensors file (each named).
   """
-  path = os.fspath(path)
+  path = os.path.expanduser(os.fspath(path))
   if os.path.isfile(path) and os.path.basename(path) == "config.json":
     path = os.path.dirname(path) or "."  # the checkpoint's config.json: use its folder
   elif os.path.isfile(path):
+    gguf = (" (GGUF files are not read: transformers with gguf installed dequantises one, "
+            "then save_pretrained writes a directory)" if path.endswith(".gguf") else "")
     raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
-                     "holding config.json and the safetensors files)")
+                     f"holding config.json and the safetensors files){gguf}")
   if not os.path.isdir(path):
-    raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist")
+    hub = (" (nothing is downloaded: a Hugging Face Hub id must be fetched first, e.g. "
+           "huggingface-cli download, and its local directory passed)"
+           if path.count("/") == 1 and not path.startswith((".", "/")) else "")
+    raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist"
+                                  f"{hub}")
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
   with contextlib.ExitStack() as stack:  # one reader: its files are opened once
     reader = _CheckpointReader(path, stack)

@@ -90,6 +90,21 @@ def test_missing_directory(tmp_path):
   with pytest.raises(ValueError, match=r"path='.*config\.json': config file does not exist"):
     models.ModelConfig.from_json(tmp_path)
   assert paged_jax.CheckpointNotFoundError is models.CheckpointNotFoundError
+  # A Hub id is not downloaded; a GGUF file is not read; each message says so.
+  with pytest.raises(ValueError, match=r"path='HuggingFaceTB/SmolLM2-135M': checkpoint "
+                     r"directory does not exist \(nothing is downloaded: a Hugging Face Hub"):
+    models.load_pretrained("HuggingFaceTB/SmolLM2-135M")
+  (tmp_path / "model.gguf").write_bytes(b"GGUF")
+  with pytest.raises(ValueError, match=r"is a file: .* \(GGUF files are not read"):
+    models.load_pretrained(tmp_path / "model.gguf")
+
+
+def test_a_path_from_the_home_directory_is_expanded(tmp_path, monkeypatch):
+  # "~/ckpt" was looked up literally, as a folder named "~" (transformers expands it).
+  _checkpoint(tmp_path / "ckpt")
+  monkeypatch.setenv("HOME", str(tmp_path))
+  _, config = models.load_pretrained("~/ckpt", dtype=jnp.float32)
+  assert config == models.ModelConfig.from_json("~/ckpt")
 
 
 def test_missing_config(tmp_path):
@@ -136,6 +151,12 @@ def test_a_dtype_that_is_not_a_model_float_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"dtype={shown} must be the model's float dtype.*"
                                          "kv_cache_dtype"):
       models.load_pretrained(tmp_path, dtype=dtype)
+  # A torch dtype (a transformers user's habit) names the same float: taken, by its name.
+  torch = pytest.importorskip("torch")
+  model, _ = models.load_pretrained(tmp_path, dtype=torch.bfloat16)
+  assert model.embed_VE[...].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"dtype=int8 must be the model's float dtype"):
+    models.load_pretrained(tmp_path, dtype=torch.int8)
 
 
 def test_missing_tensor_is_named(tmp_path):
