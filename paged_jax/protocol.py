@@ -121,11 +121,15 @@ def merge(graphdef, params):
                    jax.tree.map(lambda leaf: leaf, params))
 
 
-def check_model(model) -> None:
-  """``ValueError`` naming what ``model`` lacks to be served (module docstring)."""
+def check_model(model, *, serving: bool = False) -> None:
+  """``ValueError`` naming what ``model`` lacks to be served (module docstring); with
+  ``serving`` (an engine or ``Steps`` built over it) also a warning for a model left in
+  training mode (``warn_training_mode``)."""
   name = type(model).__name__
   if not isinstance(model, nnx.Module):
     raise ValueError(f"model={name} must be a flax.nnx.Module with a method {_FORWARD}")
+  if serving:
+    warn_training_mode(model)
   forward = getattr(model, "paged_forward", None)
   if not callable(forward):
     raise ValueError(f"model={name} lacks the method {_FORWARD} (paged_jax.protocol)")
@@ -151,6 +155,24 @@ def check_model(model) -> None:
              f"{'it' if len(required) == 1 else 'them'} a default)" if required else "")
     raise ValueError(f"model={name}.paged_forward{inspect.signature(forward)} must accept "
                      f"{_FORWARD}{extra}")
+
+
+def warn_training_mode(model) -> None:
+  """Warns (at the user's line) when ``model`` holds an active ``nnx.Dropout`` (rate > 0,
+  not deterministic) or an ``nnx.BatchNorm`` that uses batch statistics: left in training
+  mode, it is served with one fixed dropout mask at every step (its RNG state is part of
+  the compiled step) or with each batch's own statistics. ``model.eval()`` first."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Dropout) and not node.deterministic and node.rate > 0:
+      what = f"its Dropout at {'.'.join(map(str, path)) or 'the top'} is active"
+    elif isinstance(node, nnx.BatchNorm) and not node.use_running_average:
+      what = (f"its BatchNorm at {'.'.join(map(str, path)) or 'the top'} uses batch "
+              "statistics")
+    else:
+      continue
+    warnings.warn(f"model={type(model).__name__} is in training mode: {what}; call "
+                  "model.eval() before serving it", UserWarning, stacklevel=user_stacklevel())
+    return
 
 
 def check_config(config) -> None:

@@ -439,7 +439,7 @@ class Steps:
   """
 
   def __init__(self, model, **forward_kwargs: Any):
-    protocol.check_model(model)
+    protocol.check_model(model, serving=True)
     graphdef, self.params = nnx.split(model)
     self.graphdef = protocol.static_graphdef(graphdef)
     self.forward_kwargs = _frozen(forward_kwargs)

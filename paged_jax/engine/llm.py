@@ -116,7 +116,7 @@ class LLM:
                prefix_hash_fn=None, token_buckets: Sequence[int] | None = None,
                kv_cache_dtype=None, compilation_cache: bool | str | os.PathLike = True,
                free_outside_window: bool | None = None):
-    protocol.check_model(model)
+    protocol.check_model(model, serving=True)
     dtype = options.pool_dtype(dtype, kv_cache_dtype)
     protocol.check_config(config)
     protocol.check_model_config(model, config)

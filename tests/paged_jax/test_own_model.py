@@ -595,3 +595,21 @@ def test_steps_use_in_place_parameter_updates_as_documented(examples, config):
   assert not seen  # the same executable
   np.testing.assert_allclose(after, -before, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(after, logits(paged_jax.Steps(model)))
+
+
+def test_a_model_left_in_training_mode_is_warned_about(examples, config):
+  # Served in training mode, a model's Dropout applied one fixed mask at every step (its
+  # RNG state is compiled in), in silence; LLM raised Flax's TraceContextError.
+  import warnings
+  model = examples.own.TinyGPT(config, rngs=nnx.Rngs(2))
+  model.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+  for build in (lambda: paged_jax.Steps(model),
+                lambda: LLM(model, config, block_size=4, num_blocks=16, max_seqs=2)):
+    with pytest.warns(UserWarning, match=r"model=TinyGPT is in training mode: its Dropout "
+                      r"at drop is active; call model.eval\(\) before serving it") as seen:
+      build()
+    assert [w.filename for w in seen] == [__file__]
+  model.eval()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    paged_jax.Steps(model)
