@@ -443,6 +443,10 @@ def _run(args) -> int:
     out, = llm.generate([args.prompt], prompt_params)
     print(f"prompt:     {args.prompt}")
     print(f"completion: {out.text}")
+    if not out.token_ids and out.finish_reason == "stop":
+      print("            (none: the model's first token was its end of sequence; an instruct "
+            "or chat model may expect its chat template around the prompt, which --prompt "
+            "does not apply)")
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
                         f"{out.finish_reason}", compile_s=compile_s, device=device))
     return 0

@@ -126,6 +126,22 @@ def test_an_unreadable_tokenizer_json_is_named(tmp_path, checkpoint, capsys):
   assert f"{broken / 'tokenizer.json'} is not a tokenizer" in err and "Traceback" not in err
 
 
+def test_cli_prompt_answered_at_once_by_eos_says_why_it_may_be(checkpoint, monkeypatch,
+                                                               capsys):
+  # An instruct model given raw text (SmolLM2-Instruct: "What is the capital of France?")
+  # ends at EOS at once: the report showed an empty completion and nothing else.
+  from paged_jax import cli, engine
+  path, _ = checkpoint
+
+  def generate(self, prompts, params=None, **kwargs):
+    return [engine.Output(0, 0, [3, 4], [], "", "stop", None)]
+  monkeypatch.setattr(engine.LLM, "generate", generate)
+  assert cli.main(["run", "--model", str(path), "--prompt", "w3 w4", "--no-progress"]) == 0
+  out = capsys.readouterr().out
+  assert "completion: \n            (none: the model's first token was its end of " in out
+  assert "may expect its chat template" in out
+
+
 def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys):
   # An empty prompt, or one too long for the model, was refused only after every device
   # call had compiled (tens of seconds on a real checkpoint).
