@@ -22,6 +22,9 @@ padding and must never be written or read.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -58,10 +61,27 @@ def storage_dtype(dtype):
 
 
 def to_storage(x, dtype):
-  """``x`` cast to the logical ``dtype``, as the bits the pool stores."""
+  """``x`` cast to the logical ``dtype``, as the bits the pool stores. Differentiating
+  through bits is a ``ValueError`` (``_bits``)."""
   x = x.astype(dtype)
   target = storage_dtype(dtype)
-  return x if target == jnp.dtype(dtype) else lax.bitcast_convert_type(x, target)
+  return x if target == jnp.dtype(dtype) else _bits(x, target)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _bits(x, target):
+  """``x``'s raw bits as ``target`` (same width)."""
+  return lax.bitcast_convert_type(x, target)
+
+
+@_bits.defjvp
+def _bits_jvp(target, primals, tangents):
+  # An integer holds no derivative: JAX would give a gradient of zero through every K/V
+  # written into the pool, in silence.
+  del target, primals, tangents
+  raise ValueError("differentiating through a KV pool of 8- or 16-bit floats: KVCache stores "
+                   "them as raw bits, which carry no gradient (JAX would give zero); "
+                   "differentiate over a float32 pool (KVCacheSpec(..., dtype=jnp.float32))")
 
 
 def from_storage(x, dtype):

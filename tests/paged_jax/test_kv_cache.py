@@ -239,3 +239,27 @@ def test_cache_copies_pickles_and_sizes_abstractly(dtype):
   with pytest.raises(ValueError, match=r"passed as a static value: jax.eval_shape\("
                      r"functools.partial\(KVCache.create, spec\)\)"):
     jax.eval_shape(KVCache.create, spec)  # the spec (it has a dtype) read as a scalar
+
+
+def test_gradients_through_a_pool_of_bits_are_refused_not_zero():
+  # jax.grad through K/V written into a bfloat16 pool was exactly 0 (the pool stores bits,
+  # which carry no derivative); a float32 pool gives the true gradient.
+  def loss_for(dtype):
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                       num_blocks=4, dtype=dtype)
+
+    def loss(k_TKD):
+      cache = KVCache.create(spec).write(0, k_TKD, k_TKD, jnp.arange(3, dtype=jnp.int32))
+      out = paged_attention(jnp.ones((3, 1, 8)), cache, 0, jnp.asarray([3]),
+                            jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([0, 3]), 1,
+                            impl="reference")
+      return out.sum()
+    return loss
+
+  k_TKD = jnp.linspace(0.0, 1.0, 24).reshape(3, 1, 8)
+  assert float(jnp.abs(jax.grad(loss_for(jnp.float32))(k_TKD)).max()) > 0.1
+  for dtype in (jnp.bfloat16, jnp.float16):
+    with pytest.raises(ValueError, match="differentiating through a KV pool of 8- or 16-bit "
+                                         "floats: KVCache stores them as raw bits"):
+      jax.grad(loss_for(dtype))(k_TKD)
+    loss_for(dtype)(k_TKD)  # no derivative asked: written and read as before
