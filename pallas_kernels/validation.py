@@ -211,8 +211,10 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
 
   ``sliding_window`` an int >= 1 or None; ``soft_cap`` a finite real number > 0 or None;
   ``sinks`` None or a float32 array of shape ``[H]`` (traced or concrete). Raises
-  ``ValueError`` naming the argument and the expected value.
+  ``ValueError`` naming the argument and the expected value. A concrete 0-d JAX array (a
+  config value as ``jnp.int32(128)``) counts as its value, as a NumPy scalar does.
   """
+  sliding_window, soft_cap = _host_scalar(sliding_window), _host_scalar(soft_cap)
   if sliding_window is not None and (
       isinstance(sliding_window, (bool, np.bool_))
       or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
@@ -230,6 +232,13 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
                        "per query head)")
     if jnp.dtype(dtype) != jnp.float32:
       raise ValueError(f"sinks.dtype={dtype} must be float32")
+
+
+def _host_scalar(x):
+  """A concrete 0-d JAX array as its NumPy scalar; anything else as it is."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.ndim == 0:
+    return np.asarray(x)[()]
+  return x
 
 
 def _is_real_number(x) -> bool:

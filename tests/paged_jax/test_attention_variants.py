@@ -210,6 +210,17 @@ def test_paged_attention_takes_sinks_of_any_floating_dtype_as_float32():
       np.asarray(run(_CASE, "xla", sinks=rounded.astype(jnp.float32))))
 
 
+def test_variants_given_as_concrete_jax_scalars_are_their_values():
+  # A config's window and cap as jnp.int32(2) / jnp.float32(5.0) were refused
+  # ("sliding_window=Array(2, dtype=int32) must be an int >= 1") where NumPy scalars
+  # passed; traced ones stay refused (they are static).
+  want = np.asarray(run(_CASE, "xla", sliding_window=2, soft_cap=5.0))
+  got = run(_CASE, "xla", sliding_window=jnp.int32(2), soft_cap=jnp.float32(5.0))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  with pytest.raises(ValueError, match=r"sliding_window=.*Tracer.* must be an int >= 1"):
+    jax.jit(lambda w: run(_CASE, "xla", sliding_window=w))(jnp.int32(2))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(sliding_window=0), r"sliding_window=0 must be an int >= 1"),
     (dict(sliding_window=-3), r"sliding_window=-3 must be an int >= 1"),
