@@ -227,7 +227,9 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
       is a ``ValueError`` naming the argument (as ``checked_paged_attention``); under
       ``jit`` wrap the caller in ``checkify.checkify`` and ``throw`` the error;
       without ``debug`` nothing is checked at run time and a bad block id reads as an empty
-      block (zeros), never as a clamped real block.
+      block (zeros), never as a clamped real block. These are user checks (checkify's
+      default ``errors``): its ``index_checks`` (and ``all_checks``) also flag the
+      deliberate out-of-range reads that make a bad id read zeros, on any input.
 
   Returns:
     [T, H, D] in q's dtype; padding rows (past ``cu_q_lens[num_seqs]``) are zero.
