@@ -104,7 +104,7 @@ def _config_int(path: str, config: dict, key: str) -> int:
 
 def model_shape_from_config(path: str | os.PathLike) -> ModelShape:
   """A ``ModelShape`` from a Hugging Face ``config.json`` (or the directory holding it)."""
-  path = os.fspath(path)
+  path = os.path.expanduser(os.fspath(path))
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
   if not os.path.exists(path):

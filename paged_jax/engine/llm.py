@@ -197,7 +197,7 @@ class LLM:
     model, config = load_pretrained(path, dtype=dtype, impl=impl, sharding=None if mesh is None
                                     else mesh_sharding.load_placement(mesh))
     tokenizer = kwargs.pop("tokenizer", None)
-    folder = os.fspath(path)
+    folder = os.path.expanduser(os.fspath(path))
     if os.path.isfile(folder):  # the checkpoint's config.json: its folder holds the rest
       folder = os.path.dirname(folder) or "."
     tok_path = os.path.join(folder, "tokenizer.json")

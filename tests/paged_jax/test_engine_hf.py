@@ -126,6 +126,19 @@ def test_an_unreadable_tokenizer_json_is_named(tmp_path, checkpoint, capsys):
   assert f"{broken / 'tokenizer.json'} is not a tokenizer" in err and "Traceback" not in err
 
 
+def test_a_checkpoint_under_the_home_directory_brings_its_tokenizer(checkpoint, monkeypatch):
+  # "~/ckpt" loaded the weights (the loader expands ~) but not tokenizer.json beside them,
+  # in silence; the planner did not expand it either.
+  from paged_jax import planner
+  path, _ = checkpoint
+  monkeypatch.setenv("HOME", str(path.parent))
+  home_path = "~/" + path.name
+  llm = LLM.from_pretrained(home_path, dtype="float32", impl="xla", block_size=4,
+                            num_blocks=16, max_seqs=2, max_model_len=64)
+  assert llm.tokenizer is not None
+  assert planner.model_shape_from_config(home_path) == planner.model_shape_from_config(path)
+
+
 def test_cli_prompt_answered_at_once_by_eos_says_why_it_may_be(checkpoint, monkeypatch,
                                                                capsys):
   # An instruct model given raw text (SmolLM2-Instruct: "What is the capital of France?")
