@@ -128,14 +128,14 @@ def check_model(model, *, serving: bool = False) -> None:
   name = type(model).__name__
   if not isinstance(model, nnx.Module):
     raise ValueError(f"model={name} must be a flax.nnx.Module with a method {_FORWARD}")
-  if serving:
-    warn_training_mode(model)
   forward = getattr(model, "paged_forward", None)
   if not callable(forward):
     raise ValueError(f"model={name} lacks the method {_FORWARD} (paged_jax.protocol)")
   try:
     params = inspect.signature(forward).parameters
   except (TypeError, ValueError):  # a builtin or C callable: trust it
+    if serving:
+      warn_training_mode(model)
     return
   kinds = [p.kind for p in params.values()]
   varargs = inspect.Parameter.VAR_POSITIONAL in kinds
@@ -155,23 +155,32 @@ def check_model(model, *, serving: bool = False) -> None:
              f"{'it' if len(required) == 1 else 'them'} a default)" if required else "")
     raise ValueError(f"model={name}.paged_forward{inspect.signature(forward)} must accept "
                      f"{_FORWARD}{extra}")
+  if serving:
+    warn_training_mode(model)
 
 
 def warn_training_mode(model) -> None:
-  """Warns (at the user's line) when ``model`` holds an active ``nnx.Dropout`` (rate > 0,
-  not deterministic) or an ``nnx.BatchNorm`` that uses batch statistics: left in training
-  mode, it is served with one fixed dropout mask at every step (its RNG state is part of
-  the compiled step) or with each batch's own statistics. ``model.eval()`` first."""
+  """Warns (at the user's line) when ``model`` holds an ``nnx.Dropout`` set to
+  ``deterministic=False`` (rate > 0) or an ``nnx.BatchNorm`` set to
+  ``use_running_average=False``, as Flax builds them and ``model.train()`` leaves them:
+  unless ``paged_forward`` overrides them at the call, a Dropout is served with one fixed
+  mask at every step (its RNG state is part of the compiled step, its updates dropped) and
+  a BatchNorm with each batch's statistics. ``None`` (decided at the call) is not warned
+  about. ``model.eval()`` first."""
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Dropout) and not node.deterministic and node.rate > 0:
-      what = f"its Dropout at {'.'.join(map(str, path)) or 'the top'} is active"
-    elif isinstance(node, nnx.BatchNorm) and not node.use_running_average:
-      what = (f"its BatchNorm at {'.'.join(map(str, path)) or 'the top'} uses batch "
-              "statistics")
+    where = ".".join(map(str, path)) or "the top"
+    if (isinstance(node, nnx.Dropout) and getattr(node, "deterministic", None) is False
+        and node.rate > 0):
+      what = f"its Dropout at {where} has deterministic=False"
+    elif (isinstance(node, nnx.BatchNorm)
+          and getattr(node, "use_running_average", None) is False):
+      what = f"its BatchNorm at {where} has use_running_average=False"
     else:
       continue
-    warnings.warn(f"model={type(model).__name__} is in training mode: {what}; call "
-                  "model.eval() before serving it", UserWarning, stacklevel=user_stacklevel())
+    warnings.warn(f"model={type(model).__name__} may be in training mode: {what}; unless "
+                  "paged_forward passes otherwise at the call, it is served so at every step "
+                  "(one fixed dropout mask): call model.eval() before serving it",
+                  UserWarning, stacklevel=user_stacklevel())
     return
 
 
