@@ -366,8 +366,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
     raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
                      f"holding config.json and the safetensors files){gguf}")
   if not os.path.isdir(path):
-    hub = (" (nothing is downloaded: a Hugging Face Hub id must be fetched first, e.g. "
-           "huggingface-cli download, and its local directory passed)"
+    hub = (" (if it is a Hugging Face Hub id: nothing is downloaded; fetch it first, e.g. "
+           "huggingface-cli download, and pass its local directory)"
            if path.count("/") == 1 and not path.startswith((".", "/")) else "")
     raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist"
                                   f"{hub}")

@@ -92,7 +92,8 @@ def test_missing_directory(tmp_path):
   assert paged_jax.CheckpointNotFoundError is models.CheckpointNotFoundError
   # A Hub id is not downloaded; a GGUF file is not read; each message says so.
   with pytest.raises(ValueError, match=r"path='HuggingFaceTB/SmolLM2-135M': checkpoint "
-                     r"directory does not exist \(nothing is downloaded: a Hugging Face Hub"):
+                     r"directory does not exist \(if it is a Hugging Face Hub id: nothing is "
+                     r"downloaded"):
     models.load_pretrained("HuggingFaceTB/SmolLM2-135M")
   (tmp_path / "model.gguf").write_bytes(b"GGUF")
   with pytest.raises(ValueError, match=r"is a file: .* \(GGUF files are not read"):
