@@ -16,6 +16,9 @@ table is largest / smallest pool (goal <= 1.5x).
 
     python benchmarks/pool_size.py            # writes pool_size_RESULTS_section.md
     python benchmarks/pool_size.py --quick    # seconds; never writes
+    python benchmarks/pool_size.py --own-model  # the engine rows alone, serving
+                                                # examples/own_model.py's TinyGPT (its
+                                                # layers unrolled); prints, never writes
 """
 
 from __future__ import annotations
@@ -131,11 +134,24 @@ def _interleaved(cases, name, rounds, calls=1):
   return {n: statistics.median(v) for n, v in per.items()}
 
 
-def engine_tokens_per_s(sizes, dtype, rounds, quick):
+def _own_model():
+  """examples/own_model.py's TinyGPT (2 layers run in a Python loop, 2 heads of 16) and its
+  config: a model whose last attention is no step of a scan over layers."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+  import own_model  # noqa: E402  (examples/ is no package)
+  from flax import nnx
+  config = own_model.TinyGPTConfig(vocab_size=256, max_seq_len=64)
+  return own_model.TinyGPT(config, rngs=nnx.Rngs(0)), config
+
+
+def engine_tokens_per_s(sizes, dtype, rounds, quick, own_model=False):
   """{num_blocks: median tokens/s}: one engine per pool size, rounds interleaved (each size
   served in turn, so the machine's noise hits all alike)."""
-  config = ModelConfig(**MODEL)
-  model = init_random(config, seed=0, dtype=jnp.float32)
+  if own_model:
+    model, config = _own_model()
+  else:
+    config = ModelConfig(**MODEL)
+    model = init_random(config, seed=0, dtype=jnp.float32)
   llms = {}
   for n in sizes:
     llms[n] = LLM(model, config, num_blocks=n, block_size=BLOCK, max_seqs=8,
@@ -174,11 +190,21 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny pools, few rounds; no file")
   parser.add_argument("--rounds", type=int, default=None, help="rounds per figure (default 7)")
+  parser.add_argument("--own-model", action="store_true",
+                      help="only the engine rows, serving examples/own_model.py; no file")
   args = parser.parse_args(argv)
   sizes = (256, 1024) if args.quick else (1024, 8192, 32768)
   rounds = args.rounds or (2 if args.quick else 7)
   dtypes = (jnp.float32, jnp.bfloat16)
   rows = {}
+  if args.own_model:
+    for dtype in dtypes:
+      rows[("engine tokens/s, own_model.py", jnp.dtype(dtype).name)] = engine_tokens_per_s(
+          sizes, dtype, rounds, args.quick, own_model=True)
+    table, worst = _table(rows, sizes)
+    print(table)
+    print(f"worst growth largest / smallest pool: {worst:.2f}x (goal <= 1.5x)")
+    return 0
   for dtype in dtypes:
     cases = {n: Case(n, dtype) for n in sizes}
     for name in ("attention", "write", "copy"):
