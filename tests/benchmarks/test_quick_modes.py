@@ -114,3 +114,16 @@ def test_max_seqs_quick(capsys):
   # Linear in S (an [S, S] comparison would be 16x from 256 to 1024, not 4x).
   assert registers[1]["temp_bytes"] < 6 * registers[0]["temp_bytes"]
   assert "| register's temporaries, MiB |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_pool_size_own_model_quick(capsys):
+  # The engine rows serving examples/own_model.py (RESULTS.md: the fork's pool copies).
+  from benchmarks import pool_size
+  assert pool_size.main(["--own-model", "--quick"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines()
+          if line.startswith("| engine tokens/s, own_model.py")]
+  assert len(rows) == 2
+  for line in rows:
+    rates = [float(cell) for cell in line.split("|")[3:5]]
+    assert all(math.isfinite(r) and r > 0 for r in rates), line
