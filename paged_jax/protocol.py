@@ -171,16 +171,17 @@ def warn_training_mode(model) -> None:
     where = ".".join(map(str, path)) or "the top"
     if (isinstance(node, nnx.Dropout) and getattr(node, "deterministic", None) is False
         and node.rate > 0):
-      what = f"its Dropout at {where} has deterministic=False"
+      what = (f"its Dropout at {where} has deterministic=False (served so, one fixed mask "
+              "applies at every step)")
     elif (isinstance(node, nnx.BatchNorm)
           and getattr(node, "use_running_average", None) is False):
-      what = f"its BatchNorm at {where} has use_running_average=False"
+      what = (f"its BatchNorm at {where} has use_running_average=False (served so, each "
+              "step normalises by its own batch)")
     else:
       continue
-    warnings.warn(f"model={type(model).__name__} may be in training mode: {what}; unless "
-                  "paged_forward passes otherwise at the call, it is served so at every step "
-                  "(one fixed dropout mask): call model.eval() before serving it",
-                  UserWarning, stacklevel=user_stacklevel())
+    warnings.warn(f"model={type(model).__name__} may be in training mode: {what}, unless "
+                  "paged_forward passes otherwise at the call; call model.eval() before "
+                  "serving it", UserWarning, stacklevel=user_stacklevel())
     return
 
 

@@ -606,8 +606,9 @@ def test_a_model_left_in_training_mode_is_warned_about(examples, config):
   for build in (lambda: paged_jax.Steps(model),
                 lambda: LLM(model, config, block_size=4, num_blocks=16, max_seqs=2)):
     with pytest.warns(UserWarning, match=r"model=TinyGPT may be in training mode: its "
-                      r"Dropout at drop has deterministic=False; unless paged_forward passes "
-                      r"otherwise .* call model.eval\(\) before serving it") as seen:
+                      r"Dropout at drop has deterministic=False \(served so, one fixed mask "
+                      r"applies at every step\), unless paged_forward passes otherwise at the "
+                      r"call; call model.eval\(\) before serving it") as seen:
       build()
     assert [w.filename for w in seen] == [__file__]
   model.eval()
