@@ -163,16 +163,16 @@ def warn_training_mode(model) -> None:
   """Warns (at the user's line) when ``model`` holds an ``nnx.Dropout`` set to
   ``deterministic=False`` (rate > 0) or an ``nnx.BatchNorm`` set to
   ``use_running_average=False``, as Flax builds them and ``model.train()`` leaves them:
-  unless ``paged_forward`` overrides them at the call, a Dropout is served with one fixed
-  mask at every step (its RNG state is part of the compiled step, its updates dropped) and
-  a BatchNorm with each batch's statistics. ``None`` (decided at the call) is not warned
+  unless ``paged_forward`` overrides them at the call, a Dropout drops activations at
+  random in every served step (its RNG state's updates are dropped) and a BatchNorm
+  normalises by each batch's statistics. ``None`` (decided at the call) is not warned
   about. ``model.eval()`` first."""
   for path, node in nnx.iter_graph(model):
     where = ".".join(map(str, path)) or "the top"
     if (isinstance(node, nnx.Dropout) and getattr(node, "deterministic", None) is False
         and node.rate > 0):
-      what = (f"its Dropout at {where} has deterministic=False (served so, one fixed mask "
-              "applies at every step)")
+      what = (f"its Dropout at {where} has deterministic=False (served so, it drops "
+              "activations at random in every step)")
     elif (isinstance(node, nnx.BatchNorm)
           and getattr(node, "use_running_average", None) is False):
       what = (f"its BatchNorm at {where} has use_running_average=False (served so, each "

@@ -598,16 +598,16 @@ def test_steps_use_in_place_parameter_updates_as_documented(examples, config):
 
 
 def test_a_model_left_in_training_mode_is_warned_about(examples, config):
-  # Served in training mode, a model's Dropout applied one fixed mask at every step (its
-  # RNG state is compiled in), in silence; LLM raised Flax's TraceContextError.
+  # Served in training mode, a model's Dropout dropped activations at every step, in
+  # silence (Steps); LLM raised Flax's TraceContextError.
   import warnings
   model = examples.own.TinyGPT(config, rngs=nnx.Rngs(2))
   model.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
   for build in (lambda: paged_jax.Steps(model),
                 lambda: LLM(model, config, block_size=4, num_blocks=16, max_seqs=2)):
     with pytest.warns(UserWarning, match=r"model=TinyGPT may be in training mode: its "
-                      r"Dropout at drop has deterministic=False \(served so, one fixed mask "
-                      r"applies at every step\), unless paged_forward passes otherwise at the "
+                      r"Dropout at drop has deterministic=False \(served so, it drops "
+                      r"activations at random in every step\), unless paged_forward passes otherwise at the "
                       r"call; call model.eval\(\) before serving it") as seen:
       build()
     assert [w.filename for w in seen] == [__file__]
