@@ -607,8 +607,8 @@ def test_a_model_left_in_training_mode_is_warned_about(examples, config):
                 lambda: LLM(model, config, block_size=4, num_blocks=16, max_seqs=2)):
     with pytest.warns(UserWarning, match=r"model=TinyGPT may be in training mode: its "
                       r"Dropout at drop has deterministic=False \(served so, it drops "
-                      r"activations at random in every step\), unless paged_forward passes otherwise at the "
-                      r"call; call model.eval\(\) before serving it") as seen:
+                      r"activations at random in every step\), unless paged_forward passes "
+                      r"otherwise at the call; call model.eval\(\) before serving it") as seen:
       build()
     assert [w.filename for w in seen] == [__file__]
   model.eval()
