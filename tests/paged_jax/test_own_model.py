@@ -488,7 +488,8 @@ class _ScannedLayer(nnx.Module):
 
 class _NnxScannedGPT(nnx.Module):
   """Layers stacked by nnx.vmap and run by nnx.scan (a traced layer index), as Flax users
-  write deep models; the dense forward attends through the example's own model."""
+  write deep models; the embeddings and head are the example model's, the dense forward's
+  attention is written here."""
 
   def __init__(self, examples, c, rngs):
     self.c, self.dense = c, examples.own.TinyGPT(c, rngs=rngs)  # its embeddings and head
