@@ -125,6 +125,14 @@ def check_model(model, *, serving: bool = False) -> None:
   """``ValueError`` naming what ``model`` lacks to be served (module docstring); with
   ``serving`` (an engine or ``Steps`` built over it) also a warning for a model left in
   training mode (``warn_training_mode``)."""
+  _check_paged_forward(model)
+  if serving:
+    warn_training_mode(model)
+
+
+def _check_paged_forward(model) -> None:
+  """``check_model``'s checks: an ``nnx.Module`` whose ``paged_forward`` takes the
+  protocol's arguments."""
   name = type(model).__name__
   if not isinstance(model, nnx.Module):
     raise ValueError(f"model={name} must be a flax.nnx.Module with a method {_FORWARD}")
@@ -134,8 +142,6 @@ def check_model(model, *, serving: bool = False) -> None:
   try:
     params = inspect.signature(forward).parameters
   except (TypeError, ValueError):  # a builtin or C callable: trust it
-    if serving:
-      warn_training_mode(model)
     return
   kinds = [p.kind for p in params.values()]
   varargs = inspect.Parameter.VAR_POSITIONAL in kinds
@@ -155,8 +161,6 @@ def check_model(model, *, serving: bool = False) -> None:
              f"{'it' if len(required) == 1 else 'them'} a default)" if required else "")
     raise ValueError(f"model={name}.paged_forward{inspect.signature(forward)} must accept "
                      f"{_FORWARD}{extra}")
-  if serving:
-    warn_training_mode(model)
 
 
 def warn_training_mode(model) -> None:
