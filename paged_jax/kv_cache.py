@@ -262,5 +262,4 @@ class KVCache:
 
   def nbytes(self) -> int:
     """Bytes of the pool and its scales; also of an abstract cache (``jax.eval_shape``)."""
-    arrays = [x for x in self.tree_flatten_with_keys()[0] if x[1] is not None]
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for _, x in arrays)
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
