@@ -332,6 +332,31 @@ def _default_dtype(config: ModelConfig):
   return jnp.dtype(jnp.float32)
 
 
+def checkpoint_dir(path: str | os.PathLike) -> str:
+  """The checkpoint directory ``path`` names (``~`` expanded; its ``config.json`` names its
+  folder), for the weights and for the files beside them (the engine's tokenizer.json).
+
+  Raises:
+    ValueError: ``path`` is another file (a GGUF file is said not to be read).
+    CheckpointNotFoundError: no such directory (a Hub id is said not to be downloaded).
+  """
+  path = os.path.expanduser(os.fspath(path))
+  if os.path.isfile(path) and os.path.basename(path) == "config.json":
+    return os.path.dirname(path) or "."  # the checkpoint's config.json: use its folder
+  if os.path.isfile(path):
+    gguf = (" (GGUF files are not read: transformers with gguf installed dequantises one, "
+            "then save_pretrained writes a directory)" if path.endswith(".gguf") else "")
+    raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
+                     f"holding config.json and the safetensors files){gguf}")
+  if not os.path.isdir(path):
+    hub = (" (if it is a Hugging Face Hub id: nothing is downloaded; fetch it first, e.g. "
+           "huggingface-cli download, and pass its local directory)"
+           if path.count("/") == 1 and not path.startswith((".", "/")) else "")
+    raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist"
+                                  f"{hub}")
+  return path
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
                     interpret: bool = False, max_seq_len: int | None = None,
                     sharding: Callable[[tuple[str, ...], tuple[int, ...]], Any] | None = None
@@ -357,20 +382,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, impl: str = "auto",
     ValueError: unsupported model_type / feature, a missing or mis-shaped tensor, or a
       truncated or invalid safetensors file (each named).
   """
-  path = os.path.expanduser(os.fspath(path))
-  if os.path.isfile(path) and os.path.basename(path) == "config.json":
-    path = os.path.dirname(path) or "."  # the checkpoint's config.json: use its folder
-  elif os.path.isfile(path):
-    gguf = (" (GGUF files are not read: transformers with gguf installed dequantises one, "
-            "then save_pretrained writes a directory)" if path.endswith(".gguf") else "")
-    raise ValueError(f"path={path!r} is a file: pass the checkpoint directory (the folder "
-                     f"holding config.json and the safetensors files){gguf}")
-  if not os.path.isdir(path):
-    hub = (" (if it is a Hugging Face Hub id: nothing is downloaded; fetch it first, e.g. "
-           "huggingface-cli download, and pass its local directory)"
-           if path.count("/") == 1 and not path.startswith((".", "/")) else "")
-    raise CheckpointNotFoundError(f"path={path!r}: checkpoint directory does not exist"
-                                  f"{hub}")
+  path = checkpoint_dir(path)
   config = ModelConfig.from_json(os.path.join(path, "config.json"), max_seq_len=max_seq_len)
   with contextlib.ExitStack() as stack:  # one reader: its files are opened once
     reader = _CheckpointReader(path, stack)

@@ -192,15 +192,12 @@ class LLM:
     ``dtype`` is the model's (and the KV cache's) dtype; other options as ``LLM``."""
     options.check_pretrained_keywords(cls, kwargs)  # before the checkpoint is read
     # The one place the engine imports a model: the built-in checkpoint loader.
-    from paged_jax.models.loader import load_pretrained
+    from paged_jax.models.loader import checkpoint_dir, load_pretrained
     mesh = kwargs.get("mesh")  # with a mesh each tensor is loaded onto its model slice
     model, config = load_pretrained(path, dtype=dtype, impl=impl, sharding=None if mesh is None
                                     else mesh_sharding.load_placement(mesh))
     tokenizer = kwargs.pop("tokenizer", None)
-    folder = os.path.expanduser(os.fspath(path))
-    if os.path.isfile(folder):  # the checkpoint's config.json: its folder holds the rest
-      folder = os.path.dirname(folder) or "."
-    tok_path = os.path.join(folder, "tokenizer.json")
+    tok_path = os.path.join(checkpoint_dir(path), "tokenizer.json")  # beside the weights
     if tokenizer is None and os.path.isfile(tok_path):
       try:
         import tokenizers
