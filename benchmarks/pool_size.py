@@ -137,7 +137,9 @@ def _interleaved(cases, name, rounds, calls=1):
 def _own_model():
   """examples/own_model.py's TinyGPT (2 layers run in a Python loop, 2 heads of 16) and its
   config: a model whose last attention is no step of a scan over layers."""
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+  examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+  if examples not in sys.path:  # called once per pool dtype
+    sys.path.insert(0, examples)
   import own_model  # noqa: E402  (examples/ is no package)
   from flax import nnx
   config = own_model.TinyGPTConfig(vocab_size=256, max_seq_len=64)
