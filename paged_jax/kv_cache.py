@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -11,6 +12,11 @@ import numpy as np
 
 from paged_jax.pallas_kernels import layout, validation
 from paged_jax.spec import KVCacheSpec, _canonical_dtype
+
+# Python calls of ``KVCache.write`` and ``step.AttentionMetadata.for_layer``, counted as a
+# model's forward is traced: ``step.forward_step`` refuses a forward that wrote a cache of
+# KV groups without asking ``for_layer`` where its layers' K/V go.
+traced_calls = collections.Counter()
 
 
 def _check_int32_vector(name: str, x) -> None:
@@ -191,6 +197,7 @@ class KVCache:
         (K, V and the scales are separate scatters, and on an accelerator each may keep a
         different token).
     """
+    traced_calls["write"] += 1
     k_TKD, v_TKD, slots_T = k, v, validation.host_int32("slots", slots)
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
       validation.check_is_array(name, x)

@@ -29,8 +29,8 @@ own block tables and slots and the cache holds each group's layers, so each laye
 what it writes and reads from ``cache_layer, slots_T, block_tables_SP =
 metadata.for_layer(layer)`` (without groups that is ``(layer, metadata.slots_T,
 metadata.block_tables_SP)``: a model written this way serves both layouts). A model that
-ignores ``for_layer`` under groups writes a layer index past the cache's (a
-``ValueError`` when the index is a Python int; a traced index is not checked).
+ignores ``for_layer`` under groups is refused when its step traces (a Python-int layer
+index past the cache's, or a forward that writes the cache and never calls ``for_layer``).
 
 Optional, for ``LLM(..., mesh=...)`` with a "model" axis of size m > 1 (tensor
 parallelism): a method ``with_model_axis(axis_name) -> model``, a copy whose forward runs

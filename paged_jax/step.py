@@ -58,6 +58,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import allocator
+from paged_jax import kv_cache
 from paged_jax import protocol
 from paged_jax._promotion import standard_promotion
 from paged_jax.pallas_kernels import metadata
@@ -104,6 +105,7 @@ class AttentionMetadata:
     """``(cache_layer, slots_T, block_tables_SP)`` of decoder layer ``layer`` (an int or a
     traced scalar): what its ``cache.write`` and ``paged_attention`` take. Without groups
     that is ``(layer, self.slots_T, self.block_tables_SP)``."""
+    kv_cache.traced_calls["for_layer"] += 1
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
     # Indexing would clamp a layer past L to layer L - 1 (another layer's K/V, no error).
@@ -261,6 +263,23 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
                                  last_S=last_S)
 
 
+def _check_layers_asked_for_groups(model, metadata: AttentionMetadata, calls, kv_groups
+                                   ) -> None:
+  """With KV groups, a forward that wrote the cache but never called ``for_layer`` wrote
+  every layer with group 0's slots at its own index: under a traced layer index (a scan
+  over layers) nothing else catches it, and other groups' blocks are overwritten."""
+  if metadata.group_L is None or not calls["write"] or calls["for_layer"]:
+    return
+  raise ValueError(
+      f"{type(model).__name__}.paged_forward wrote the cache ({calls['write']} cache.write "
+      "call(s) traced) without calling metadata.for_layer: the cache and allocator keep "
+      f"its layers in KV groups (windows {tuple(kv_groups.windows)}: layer_windows with "
+      "windowed freeing), so each layer must take its cache layer, slots and block tables "
+      "from cache_layer, slots_T, block_tables_SP = metadata.for_layer(layer); a raw layer "
+      "index with metadata.slots_T writes and reads other layers' K/V. Or serve without "
+      "groups (LLM(..., free_outside_window=False))")
+
+
 @standard_promotion
 def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
                  num_new_S: jax.Array, *, kv_groups=None, **forward_kwargs):
@@ -291,6 +310,7 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
       raise ValueError(f"cache.{name}={have} must equal alloc_state.{name}={want}: the "
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
+  calls_before = kv_cache.traced_calls.copy()
   try:
     out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
                               logits_indices=inputs.last_S, **forward_kwargs)
@@ -307,6 +327,8 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                  f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "
                  "they must match the model)")
     raise
+  _check_layers_asked_for_groups(model, inputs.metadata, kv_cache.traced_calls - calls_before,
+                                 kv_groups)
   if (not isinstance(out, (tuple, list)) or len(out) != 2
       or not isinstance(out[0], jax.Array) or type(out[1]) is not type(cache)):
     name = lambda x: (f"an array {list(x.shape)}" if isinstance(x, jax.Array)

@@ -344,19 +344,22 @@ def test_own_model_with_sliding_layers_gives_blocks_back(examples):
 
 
 class _IgnoresGroups(nnx.Module):
-  """An own model that writes to ``layer`` and ``metadata.slots_T`` whatever the groups."""
+  """An own model that writes to ``layer`` and ``metadata.slots_T`` whatever the groups;
+  with ``traced``, its layer index is a loop's (``lax.fori_loop`` over layers)."""
 
-  def __init__(self, inner):
-    self.inner = inner
+  def __init__(self, inner, traced=False):
+    self.inner, self.traced = inner, traced
 
   def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
-    m = metadata
-    for layer in range(self.inner.c.num_layers):
-      cache = cache.write(layer, jnp.zeros((tokens_T.shape[0], self.inner.c.num_kv_heads,
-                                            self.inner.c.head_dim)),
-                          jnp.zeros((tokens_T.shape[0], self.inner.c.num_kv_heads,
-                                     self.inner.c.head_dim)), m.slots_T)
-    logits = jnp.zeros((tokens_T.shape[0], self.inner.c.vocab_size))
+    c = self.inner.c
+    kv_TKD = jnp.zeros((tokens_T.shape[0], c.num_kv_heads, c.head_dim))
+    write = lambda layer, cache: cache.write(layer, kv_TKD, kv_TKD, metadata.slots_T)
+    if self.traced:
+      cache = jax.lax.fori_loop(0, c.num_layers, write, cache)
+    else:
+      for layer in range(c.num_layers):
+        cache = write(layer, cache)
+    logits = jnp.zeros((tokens_T.shape[0], c.vocab_size))
     return (logits if logits_indices is None else logits[logits_indices]), cache
 
 
@@ -379,6 +382,20 @@ def test_layer_windows_are_checked_and_misuse_is_loud(examples):
   assert llm.kv_groups.num_groups == 2
   with pytest.raises(ValueError, match=r"layer=1 must be in \[0, L=1\)"):
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+  # The same under a traced layer index (a loop over layers), where no index is checked:
+  # layer 1 wrote group 0's slots into group 1's cache layer 0, and both layers read
+  # another layer's K/V; tokens came out wrong in silence. Refused when it compiles.
+  wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)), traced=True)
+  for serve in (lambda: LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
+                            max_tokens_per_step=8, token_buckets=(8,)).generate(
+                                [[1, 2, 3]], SamplingParams(max_tokens=2)),
+                lambda: paged_jax.step.forward_step(
+                    wrong, llm.allocator_state, paged_jax.KVCache.create(llm.spec),
+                    jnp.zeros(8, jnp.int32), jnp.asarray([3, 0]), kv_groups=llm.kv_groups)):
+    with pytest.raises(ValueError, match=r"_IgnoresGroups.paged_forward wrote the cache \(1 "
+                       r"cache.write call\(s\) traced\) without calling metadata.for_layer"
+                       r".*windows \(6, None\)"):
+      serve()
 
 
 def test_documented_decode_loop_keeps_a_dropped_sequences_token(examples, model, config):
