@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -13,10 +15,29 @@ import numpy as np
 from paged_jax.pallas_kernels import layout, validation
 from paged_jax.spec import KVCacheSpec, _canonical_dtype
 
-# Python calls of ``KVCache.write`` and ``step.AttentionMetadata.for_layer``, counted as a
-# model's forward is traced: ``step.forward_step`` refuses a forward that wrote a cache of
-# KV groups without asking ``for_layer`` where its layers' K/V go.
-traced_calls = collections.Counter()
+# While ``step.forward_step`` traces a model's forward (``counting_calls``): a Counter of
+# the Python calls of ``KVCache.write`` and ``step.AttentionMetadata.for_layer``, so that it
+# refuses a forward that wrote a cache of KV groups without asking ``for_layer`` where its
+# layers' K/V go. None elsewhere; one per thread and context.
+_traced_calls = contextvars.ContextVar("paged_jax_traced_calls", default=None)
+
+
+def count_call(name: str) -> None:
+  """Count a call of ``name`` inside ``counting_calls`` (nothing outside it)."""
+  calls = _traced_calls.get()
+  if calls is not None:
+    calls[name] += 1
+
+
+@contextlib.contextmanager
+def counting_calls():
+  """Yield a Counter of the ``count_call`` calls made inside the block."""
+  calls = collections.Counter()
+  token = _traced_calls.set(calls)
+  try:
+    yield calls
+  finally:
+    _traced_calls.reset(token)
 
 
 def _check_int32_vector(name: str, x) -> None:
@@ -197,7 +218,7 @@ class KVCache:
         (K, V and the scales are separate scatters, and on an accelerator each may keep a
         different token).
     """
-    traced_calls["write"] += 1
+    count_call("write")
     k_TKD, v_TKD, slots_T = k, v, validation.host_int32("slots", slots)
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
       validation.check_is_array(name, x)

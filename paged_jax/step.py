@@ -105,7 +105,7 @@ class AttentionMetadata:
     """``(cache_layer, slots_T, block_tables_SP)`` of decoder layer ``layer`` (an int or a
     traced scalar): what its ``cache.write`` and ``paged_attention`` take. Without groups
     that is ``(layer, self.slots_T, self.block_tables_SP)``."""
-    kv_cache.traced_calls["for_layer"] += 1
+    kv_cache.count_call("for_layer")
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
     # Indexing would clamp a layer past L to layer L - 1 (another layer's K/V, no error).
@@ -310,10 +310,10 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
       raise ValueError(f"cache.{name}={have} must equal alloc_state.{name}={want}: the "
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
-  calls_before = kv_cache.traced_calls.copy()
   try:
-    out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
-                              logits_indices=inputs.last_S, **forward_kwargs)
+    with kv_cache.counting_calls() as calls:
+      out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
+                                logits_indices=inputs.last_S, **forward_kwargs)
   except ValueError as e:
     if hasattr(e, "add_note") and "trace level" in str(e):  # Flax's, from an nnx transform
       e.add_note(f"(raised in {type(model).__name__}.paged_forward: a model that runs Flax "
@@ -327,8 +327,7 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                  f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "
                  "they must match the model)")
     raise
-  _check_layers_asked_for_groups(model, inputs.metadata, kv_cache.traced_calls - calls_before,
-                                 kv_groups)
+  _check_layers_asked_for_groups(model, inputs.metadata, calls, kv_groups)
   if (not isinstance(out, (tuple, list)) or len(out) != 2
       or not isinstance(out[0], jax.Array) or type(out[1]) is not type(cache)):
     name = lambda x: (f"an array {list(x.shape)}" if isinstance(x, jax.Array)
