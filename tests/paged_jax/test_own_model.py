@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import types
 
@@ -32,11 +33,12 @@ def examples():
   saved = list(sys.path)
   sys.path.insert(0, EXAMPLES)
   try:
+    import linen_model
     import own_model
     import serve_own_model
   finally:
     sys.path[:] = saved
-  return types.SimpleNamespace(own=own_model, serve=serve_own_model)
+  return types.SimpleNamespace(own=own_model, serve=serve_own_model, linen=linen_model)
 
 
 @pytest.fixture(scope="module")
@@ -635,3 +637,24 @@ def test_a_model_left_in_training_mode_is_warned_about(examples, config):
     paged_jax.Steps(model)
     model.drop = nnx.Dropout(0.5, deterministic=None, rngs=nnx.Rngs(dropout=1))
     paged_jax.Steps(model)  # None: decided at the call, as paged_forward passes it
+
+
+def test_a_linen_model_is_served_as_readme_shows(examples):
+  # examples/linen_model.py: a Flax Linen GPT whose paged_forward is written in Linen,
+  # served through the example's FromLinen and through README's (the same class, minus a
+  # dense __call__): every greedy token equals a loop over the Linen dense forward.
+  linen = examples.linen
+  got = linen.main(num_tokens=6)
+  assert len(got) == 3 and all(len(tokens) == 6 for tokens in got)
+  with open(os.path.join(os.path.dirname(EXAMPLES), "README.md"), encoding="utf-8") as f:
+    snippet = re.search(r"<!-- from-linen -->\n```python\n(.+?)\n```", f.read(), re.S)
+  scope = {"jax": jax, "nnx": nnx}
+  exec(compile(snippet.group(1), "README.md", "exec"), scope)  # noqa: S102
+  module = linen.LinenGPT(linen.CONFIG)
+  variables = module.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
+  llm = LLM(scope["FromLinen"](module, variables["params"]), linen.CONFIG, block_size=4,
+            num_blocks=32, max_seqs=2, max_tokens_per_step=16)
+  prompts = [[9, 8, 7, 6, 5, 4], [1, 2]]
+  outs = llm.generate(prompts, SamplingParams(max_tokens=5))
+  assert [list(o.token_ids) for o in outs] == [linen.dense_greedy(variables, p, 5)
+                                              for p in prompts]
