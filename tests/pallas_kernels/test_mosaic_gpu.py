@@ -1235,3 +1235,20 @@ def test_wave_balanced_splits(batch, context, expected):
   others = range(1, tiling_lib.MAX_SPLITS + 1)
   assert all(cost(splits) < cost(x) or (cost(splits) == cost(x) and splits <= x)
              for x in others)
+
+
+def test_kernel_keeps_mosaic_gpus_automatic_barriers():
+  # The kernel zeroes V rows in place and refills ring slots that other warps have just
+  # read, relying on the warpgroup barrier Mosaic GPU puts around shared-memory stores and
+  # before each TMA (CompilerParams.unsafe_no_auto_barriers=False). With that flag set a
+  # GPU could race where nothing here shows it: the interpreter copies eagerly, so even a
+  # kernel whose page waits never run passes every interpret test (tried), and its race
+  # detector (InterpretGPUParams(detect_races=True)) did not flag that kernel either.
+  traced = _trace("llama", 8, 2, 64, 16, T=8, S=2, variant=LOWERING_VARIANTS["all"])
+  # The kernel's call (mpmd_map in jax 0.10.2) is the one equation with compiler params.
+  calls = [e for e in _all_eqns(traced.jaxpr.jaxpr) if "compiler_params" in e.params]
+  assert len(calls) == 1, [e.primitive.name for e in calls]
+  params = calls[0].params["compiler_params"]
+  params = params.get("mosaic_gpu", params) if isinstance(params, dict) else params
+  assert getattr(params, "unsafe_no_auto_barriers", False) is False, params
+  assert hasattr(params, "approx_math"), params  # it is Mosaic GPU's CompilerParams
