@@ -51,6 +51,27 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
 
+def _scales(name: str, x, shape: tuple) -> jax.Array:
+  """Scales of a quantised pool as it keeps them: f32 ``shape`` ([L, K, N, Z], one per token
+  and KV head); a scalar (a Python float, as JAX's ragged paged attention takes its
+  ``k_scale``) stands for every token; None is scales of 1."""
+  if x is None:
+    return jnp.ones(shape, layout.SCALE_DTYPE)
+  if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+    x = np.float32(x)
+  if not _is_array(x) and not isinstance(x, np.generic):
+    raise ValueError(f"{name} is a {type(x).__name__}; it must be an array [L, K, N, Z]="
+                     f"{list(shape)} or a scalar")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name}.dtype={x.dtype} must be a floating dtype (taken as float32)")
+  if x.ndim == 0:
+    return jnp.full(shape, x, layout.SCALE_DTYPE)
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be [L, K, N, Z]={list(shape)}: one "
+                     "scale per token and KV head (or a scalar for every token)")
+  return jnp.asarray(x, layout.SCALE_DTYPE)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class KVCache:
   """K and V pages of every layer, ``[L, K, N, Z, D]`` each (``pallas_kernels.layout``).
@@ -64,8 +85,11 @@ class KVCache:
   and KV head; they are None otherwise.
 
   ``KVCache(k_pages, v_pages)`` takes pages in their logical dtype; with ``dtype`` int8 or
-  float8 and float pages it quantises them; ``KVCache(k_bits, v_bits, dtype=..., k_scales=...,
-  v_scales=...)`` takes storage bits (and scales) as they are.
+  float8 and wider float pages it quantises them (a scale per token and KV head). Pages
+  already in the quantised ``dtype`` (int8 or float8 values) are its stored values, kept as
+  they are with ``k_scales`` / ``v_scales`` (``[L, K, N, Z]`` or a scalar for every token;
+  none: scales of 1); ``KVCache(k_bits, v_bits, dtype=..., k_scales=..., v_scales=...)``
+  takes storage bits (and scales) as they are.
 
   Immutable: ``write`` and ``copy_blocks`` return a new cache. Under ``jit`` donate the
   cache argument so XLA updates the pool in place instead of copying it each step.
@@ -86,19 +110,33 @@ class KVCache:
                                  "dtype" if dtype is not None else "k_pages.dtype")
       stored = layout.storage_dtype(logical)
       quantized = layout.is_quantized(logical)
-      holds_bits = jnp.dtype(k_pages.dtype) == stored and (
-          k_pages.dtype != logical or k_scales is not None or not quantized)
-      if holds_bits:
-        if quantized and (k_scales is None or v_scales is None):
-          raise ValueError(f"k_scales and v_scales are required with {dtype=} storage bits")
+      pages_dtype = jnp.dtype(k_pages.dtype)
+      scales_given = k_scales is not None or v_scales is not None
+      if quantized and pages_dtype in (stored, logical):
+        # The pool's stored values (int8 / float8 values, or float8's uint8 bits), kept as
+        # they are with their scales; values of the pool's own dtype default to scales of 1.
+        if (k_scales is None) != (v_scales is None) or (
+            not scales_given and pages_dtype != logical):
+          raise ValueError(f"k_scales and v_scales are required with {dtype=} storage bits "
+                           "(both, or neither for pages of the pool's own dtype: scales of 1)")
+        shape = tuple(k_pages.shape[:-1])
+        k_scales, v_scales = (_scales(name, x, shape) for name, x in (
+            ("k_scales", k_scales), ("v_scales", v_scales)))
+        if pages_dtype != stored:
+          k_pages, v_pages = (layout.to_storage(jnp.asarray(x), logical)
+                              for x in (k_pages, v_pages))
+      elif scales_given:
+        what = (f"a {logical.name} pool keeps no scales" if not quantized else
+                f"{pages_dtype.name} pages are quantised here, each token's scale computed; "
+                f"pass {logical.name} values (or their storage bits) to keep scales of your own")
+        raise ValueError(f"k_scales / v_scales were given with k_pages.dtype={pages_dtype.name}"
+                         f" for dtype={logical.name}: {what}")
       elif quantized:  # float pages into a quantised pool
         (k_pages, k_scales), (v_pages, v_scales) = (
             layout.quantize(jnp.asarray(x), logical) for x in (k_pages, v_pages))
-      else:
+      elif pages_dtype != stored:
         k_pages, v_pages = (layout.to_storage(jnp.asarray(x), logical)
                             for x in (k_pages, v_pages))
-      if not quantized:
-        k_scales = v_scales = None
       dtype = logical
     # Anything else (PartitionSpecs, shardings, None) is kept as is: a pytree of specs.
     for name, value in (("k_bits", k_pages), ("v_bits", v_pages), ("k_scales", k_scales),

@@ -99,3 +99,58 @@ def test_cache_from_bits_needs_its_scales():
   bits = jnp.zeros((1, 1, 2, 4, 8), jnp.int8)
   with pytest.raises(ValueError, match="k_scales and v_scales are required"):
     KVCache(bits, bits, dtype=jnp.int8, k_scales=jnp.ones((1, 1, 2, 4)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2], ids=ids)
+def test_pages_of_the_pools_dtype_keep_the_scales_given(dtype):
+  # Stored values from elsewhere (JAX's ragged paged attention keeps float8 pages and one
+  # float k_scale / v_scale): fp8 pages with their scales were re-quantised as if they were
+  # K/V, the scales dropped in silence (2 * 0.5 read as 2, not 1), and a Python float scale
+  # failed inside paged_attention. The pages are now the pool's stored values, their scales
+  # kept: a scalar for every token, or one per token and KV head; none: scales of 1.
+  rng = np.random.default_rng(3)
+  values = jnp.asarray(rng.integers(-6, 7, size=(1, 2, 3, 4, 8)), jnp.float32).astype(dtype)
+  per_token = jnp.asarray(rng.uniform(0.1, 2.0, size=(1, 2, 3, 4)), jnp.float32)
+  as_f32 = np.asarray(values, np.float32)
+  for k_scales, v_scales, k_factor, v_factor in (
+      (0.5, 0.25, 0.5, 0.25), (per_token, per_token * 2, np.asarray(per_token)[..., None],
+                               2 * np.asarray(per_token)[..., None]),
+      (None, None, 1.0, 1.0), (np.float32(3.0), jnp.float32(0.5), 3.0, 0.5)):
+    cache = KVCache(values, values, dtype=dtype, k_scales=k_scales, v_scales=v_scales)
+    k, v = cache.dequantized()
+    np.testing.assert_array_equal(np.asarray(k), as_f32 * k_factor)
+    np.testing.assert_array_equal(np.asarray(v), as_f32 * v_factor)
+    assert cache.k_scales.dtype == jnp.float32 and cache.k_scales.shape == (1, 2, 3, 4)
+  # Attention reads them so: one sequence of 12 tokens over blocks 2, 0, 1 (Z = 4).
+  cache = KVCache(values, values, dtype=dtype, k_scales=0.5, v_scales=per_token)
+  q = jnp.asarray(rng.normal(size=(1, 2, 8)), jnp.float32)
+  args = (jnp.array([12], jnp.int32), jnp.array([[2, 0, 1]], jnp.int32),
+          jnp.array([0, 1], jnp.int32), jnp.int32(1))
+  want = paged_attention(q, KVCache(jnp.asarray(as_f32 * 0.5), jnp.asarray(
+      as_f32 * np.asarray(per_token)[..., None])), 0, *args, impl="reference")
+  for impl in ("reference", "xla"):
+    out = paged_attention(q, cache, 0, *args, impl=impl)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
+def test_scales_given_where_they_cannot_be_kept_are_refused():
+  pages = jnp.zeros((1, 1, 2, 4, 8), jnp.float32)
+  values = pages.astype(jnp.float8_e4m3fn)
+  for kwargs, match in (
+      (dict(k_pages=pages, v_pages=pages, dtype=jnp.int8, k_scales=1.0, v_scales=1.0),
+       r"k_scales / v_scales were given with k_pages.dtype=float32 for dtype=int8: float32 "
+       r"pages are quantised here"),
+      (dict(k_pages=pages, v_pages=pages, dtype=jnp.bfloat16, k_scales=1.0, v_scales=1.0),
+       r"for dtype=bfloat16: a bfloat16 pool keeps no scales"),
+      (dict(k_pages=values, v_pages=values, k_scales=jnp.ones((1, 1, 2)), v_scales=1.0),
+       r"k_scales.shape=\(1, 1, 2\) must be \[L, K, N, Z\]=\[1, 1, 2, 4\]"),
+      (dict(k_pages=values, v_pages=values, k_scales=1.0, v_scales=jnp.ones(8, jnp.int32)),
+       r"v_scales.dtype=int32 must be a floating dtype"),
+      (dict(k_pages=values, v_pages=values, k_scales=1.0, v_scales="1"),
+       r"v_scales is a str; it must be an array"),
+      (dict(k_pages=values, v_pages=values, k_scales=1.0),
+       r"k_scales and v_scales are required"),
+      (dict(k_pages=values.view(jnp.uint8), v_pages=values.view(jnp.uint8),
+            dtype=jnp.float8_e4m3fn), r"k_scales and v_scales are required")):
+    with pytest.raises(ValueError, match=match):
+      KVCache(**kwargs)
