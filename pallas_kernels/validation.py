@@ -171,7 +171,9 @@ def static_validate_inputs(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S
                      f"[{num_seq_rows + 1}], S from block_tables.shape="
                      f"{tuple(block_tables_SP.shape)} [S, P]")
   if jnp.ndim(num_seqs) != 0:
-    raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
+    extra = (" (JAX's ragged paged attention takes i32[1]: pass num_seqs[0])"
+             if jnp.shape(num_seqs) == (1,) else "")
+    raise ValueError(f"num_seqs.shape={jnp.shape(num_seqs)} must be () (a scalar i32[]){extra}")
   for name, x in (("kv_lens", kv_lens_S), ("block_tables", block_tables_SP),
                   ("cu_q_lens", cu_q_lens)):
     if not _is_int32(x):
@@ -200,7 +202,7 @@ def check_layer(layer, num_layers: int) -> None:
   elif isinstance(layer, bool) or not isinstance(layer, int):
     raise ValueError(f"layer={layer!r} must be an int (or an integer scalar array)")
   if jnp.ndim(layer) != 0:
-    raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+    raise ValueError(f"layer.shape={jnp.shape(layer)} must be () (a scalar)")
   if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < num_layers:
     raise ValueError(f"layer={int(layer)} must be in [0, L={num_layers})")
 
