@@ -14,7 +14,7 @@ from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import validation
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 from paged_jax.pallas_kernels import xla as xla_kernel
-from paged_jax.kv_cache import KVCache
+from paged_jax.kv_cache import KVCache, check_not_group_zero
 
 IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
 _PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
@@ -198,7 +198,8 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   Args:
     q: [T, H, D] queries. Sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``: its last
       ``q_len`` tokens, so row j of it sits at position ``kv_lens[i] - q_len + j`` and sees
-      positions ``<=`` its own.
+      positions ``<=`` its own. H is a multiple of the cache's K: query head h reads KV
+      head ``h // (H // K)`` (consecutive query heads share one).
     cache: the ``KVCache`` holding K/V (already written for the new tokens).
     layer: which layer's pages to read (int or traced int scalar).
     kv_lens: i32[S] tokens in each sequence's cache, the new ones included.
@@ -236,6 +237,7 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+  check_not_group_zero("block_tables", block_tables)  # in a forward over KV groups
   kv_lens, block_tables, cu_q_lens, num_seqs = _host_indices(kv_lens, block_tables, cu_q_lens,
                                                              num_seqs)
   sinks = validation.float32_sinks(sinks)

@@ -15,29 +15,58 @@ import numpy as np
 from paged_jax.pallas_kernels import layout, validation
 from paged_jax.spec import KVCacheSpec, _canonical_dtype
 
-# While ``step.forward_step`` traces a model's forward (``counting_calls``): a Counter of
-# the Python calls of ``KVCache.write`` and ``step.AttentionMetadata.for_layer``, so that it
-# refuses a forward that wrote a cache of KV groups without asking ``for_layer`` where its
-# layers' K/V go. None elsewhere; one per thread and context.
-_traced_calls = contextvars.ContextVar("paged_jax_traced_calls", default=None)
+# While ``step.forward_step`` traces a model's forward (``recording``): what the forward
+# did that KV groups make wrong. A Counter of the Python calls of ``KVCache.write`` and
+# ``step.AttentionMetadata.for_layer`` (a forward that wrote a cache of groups without
+# asking ``for_layer`` where its layers' K/V go is refused), and group 0's slots and block
+# tables as the metadata holds them (only ``for_layer`` gives a layer its group's: a write
+# or an attention handed them directly is refused). None elsewhere; one per thread.
+_record = contextvars.ContextVar("paged_jax_forward_record", default=None)
 
 
-def count_call(name: str) -> None:
-  """Count a call of ``name`` inside ``counting_calls`` (nothing outside it)."""
-  calls = _traced_calls.get()
-  if calls is not None:
-    calls[name] += 1
+@dataclasses.dataclass
+class ForwardRecord:
+  calls: collections.Counter
+  group_zero: dict  # id -> (name, array): metadata fields only for_layer may hand out
 
 
 @contextlib.contextmanager
-def counting_calls():
-  """Yield a Counter of the ``count_call`` calls made inside the block."""
-  calls = collections.Counter()
-  token = _traced_calls.set(calls)
+def recording(group_zero=()):
+  """Yield a ``ForwardRecord`` of the block; ``group_zero``: ``(name, array)`` pairs."""
+  record = ForwardRecord(collections.Counter(), {})
+  note_group_zero(*group_zero, record=record)
+  token = _record.set(record)
   try:
-    yield calls
+    yield record
   finally:
-    _traced_calls.reset(token)
+    _record.reset(token)
+
+
+def count_call(name: str) -> None:
+  """Count a call of ``name`` inside ``recording`` (nothing outside it)."""
+  record = _record.get()
+  if record is not None:
+    record.calls[name] += 1
+
+
+def note_group_zero(*named_arrays, record=None) -> None:
+  """Mark ``(name, array)`` pairs as group 0's metadata fields inside ``recording``."""
+  record = record or _record.get()
+  if record is not None:
+    for name, x in named_arrays:
+      record.group_zero[id(x)] = (name, x)
+
+
+def check_not_group_zero(argument: str, x) -> None:
+  """Inside ``recording`` with KV groups: ``x`` must not be group 0's metadata field."""
+  record = _record.get()
+  found = None if record is None else record.group_zero.get(id(x))
+  if found is not None and found[1] is x:
+    raise ValueError(
+        f"{argument} is metadata.{found[0]}, KV group 0's, but this cache keeps the layers in "
+        "KV groups (layer_windows with windowed freeing): take each layer's cache layer, "
+        "slots and block tables from cache_layer, slots_T, block_tables_SP = "
+        "metadata.for_layer(layer) and pass those to cache.write and paged_attention")
 
 
 def _check_int32_vector(name: str, x) -> None:
@@ -257,6 +286,7 @@ class KVCache:
         different token).
     """
     count_call("write")
+    check_not_group_zero("slots", slots)
     k_TKD, v_TKD, slots_T = k, v, validation.host_int32("slots", slots)
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
       validation.check_is_array(name, x)

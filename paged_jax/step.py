@@ -101,6 +101,10 @@ class AttentionMetadata:
   group_L: jax.Array | None = None
   cache_layer_L: jax.Array | None = None
 
+  def _group_zero(self) -> tuple:
+    """With groups: the fields holding group 0's slots and tables, named."""
+    return (("slots_T", self.slots_T), ("block_tables_SP", self.block_tables_SP))
+
   def for_layer(self, layer) -> tuple[Any, jax.Array, jax.Array]:
     """``(cache_layer, slots_T, block_tables_SP)`` of decoder layer ``layer`` (an int or a
     traced scalar): what its ``cache.write`` and ``paged_attention`` take. Without groups
@@ -108,6 +112,7 @@ class AttentionMetadata:
     kv_cache.count_call("for_layer")
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
+    kv_cache.note_group_zero(*self._group_zero())
     # Indexing would clamp a layer past L to layer L - 1 (another layer's K/V, no error).
     num_layers = self.group_L.shape[0]
     if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
@@ -280,6 +285,16 @@ def _check_layers_asked_for_groups(model, metadata: AttentionMetadata, calls, kv
       "groups (LLM(..., free_outside_window=False))")
 
 
+def _paged_forward(model, cache, inputs: StepInputs, kv_groups, **kwargs):
+  """``model.paged_forward`` over ``inputs``, refused where it misuses KV groups (a write or
+  an attention given group 0's slots or tables; a forward that never asks ``for_layer``)."""
+  m = inputs.metadata
+  with kv_cache.recording(m._group_zero() if m.group_L is not None else ()) as record:
+    out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, m, **kwargs)
+  _check_layers_asked_for_groups(model, m, record.calls, kv_groups)
+  return out
+
+
 @standard_promotion
 def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
                  num_new_S: jax.Array, *, kv_groups=None, **forward_kwargs):
@@ -311,9 +326,8 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
   try:
-    with kv_cache.counting_calls() as calls:
-      out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, inputs.metadata,
-                                logits_indices=inputs.last_S, **forward_kwargs)
+    out = _paged_forward(model, cache, inputs, kv_groups, logits_indices=inputs.last_S,
+                         **forward_kwargs)
   except ValueError as e:
     if hasattr(e, "add_note") and "trace level" in str(e):  # Flax's, from an nnx transform
       e.add_note(f"(raised in {type(model).__name__}.paged_forward: a model that runs Flax "
@@ -321,13 +335,12 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                  "at; inside a jax.lax.scan or while_loop body, merge it there: "
                  "graphdef, state = nnx.split(model) outside, then nnx.merge(graphdef, "
                  "jax.tree.map(lambda x: x, state)) in the body; LLM and Steps do this)")
-    elif hasattr(e, "add_note"):  # Python 3.11+: shown under the message
+    elif hasattr(e, "add_note") and "metadata.for_layer" not in str(e):  # Python 3.11+
       dims = tuple(getattr(cache, n, "?") for n in ("num_layers", "num_kv_heads", "head_dim"))
       e.add_note(f"(raised in {type(model).__name__}.paged_forward; the cache's L, K, D "
                  f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "
                  "they must match the model)")
     raise
-  _check_layers_asked_for_groups(model, inputs.metadata, calls, kv_groups)
   if (not isinstance(out, (tuple, list)) or len(out) != 2
       or not isinstance(out[0], jax.Array) or type(out[1]) is not type(cache)):
     name = lambda x: (f"an array {list(x.shape)}" if isinstance(x, jax.Array)

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import allocator
+from paged_jax import kv_groups as kv_groups_lib
 from paged_jax import protocol
 from paged_jax import step as step_api
 from paged_jax.kv_cache import KVCache
@@ -37,11 +38,14 @@ __all__ = ["assert_allocator_invariants", "assert_paged_matches_dense", "assert_
 
 
 def shuffled_allocator(num_blocks: int, block_size: int, max_seqs: int,
-                       max_blocks_per_seq: int, *, seed: int = 0) -> allocator.AllocatorState:
+                       max_blocks_per_seq: int, *, seed: int = 0,
+                       windows=None) -> allocator.AllocatorState:
   """An empty allocator whose free blocks are handed out in a random order (its free order
   is least recently used first: each block gets a random distinct past stamp), so block
-  tables are scattered over the pool, never ``0, 1, 2, ...``."""
-  state = allocator.init(num_blocks, block_size, max_seqs, max_blocks_per_seq)
+  tables are scattered over the pool, never ``0, 1, 2, ...``. ``windows``: its KV groups'
+  (``allocator.init``)."""
+  state = allocator.init(num_blocks, block_size, max_seqs, max_blocks_per_seq,
+                         windows=windows)
   stamps_N = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
   return dataclasses.replace(state, last_used=jnp.asarray(stamps_N),
                              clock=jnp.int32(num_blocks))
@@ -125,18 +129,17 @@ def _schedule(lengths: list[int], num_tokens: int, rng) -> list[list[int]]:
   return steps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kwargs"), donate_argnums=(1, 2))
-def _paged_step(params, alloc, cache, tokens_T, num_new_S, *, graphdef, kwargs):
+@functools.partial(jax.jit, static_argnames=("graphdef", "kwargs", "kv_groups"),
+                   donate_argnums=(1, 2))
+def _paged_step(params, alloc, cache, tokens_T, num_new_S, *, graphdef, kwargs, kv_groups):
   """One step of ``assert_paged_matches_dense``: the logits of every new token, and of
   each sequence's last one through ``logits_indices`` (the second forward's cache is
   kept; both write the same K/V)."""
   model = protocol.merge(graphdef, params)
-  alloc, inputs = step_api.prepare_step(alloc, tokens_T, num_new_S)
-  logits_TV, _ = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
-                                     inputs.metadata, **dict(kwargs))
-  logits_SV, cache = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache,
-                                         inputs.metadata, logits_indices=inputs.last_S,
-                                         **dict(kwargs))
+  alloc, inputs = step_api.prepare_step(alloc, tokens_T, num_new_S, kv_groups=kv_groups)
+  logits_TV, _ = step_api._paged_forward(model, cache, inputs, kv_groups, **dict(kwargs))
+  logits_SV, cache = step_api._paged_forward(model, cache, inputs, kv_groups,
+                                             logits_indices=inputs.last_S, **dict(kwargs))
   return logits_TV, logits_SV, alloc, cache, inputs
 
 
@@ -145,7 +148,8 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
                                num_blocks: int | None = None,
                                max_tokens_per_step: int | None = None,
                                cache_dtype=None, rtol: float | None = None, seed: int = 0,
-                               forward_kwargs: dict | None = None) -> dict:
+                               forward_kwargs: dict | None = None,
+                               free_outside_window: bool | None = None) -> dict:
   """Assert that ``model``'s paged forward gives its dense logits over a ragged batch.
 
   The sequences (token-id lists, of different lengths) are fed through
@@ -172,9 +176,14 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
       for a sharper one): pass ``rtol`` for yours.
     seed: the chunk schedule's and the block shuffle's seed.
     forward_kwargs: extra keyword arguments of ``paged_forward``.
+    free_outside_window: with ``config.layer_windows`` of more than one kind, the layers
+      are put in KV groups (``paged_jax.kv_groups``) as ``LLM`` does under a KV budget,
+      unless this is False (one pool of every layer): the layout where each layer must
+      take its cache layer, slots and tables from ``metadata.for_layer``.
 
   Returns:
-    ``dict(steps=..., max_rel_error=...)``.
+    ``dict(steps=..., max_rel_error=..., kv_groups=...)``: ``kv_groups`` the groups'
+    windows, None for one pool of every layer.
   """
   protocol.check_model(model)
   protocol.check_config(config)
@@ -189,13 +198,22 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
     rtol = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.int8): 4e-2,
             jnp.dtype(jnp.float8_e4m3fn): 6e-2, jnp.dtype(jnp.float8_e5m2): 1.5e-1
             }.get(dtype, 2e-2)
+  windows = protocol.layer_windows(config)
+  groups = None
+  if windows is not None and free_outside_window is not False:
+    groups = kv_groups_lib.KVGroups.from_layer_windows(windows)
+    groups = None if groups.plain else groups
+  num_groups = 1 if groups is None else groups.num_groups
   per_seq = math.ceil(longest / block_size)
   if num_blocks is None:
-    num_blocks = sum(math.ceil(n / block_size) for n in lengths) * 5 // 4 + 1
+    num_blocks = (sum(math.ceil(n / block_size) for n in lengths) * 5 // 4 + 1) * num_groups
   num_tokens = max_tokens_per_step or max(8, sum(lengths) // 2)
   spec = protocol.kv_cache_spec(config, block_size=block_size, num_blocks=num_blocks,
                                 dtype=dtype)
-  alloc = shuffled_allocator(num_blocks, block_size, num_seqs, per_seq, seed=seed)
+  if groups is not None:  # the cache holds each group's layers
+    spec = dataclasses.replace(spec, num_layers=groups.layers_per_group)
+  alloc = shuffled_allocator(num_blocks, block_size, num_seqs, per_seq, seed=seed,
+                             windows=None if groups is None else groups.windows)
   cache = nan_cache(spec)
   graphdef, params = nnx.split(model)
   static = protocol.static_graphdef(graphdef)  # one object: every step finds its compilation
@@ -218,7 +236,7 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
     tokens_T = jnp.asarray(flat + [0] * (num_tokens - len(flat)), jnp.int32)
     logits_TV, logits_SV, alloc, cache, inputs = _paged_step(
         params, alloc, cache, tokens_T, jnp.asarray(chunk, jnp.int32), graphdef=static,
-        kwargs=kwargs_key)
+        kwargs=kwargs_key, kv_groups=groups)
     ok_S = np.asarray(inputs.ok_S)
     if not ok_S.all():
       raise AssertionError(f"step {i}: allocation failed for sequences "
@@ -246,4 +264,5 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
   if compiled > 1:
     raise AssertionError(f"the paged step was compiled {compiled} times over "
                          f"{len(schedule)} steps of one shape; it must trace once")
-  return dict(steps=len(schedule), max_rel_error=worst)
+  return dict(steps=len(schedule), max_rel_error=worst,
+              kv_groups=None if groups is None else groups.windows)

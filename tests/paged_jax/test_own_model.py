@@ -126,6 +126,27 @@ def test_paged_matches_dense_over_ragged_batches(model, config):
                                        cache_dtype=jnp.int8, dense=lambda t: off(model, t))
 
 
+def test_paged_matches_dense_checks_the_kv_groups_layout(examples):
+  # A model with sliding and full layers is served in KV groups under a KV budget, where
+  # each layer must take its cache layer, slots and tables from metadata.for_layer; the
+  # helper used to test only one pool of every layer, so a model that got the groups
+  # wrong passed it and then served wrong tokens. Now it tests the groups by default.
+  own = examples.own
+  config = own.TinyGPTConfig(layer_windows=(3, None))
+  windowed = own.TinyGPT(config, rngs=nnx.Rngs(4))
+  sequences = [list(range(3, 22)), [7, 8, 9], [40 + i % 50 for i in range(15)]]
+  grouped = testing.assert_paged_matches_dense(windowed, config, sequences, seed=1)
+  assert grouped["kv_groups"] == (3, None) and grouped["max_rel_error"] < 2e-5
+  plain = testing.assert_paged_matches_dense(windowed, config, sequences, seed=1,
+                                             free_outside_window=False)
+  assert plain["kv_groups"] is None and plain["max_rel_error"] < 2e-5
+  # A model that attends over group 0's tables at every layer is refused under groups.
+  wrong = _IgnoresGroups(windowed, "tables")
+  with pytest.raises(ValueError, match=r"^block_tables is metadata\.block_tables_SP"):
+    testing.assert_paged_matches_dense(wrong, config, sequences, seed=1,
+                                       dense=lambda t: windowed(t))
+
+
 def _dense_last(examples, model, sequences):
   """Each sequence's last dense logits (the example's jitted forward, padded to 64)."""
   out = []
@@ -346,21 +367,34 @@ def test_own_model_with_sliding_layers_gives_blocks_back(examples):
 
 
 class _IgnoresGroups(nnx.Module):
-  """An own model that writes to ``layer`` and ``metadata.slots_T`` whatever the groups;
-  with ``traced``, its layer index is a loop's (``lax.fori_loop`` over layers)."""
+  """An own model that misuses KV groups, as ``how`` says: "raw" writes each layer at its
+  index with ``metadata.slots_T``; "copied" the same with a copy of those slots (so no
+  object of the metadata's reaches the write); "tables" writes as ``for_layer`` says but
+  attends over ``metadata.block_tables_SP``. ``traced``: the layer index is a loop's
+  (``lax.fori_loop`` over layers)."""
 
-  def __init__(self, inner, traced=False):
-    self.inner, self.traced = inner, traced
+  def __init__(self, inner, how="raw", traced=False):
+    self.inner, self.how, self.traced = inner, how, traced
 
   def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
-    c = self.inner.c
+    c, m = self.inner.c, metadata
     kv_TKD = jnp.zeros((tokens_T.shape[0], c.num_kv_heads, c.head_dim))
-    write = lambda layer, cache: cache.write(layer, kv_TKD, kv_TKD, metadata.slots_T)
+
+    def layer_step(layer, cache):
+      if self.how == "tables":
+        cache_layer, slots_T, _ = m.for_layer(layer)
+        cache = cache.write(cache_layer, kv_TKD, kv_TKD, slots_T)
+        paged_attention(jnp.zeros((tokens_T.shape[0], c.num_heads, c.head_dim)), cache,
+                        cache_layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs)
+        return cache
+      slots_T = m.slots_T if self.how == "raw" else m.slots_T + 0
+      return cache.write(layer, kv_TKD, kv_TKD, slots_T)
+
     if self.traced:
-      cache = jax.lax.fori_loop(0, c.num_layers, write, cache)
+      cache = jax.lax.fori_loop(0, c.num_layers, layer_step, cache)
     else:
       for layer in range(c.num_layers):
-        cache = write(layer, cache)
+        cache = layer_step(layer, cache)
     logits = jnp.zeros((tokens_T.shape[0], c.vocab_size))
     return (logits if logits_indices is None else logits[logits_indices]), cache
 
@@ -375,29 +409,38 @@ def test_layer_windows_are_checked_and_misuse_is_loud(examples):
     with pytest.raises(ValueError, match=match):
       LLM(model, types.SimpleNamespace(**fields, layer_windows=bad), block_size=4,
           num_blocks=16)
-  # Groups on, a model that writes layer 1 into a cache of one layer per group: a
-  # ValueError when the engine compiles, not a silent overwrite of another group's blocks.
+  # Groups on, a model that misuses them: a ValueError when the step traces, not a silent
+  # overwrite of another group's blocks. With a traced layer index (a loop over layers)
+  # nothing was checked and such models served wrong tokens; with a Python-int index only
+  # a layer index past the cache's was caught (layer=1 of a cache of one layer per group).
   config = own.TinyGPTConfig(layer_windows=(6, None))
-  wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)))
-  llm = LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
-            max_tokens_per_step=8, token_buckets=(8,))
-  assert llm.kv_groups.num_groups == 2
-  with pytest.raises(ValueError, match=r"layer=1 must be in \[0, L=1\)"):
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-  # The same under a traced layer index (a loop over layers), where no index is checked:
-  # layer 1 wrote group 0's slots into group 1's cache layer 0, and both layers read
-  # another layer's K/V; tokens came out wrong in silence. Refused when it compiles.
-  wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)), traced=True)
-  for serve in (lambda: LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
+  grouped = LLM(own.TinyGPT(config, rngs=nnx.Rngs(0)), config, block_size=4,
+                kv_budget_bytes=2**16, max_seqs=2, max_tokens_per_step=8, token_buckets=(8,))
+  assert grouped.kv_groups.num_groups == 2
+  group_zero = r"metadata\.{}, KV group 0's, but this cache keeps the layers in KV groups"
+  never = (r"_IgnoresGroups.paged_forward wrote the cache \(\d cache.write call\(s\) "
+           r"traced\) without calling metadata.for_layer.*windows \(6, None\)")
+  for how, match in (("raw", r"^slots is " + group_zero.format("slots_T")),
+                     ("tables", r"^block_tables is " + group_zero.format("block_tables_SP")),
+                     ("copied", never)):
+    for traced in (False, True):
+      if how == "copied" and not traced:
+        match_here = r"layer=1 must be in \[0, L=1\)"  # caught at layer 1's write
+      else:
+        match_here = match
+      wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)), how, traced)
+      serves = (lambda: LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
                             max_tokens_per_step=8, token_buckets=(8,)).generate(
                                 [[1, 2, 3]], SamplingParams(max_tokens=2)),
                 lambda: paged_jax.step.forward_step(
-                    wrong, llm.allocator_state, paged_jax.KVCache.create(llm.spec),
-                    jnp.zeros(8, jnp.int32), jnp.asarray([3, 0]), kv_groups=llm.kv_groups)):
-    with pytest.raises(ValueError, match=r"_IgnoresGroups.paged_forward wrote the cache \(1 "
-                       r"cache.write call\(s\) traced\) without calling metadata.for_layer"
-                       r".*windows \(6, None\)"):
-      serve()
+                    wrong, grouped.allocator_state, paged_jax.KVCache.create(grouped.spec),
+                    jnp.zeros(8, jnp.int32), jnp.asarray([3, 0]),
+                    kv_groups=grouped.kv_groups),
+                lambda: testing.assert_paged_matches_dense(wrong, config, [[1, 2, 3, 4, 5]],
+                                                           dense=lambda t: None))
+      for serve in serves:
+        with pytest.raises(ValueError, match=match_here):
+          serve()
 
 
 def test_documented_decode_loop_keeps_a_dropped_sequences_token(examples, model, config):
@@ -641,8 +684,12 @@ def test_a_model_left_in_training_mode_is_warned_about(examples, config):
 
 def test_a_linen_model_is_served_as_readme_shows(examples):
   # examples/linen_model.py: a Flax Linen GPT whose paged_forward is written in Linen,
-  # served through the example's FromLinen and through README's (the same class, minus a
-  # dense __call__): every greedy token equals a loop over the Linen dense forward.
+  # served through the example's FromLinen, and through README's with a collection
+  # besides "params" (a batch_stats shift of the logits, which Linen's apply needs: a
+  # params-only wrapper failed with Flax's ScopeCollectionNotFound). Every greedy token
+  # equals a loop over the Linen dense forward, and README's class has the dense
+  # __call__ paged_jax.testing uses.
+  import flax.linen as nn
   linen = examples.linen
   got = linen.main(num_tokens=6)
   assert len(got) == 3 and all(len(tokens) == 6 for tokens in got)
@@ -650,11 +697,37 @@ def test_a_linen_model_is_served_as_readme_shows(examples):
     snippet = re.search(r"<!-- from-linen -->\n```python\n(.+?)\n```", f.read(), re.S)
   scope = {"jax": jax, "nnx": nnx}
   exec(compile(snippet.group(1), "README.md", "exec"), scope)  # noqa: S102
-  module = linen.LinenGPT(linen.CONFIG)
+
+  class Shifted(nn.Module):
+    def setup(self):
+      self.gpt = linen.LinenGPT(linen.CONFIG)
+      self.shift = self.variable("batch_stats", "shift", jnp.zeros, (linen.CONFIG.vocab_size,))
+
+    def paged_forward(self, *args, **kwargs):
+      logits, cache = self.gpt.paged_forward(*args, **kwargs)
+      return logits + self.shift.value, cache
+
+    def __call__(self, tokens_BT):
+      return self.gpt(tokens_BT) + self.shift.value
+
+  module = Shifted()
   variables = module.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
-  llm = LLM(scope["FromLinen"](module, variables["params"]), linen.CONFIG, block_size=4,
-            num_blocks=32, max_seqs=2, max_tokens_per_step=16)
+  shift = jnp.asarray(np.random.default_rng(0).normal(size=linen.CONFIG.vocab_size) * 3,
+                      jnp.float32)
+  variables = {"params": variables["params"], "batch_stats": {"shift": shift}}
+  model = scope["FromLinen"](module, variables)
+  testing.assert_paged_matches_dense(model, linen.CONFIG, [[9, 8, 7, 6, 5, 4, 3], [1, 2]])
+  llm = LLM(model, linen.CONFIG, block_size=4, num_blocks=32, max_seqs=2,
+            max_tokens_per_step=16)
   prompts = [[9, 8, 7, 6, 5, 4], [1, 2]]
-  outs = llm.generate(prompts, SamplingParams(max_tokens=5))
-  assert [list(o.token_ids) for o in outs] == [linen.dense_greedy(variables, p, 5)
-                                              for p in prompts]
+  outs = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=5))]
+
+  def dense_greedy(model, prompt):
+    seq = list(prompt)
+    for _ in range(5):
+      seq.append(int(jnp.argmax(model(jnp.asarray([seq], jnp.int32))[0, -1])))
+    return seq[len(prompt):]
+
+  assert outs == [dense_greedy(model, p) for p in prompts]
+  unshifted = scope["FromLinen"](module, dict(variables, batch_stats={"shift": shift * 0}))
+  assert outs != [dense_greedy(unshifted, p) for p in prompts]  # the shift is served
