@@ -7,7 +7,7 @@ holds its trained parameters as ``nnx.Param``s and calls ``module.apply`` with t
   logits_indices=None)`` returning ``(logits, cache)``; its layers write K/V with
   ``cache.write`` and attend with ``paged_attention``, exactly as an NNX model's do (the
   cache and metadata are pytrees, passed through ``apply`` like any array argument);
-- ``FromLinen(module, variables["params"])`` is the model ``LLM`` serves.
+- ``FromLinen(module, variables)`` is the model ``LLM`` serves.
 
 ``main()`` initialises a small GPT-style Linen model (``init`` on its dense ``__call__``:
 both methods share the same submodules, so one set of parameters serves both), serves
@@ -93,23 +93,26 @@ class LinenGPT(nn.Module):
 
 
 class FromLinen(nnx.Module):
-  """An NNX model ``LLM`` serves: a Linen module and its ``params`` (the ``"params"``
-  collection, a trained checkpoint's or ``init``'s), held as ``nnx.Param``s."""
+  """An NNX model ``LLM`` serves: a Linen module and its ``variables`` (``init``'s, or a
+  checkpoint's: a dict or ``FrozenDict`` of collections), "params" held as ``nnx.Param``s
+  and any other collection (batch_stats, ...) as ``nnx.Variable``s, all read-only."""
 
-  def __init__(self, module: nn.Module, params):
+  def __init__(self, module: nn.Module, variables):
     self.module = module
-    self.params = nnx.data(jax.tree.map(nnx.Param, params))
+    self.variables = nnx.data({name: jax.tree.map(nnx.Param if name == "params" else
+                                                  nnx.Variable, tree)
+                               for name, tree in variables.items()})
 
-  def _variables(self):
-    is_param = lambda x: isinstance(x, nnx.Param)
-    return {"params": jax.tree.map(lambda p: p[...], self.params, is_leaf=is_param)}
+  def _values(self):
+    return jax.tree.map(lambda v: v[...], self.variables,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
-    return self.module.apply(self._variables(), tokens_T, positions_T, cache, metadata,
+    return self.module.apply(self._values(), tokens_T, positions_T, cache, metadata,
                              logits_indices=logits_indices, method="paged_forward")
 
-  def __call__(self, tokens_BT):
-    return self.module.apply(self._variables(), tokens_BT)
+  def __call__(self, tokens_BT):  # the dense forward, for paged_jax.testing
+    return self.module.apply(self._values(), tokens_BT)
 
 
 @jax.jit
@@ -130,7 +133,7 @@ def dense_greedy(variables, prompt, num_tokens):
 def main(num_tokens: int = 8) -> list[list[int]]:
   module = LinenGPT(CONFIG)
   variables = module.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-  llm = LLM(FromLinen(module, variables["params"]), CONFIG, block_size=4, num_blocks=32,
+  llm = LLM(FromLinen(module, variables), CONFIG, block_size=4, num_blocks=32,
             max_seqs=4, max_tokens_per_step=32)
   prompts = [[5, 17, 33, 2, 64], [7, 7, 80, 1, 0, 45, 2, 90, 33, 12, 8], [11, 12, 13]]
   outs = llm.generate(prompts, SamplingParams(max_tokens=num_tokens))
