@@ -315,3 +315,23 @@ def test_window_benchmark_quick_mode(capsys):
   decode = [r for r in rows if r["workload"].startswith("decode")]
   assert len({r["window_pages_max"] for r in decode}) == 1
   assert decode[-1]["full_pages_max"] > decode[0]["full_pages_max"]
+
+
+@pytest.mark.parametrize("impl", ("reference", "xla", "pallas_tpu", "pallas_gpu",
+                                  "pallas_mosaic_gpu"))
+def test_a_window_one_short_of_a_full_table_hides_the_first_key(impl):
+  # Two sequences of 16 tokens fill their tables exactly (Z = 8, P = 2: no spare entry,
+  # which every other case keeps). A window of P * Z - 1 = 15 hides key 0 from the query
+  # at position 15 (p - W < k: k > 0) and from no other. A kernel that took a window of
+  # P * Z - 1 or more as "wider than any sequence" dropped it: off by 8e-2 here, where the
+  # grids (always a spare page) passed.
+  case = cases.make_case(5, q_lens=[1, 3], kv_lens=[16, 16], num_kv_heads=1, group=2,
+                         head_dim=64, block_size=8, spare_pages=0)
+  assert case.jax_args()[5].shape[1] * 8 == 16
+  q, k_pages, v_pages, layer, kv_lens, tables, cu, num_seqs = case.jax_args()
+  cache = KVCache(k_pages=k_pages, v_pages=v_pages)
+  out = paged_attention(q, cache, layer, kv_lens, tables, cu, num_seqs, sliding_window=15,
+                        impl=impl, interpret=impl.startswith("pallas"))
+  check(case, out, jnp.float32, sliding_window=15)
+  unwindowed = cases.oracle(case)
+  assert np.abs(np.asarray(out)[0] - unwindowed[0]).max() > 1e-3  # key 0 was hidden
