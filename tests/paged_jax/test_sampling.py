@@ -117,3 +117,40 @@ def test_truncation_touches_only_the_rows_that_ask_for_it():
   np.testing.assert_array_equal(np.asarray(got), [
       [0.0, -18.5, -19.0, inf, inf], [0.0, -18.5, -19.0, -19.5, -20.0],
       [0.0, inf, inf, inf, inf]])
+
+
+def test_logprobs_are_the_raw_distributions_at_any_temperature_and_truncation():
+  # Temperature, top-k and top-p change which token is drawn, never the log-probability
+  # reported for it: log_softmax of the raw logits (as greedy's). Checked only at
+  # temperatures 0 and 1 before, where tempered and raw coincide.
+  for kwargs in (dict(temperature=2.0), dict(temperature=0.5, top_k=2),
+                 dict(temperature=1.5, top_p=0.7)):
+    tokens, lps = _draw(LOGITS, **kwargs)
+    assert len(set(tokens.tolist())) > 1, kwargs  # sampled, not one token
+    np.testing.assert_allclose(lps, np.log(PROBS)[tokens], rtol=1e-5, err_msg=str(kwargs))
+
+
+def test_top_p_keeps_no_token_whose_preceding_mass_reaches_it():
+  # Probabilities 0.5, 0.25, 0.25: the mass before token 1 is exactly 0.5 in float32, so
+  # top_p = 0.5 keeps token 0 alone (the smallest set whose mass reaches top_p); "<=" kept
+  # all three.
+  tokens, _ = _draw(np.log([0.5, 0.25, 0.25]), top_p=0.5)
+  assert np.all(tokens == 0)
+
+
+def test_each_row_of_a_mixed_batch_draws_by_its_own_parameters():
+  # One [S, V] call: greedy rows, rows sampling the whole distribution and rows truncated
+  # to their top token, interleaved. A batch-wide switch (truncate or draw only when
+  # every row asks) sampled the truncated rows freely or made the sampled rows greedy.
+  rows = 3000
+  kind = np.arange(rows) % 3  # 0: greedy, 1: temperature 1, 2: temperature 1 and top-k 1
+  logits_SV = jnp.broadcast_to(jnp.asarray(LOGITS[::-1].copy(), jnp.float32), (rows, 4))
+  keys = request_keys(jnp.full(rows, 5, jnp.uint32), jnp.zeros(rows, jnp.int32),
+                      jnp.arange(rows, dtype=jnp.int32))
+  tokens, _ = jax.jit(sample)(logits_SV, jnp.asarray(np.where(kind == 0, 0.0, 1.0),
+                                                     jnp.float32),
+                              jnp.asarray(np.where(kind == 2, 1, 0), jnp.int32),
+                              jnp.ones(rows, jnp.float32), keys)
+  tokens = np.asarray(tokens)
+  assert np.all(tokens[kind != 1] == 3)  # the argmax of the reversed distribution
+  np.testing.assert_allclose(_freq(tokens[kind == 1], 4), PROBS[::-1], atol=0.04)
