@@ -426,3 +426,12 @@ def test_groups_machine_long():
       GroupsMachine,
       settings=hypothesis.settings(max_examples=60, stateful_step_count=40, deadline=None,
                                    suppress_health_check=list(hypothesis.HealthCheck)))
+
+
+def test_utilization_counts_the_partial_block_of_every_group():
+  # Two groups (full, window 8), Z = 4: 5 tokens take 2 blocks in each group, 4 blocks of
+  # 16 slots; each group's last block holds 1 of 4 slots, 3 wasted per group:
+  # 1 - 2 * 3 / 16 = 0.625 (counting one group's waste gave 0.8125).
+  state, ok = A.append(A.init(16, 4, 2, 4, windows=(None, 8)), jnp.array([5, 0], jnp.int32))
+  assert bool(ok.all()) and int(state.num_free) == 12
+  assert float(A.utilization(state)) == 0.625

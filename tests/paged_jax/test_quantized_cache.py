@@ -154,3 +154,16 @@ def test_scales_given_where_they_cannot_be_kept_are_refused():
             dtype=jnp.float8_e4m3fn), r"k_scales and v_scales are required")):
     with pytest.raises(ValueError, match=match):
       KVCache(**kwargs)
+
+
+@pytest.mark.parametrize("dtype, fmax", [(jnp.int8, 127.0), (jnp.float8_e4m3fn, 448.0),
+                                         (jnp.float8_e5m2, 57344.0)], ids=["int8", "e4m3fn",
+                                                                          "e5m2"])
+def test_a_tokens_scale_is_its_largest_magnitude_over_the_formats_largest(dtype, fmax):
+  # The documented rule, exactly: scale = amax / (the format's largest finite value), so
+  # the largest element is stored as that value (a power-of-two amax keeps it exact).
+  spec = KVCacheSpec(1, 1, 4, 2, 1, dtype)
+  k_TKD = jnp.asarray([[[0.25, -fmax * 0.5, 1.0, 0.0]]], jnp.float32)
+  cache = KVCache.create(spec).write(0, k_TKD, k_TKD * 4, jnp.array([1], jnp.int32))
+  assert float(cache.k_scales[0, 0, 0, 1]) == 0.5 and float(cache.v_scales[0, 0, 0, 1]) == 2.0
+  assert float(cache.k_pages[0, 0, 0, 1, 1]) == -fmax
