@@ -872,3 +872,24 @@ def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
     list(stream)
   assert len(calls) == 3 and admitted == [[0, 1]]
   assert [m.tolist() for m in aborted] == [[True, True]]
+
+
+def test_the_kth_sampled_token_is_drawn_with_the_request_key_of_index_k(llm, model):
+  # request_keys(seed, fork, k) for the k-th generated token (k = 0 first), as the engine
+  # documents: the draws replay outside the engine from the dense logits. Nothing pinned
+  # the index (an absolute position in its place passed every engine test).
+  from paged_jax.sampling import request_keys, sample
+  prompt = _prompts((7,), seed=12)[0]
+  out, = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=77,
+                                               ignore_eos=True))
+  fwd = jax.jit(lambda t: model(t)[0].astype(jnp.float32))
+  seq = list(prompt)
+  for k, token in enumerate(out.token_ids):
+    padded = np.zeros((1, ORACLE_LEN), np.int32)
+    padded[0, :len(seq)] = seq
+    logits_V = fwd(jnp.asarray(padded))[len(seq) - 1]
+    key = request_keys(jnp.asarray([77], jnp.uint32), jnp.zeros(1, jnp.int32),
+                       jnp.asarray([k], jnp.int32))
+    want, _ = sample(logits_V[None], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), key)
+    assert token == int(want[0]), (k, out.token_ids)
+    seq.append(token)
