@@ -14,7 +14,7 @@ from paged_jax.pallas_kernels import layout
 from paged_jax.pallas_kernels import validation
 from paged_jax.pallas_kernels.reference import ragged_paged_attention_reference
 from paged_jax.pallas_kernels import xla as xla_kernel
-from paged_jax.kv_cache import KVCache, check_not_group_zero
+from paged_jax.kv_cache import KVCache, check_not_misused
 
 IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
 _PALLAS_MODULES = {"pallas_tpu": "paged_jax.pallas_kernels.tpu",
@@ -237,7 +237,8 @@ def paged_attention(q, cache: KVCache, layer, kv_lens, block_tables, cu_q_lens, 
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-  check_not_group_zero("block_tables", block_tables)  # in a forward over KV groups
+  check_not_misused("layer", layer)  # in a forward over KV groups
+  check_not_misused("block_tables", block_tables)
   kv_lens, block_tables, cu_q_lens, num_seqs = _host_indices(kv_lens, block_tables, cu_q_lens,
                                                              num_seqs)
   sinks = validation.float32_sinks(sinks)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -15,58 +14,46 @@ import numpy as np
 from paged_jax.pallas_kernels import layout, validation
 from paged_jax.spec import KVCacheSpec, _canonical_dtype
 
-# While ``step.forward_step`` traces a model's forward (``recording``): what the forward
-# did that KV groups make wrong. A Counter of the Python calls of ``KVCache.write`` and
-# ``step.AttentionMetadata.for_layer`` (a forward that wrote a cache of groups without
-# asking ``for_layer`` where its layers' K/V go is refused), and group 0's slots and block
-# tables as the metadata holds them (only ``for_layer`` gives a layer its group's: a write
-# or an attention handed them directly is refused). None elsewhere; one per thread.
+# While ``step.forward_step`` traces a model's forward (``recording``): the values a
+# forward over KV groups must not hand to ``KVCache.write`` or ``paged_attention``: group
+# 0's slots and block tables as the metadata holds them, and a traced layer index given to
+# ``metadata.for_layer`` (only the cache layer, slots and tables it returns are a layer's).
+# Each is refused on sight, by identity: nothing else is ever refused. None elsewhere; one
+# per thread.
 _record = contextvars.ContextVar("paged_jax_forward_record", default=None)
 
 
-@dataclasses.dataclass
-class ForwardRecord:
-  calls: collections.Counter
-  group_zero: dict  # id -> (name, array): metadata fields only for_layer may hand out
-
-
 @contextlib.contextmanager
-def recording(group_zero=()):
-  """Yield a ``ForwardRecord`` of the block; ``group_zero``: ``(name, array)`` pairs."""
-  record = ForwardRecord(collections.Counter(), {})
-  note_group_zero(*group_zero, record=record)
+def recording(misused=()):
+  """Yield the record (id -> (description, value)) of the block; ``misused``: ``(description,
+  value)`` pairs to refuse from the start."""
+  record: dict = {}
   token = _record.set(record)
   try:
+    note_misused(*misused)
     yield record
   finally:
     _record.reset(token)
 
 
-def count_call(name: str) -> None:
-  """Count a call of ``name`` inside ``recording`` (nothing outside it)."""
+def note_misused(*described_values) -> None:
+  """Inside ``recording``: refuse each ``(description, value)``'s value from now on."""
   record = _record.get()
   if record is not None:
-    record.calls[name] += 1
+    for description, x in described_values:
+      record[id(x)] = (description, x)  # the value is kept alive: its id stays its own
 
 
-def note_group_zero(*named_arrays, record=None) -> None:
-  """Mark ``(name, array)`` pairs as group 0's metadata fields inside ``recording``."""
-  record = record or _record.get()
-  if record is not None:
-    for name, x in named_arrays:
-      record.group_zero[id(x)] = (name, x)
-
-
-def check_not_group_zero(argument: str, x) -> None:
-  """Inside ``recording`` with KV groups: ``x`` must not be group 0's metadata field."""
+def check_not_misused(argument: str, x) -> None:
+  """Inside ``recording`` with KV groups: ``x`` must not be a value ``note_misused`` named."""
   record = _record.get()
-  found = None if record is None else record.group_zero.get(id(x))
-  if found is not None and found[1] is x:
+  found = None if record is None else record.get(id(x))
+  if found is not None:
     raise ValueError(
-        f"{argument} is metadata.{found[0]}, KV group 0's, but this cache keeps the layers in "
-        "KV groups (layer_windows with windowed freeing): take each layer's cache layer, "
-        "slots and block tables from cache_layer, slots_T, block_tables_SP = "
-        "metadata.for_layer(layer) and pass those to cache.write and paged_attention")
+        f"{argument} is {found[0]}, but this cache keeps the layers in KV groups "
+        "(layer_windows with windowed freeing): take each layer's cache layer, slots and "
+        "block tables from cache_layer, slots_T, block_tables_SP = metadata.for_layer(layer) "
+        "and pass those to cache.write and paged_attention")
 
 
 def _check_int32_vector(name: str, x) -> None:
@@ -87,6 +74,8 @@ def _scales(name: str, x, shape: tuple) -> jax.Array:
   if x is None:
     return jnp.ones(shape, layout.SCALE_DTYPE)
   if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+    if not (math.isfinite(x) and x > 0):
+      raise ValueError(f"{name}={x!r} must be a finite number > 0")
     x = np.float32(x)
   if not _is_array(x) and not isinstance(x, np.generic):
     raise ValueError(f"{name} is a {type(x).__name__}; it must be an array [L, K, N, Z]="
@@ -128,6 +117,9 @@ class KVCache:
 
   def __init__(self, k_pages, v_pages, dtype=None, k_scales=None, v_scales=None):
     if _is_array(k_pages) and _is_array(v_pages):
+      # Host (NumPy) pages become JAX arrays: a pool kept as NumPy cannot be written.
+      k_pages, v_pages = (jnp.asarray(x) if isinstance(x, np.ndarray) else x
+                          for x in (k_pages, v_pages))
       if k_pages.shape != v_pages.shape:
         raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal k_pages.shape="
                          f"{tuple(k_pages.shape)}")
@@ -146,8 +138,13 @@ class KVCache:
         # they are with their scales; values of the pool's own dtype default to scales of 1.
         if (k_scales is None) != (v_scales is None) or (
             not scales_given and pages_dtype != logical):
-          raise ValueError(f"k_scales and v_scales are required with {dtype=} storage bits "
-                           "(both, or neither for pages of the pool's own dtype: scales of 1)")
+          missing = "v_scales" if v_scales is None and k_scales is not None else (
+              "k_scales" if k_scales is None and v_scales is not None else "k_scales and "
+              "v_scales")
+          raise ValueError(f"{missing} must be given with {pages_dtype.name} pages for "
+                           f"dtype={logical.name}: k_scales and v_scales are required "
+                           "together (or neither, for pages of the pool's own dtype: scales "
+                           "of 1; storage bits need both)")
         shape = tuple(k_pages.shape[:-1])
         k_scales, v_scales = (_scales(name, x, shape) for name, x in (
             ("k_scales", k_scales), ("v_scales", v_scales)))
@@ -285,8 +282,8 @@ class KVCache:
         (K, V and the scales are separate scatters, and on an accelerator each may keep a
         different token).
     """
-    count_call("write")
-    check_not_group_zero("slots", slots)
+    check_not_misused("layer", layer)
+    check_not_misused("slots", slots)
     k_TKD, v_TKD, slots_T = k, v, validation.host_int32("slots", slots)
     for name, x in (("k", k_TKD), ("v", v_TKD), ("slots", slots_T)):
       validation.check_is_array(name, x)

@@ -10,9 +10,10 @@ taking i32[T] tokens and positions, the ``KVCache`` and an ``AttentionMetadata``
 ``logits_indices`` i32[S] when given) and the new cache. Its layers call
 ``cache.write(layer, k_TKD, v_TKD, metadata.slots_T)`` and ``paged_attention(q_THD, cache,
 layer, metadata.kv_lens_S, metadata.block_tables_SP, metadata.cu_q_lens,
-metadata.num_seqs)``. Nothing else is required (its attributes need not hash: a config
-kept as a plain, mutable dataclass is served); the built-in decoders
-(``paged_jax.models.Decoder``) are one implementation.
+metadata.num_seqs)`` (under KV groups, below, with what ``metadata.for_layer(layer)``
+returns in place of the layer, slots and tables). Nothing else is required (its
+attributes need not hash: a config kept as a plain, mutable dataclass is served); the
+built-in decoders (``paged_jax.models.Decoder``) are one implementation.
 
 A config is any object with the int fields ``num_layers``, ``num_kv_heads``, ``head_dim``
 (the KV cache's shape), ``vocab_size`` (prompt validation) and ``max_seq_len`` (longest
@@ -29,8 +30,9 @@ own block tables and slots and the cache holds each group's layers, so each laye
 what it writes and reads from ``cache_layer, slots_T, block_tables_SP =
 metadata.for_layer(layer)`` (without groups that is ``(layer, metadata.slots_T,
 metadata.block_tables_SP)``: a model written this way serves both layouts). A model that
-ignores ``for_layer`` under groups is refused when its step traces (a Python-int layer
-index past the cache's, or a forward that writes the cache and never calls ``for_layer``).
+ignores ``for_layer`` under groups is refused when its step traces where that shows: a
+write or an attention given ``metadata.slots_T`` / ``metadata.block_tables_SP`` or the
+traced index given to ``for_layer``, or a Python-int layer index past the cache's.
 
 Optional, for ``LLM(..., mesh=...)`` with a "model" axis of size m > 1 (tensor
 parallelism): a method ``with_model_axis(axis_name) -> model``, a copy whose forward runs

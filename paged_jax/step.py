@@ -75,7 +75,8 @@ class AttentionMetadata:
 
   A model's layers call ``cache.write(layer, k_TKD, v_TKD, metadata.slots_T)`` and
   ``paged_attention(q_THD, cache, layer, metadata.kv_lens_S, metadata.block_tables_SP,
-  metadata.cu_q_lens, metadata.num_seqs)``.
+  metadata.cu_q_lens, metadata.num_seqs)``; with KV groups (``for_layer``) each layer takes
+  the cache layer, slots and tables ``for_layer(layer)`` returns in their place.
 
   Attributes:
     slots_T: i32[T] flat slot (``block_id * Z + offset``) each token's K/V is written to;
@@ -102,17 +103,17 @@ class AttentionMetadata:
   cache_layer_L: jax.Array | None = None
 
   def _group_zero(self) -> tuple:
-    """With groups: the fields holding group 0's slots and tables, named."""
-    return (("slots_T", self.slots_T), ("block_tables_SP", self.block_tables_SP))
+    """With groups: the fields holding group 0's slots and tables, described."""
+    return (("metadata.slots_T, KV group 0's", self.slots_T),
+            ("metadata.block_tables_SP, KV group 0's", self.block_tables_SP))
 
   def for_layer(self, layer) -> tuple[Any, jax.Array, jax.Array]:
     """``(cache_layer, slots_T, block_tables_SP)`` of decoder layer ``layer`` (an int or a
     traced scalar): what its ``cache.write`` and ``paged_attention`` take. Without groups
     that is ``(layer, self.slots_T, self.block_tables_SP)``."""
-    kv_cache.count_call("for_layer")
     if self.group_L is None:
       return layer, self.slots_T, self.block_tables_SP
-    kv_cache.note_group_zero(*self._group_zero())
+    kv_cache.note_misused(*self._group_zero())
     # Indexing would clamp a layer past L to layer L - 1 (another layer's K/V, no error).
     num_layers = self.group_L.shape[0]
     if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
@@ -120,6 +121,8 @@ class AttentionMetadata:
         raise ValueError(f"layer={layer} must be in [0, L={num_layers})")
       g = self.group_L[layer]
       return self.cache_layer_L[layer], self.slots_gT[g], self.block_tables_gSP[g]
+    kv_cache.note_misused(("the layer index given to metadata.for_layer, not the cache "
+                           "layer it returns", layer))
     inside = (layer >= 0) & (layer < num_layers)  # traced: outside, a cache layer of -1,
     clipped = jnp.clip(layer, 0, num_layers - 1)   # which writes and reads nothing
     g = self.group_L[clipped]
@@ -268,31 +271,12 @@ def prepare_step(alloc_state: allocator.AllocatorState, tokens_T: jax.Array,
                                  last_S=last_S)
 
 
-def _check_layers_asked_for_groups(model, metadata: AttentionMetadata, calls, kv_groups
-                                   ) -> None:
-  """With KV groups, a forward that wrote the cache but never called ``for_layer`` wrote
-  every layer with group 0's slots at its own index: under a traced layer index (a scan
-  over layers) nothing else catches it, and other groups' blocks are overwritten."""
-  if metadata.group_L is None or not calls["write"] or calls["for_layer"]:
-    return
-  raise ValueError(
-      f"{type(model).__name__}.paged_forward wrote the cache ({calls['write']} cache.write "
-      "call(s) traced) without calling metadata.for_layer: the cache and allocator keep "
-      f"its layers in KV groups (windows {tuple(kv_groups.windows)}: layer_windows with "
-      "windowed freeing), so each layer must take its cache layer, slots and block tables "
-      "from cache_layer, slots_T, block_tables_SP = metadata.for_layer(layer); a raw layer "
-      "index with metadata.slots_T writes and reads other layers' K/V. Or serve without "
-      "groups (LLM(..., free_outside_window=False))")
-
-
-def _paged_forward(model, cache, inputs: StepInputs, kv_groups, **kwargs):
-  """``model.paged_forward`` over ``inputs``, refused where it misuses KV groups (a write or
-  an attention given group 0's slots or tables; a forward that never asks ``for_layer``)."""
+def paged_forward_checked(model, cache, inputs: StepInputs, **kwargs):
+  """``model.paged_forward`` over ``inputs``; with KV groups, a write or an attention given
+  group 0's slots or tables, or the raw traced index given to ``for_layer``, is refused."""
   m = inputs.metadata
-  with kv_cache.recording(m._group_zero() if m.group_L is not None else ()) as record:
-    out = model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, m, **kwargs)
-  _check_layers_asked_for_groups(model, m, record.calls, kv_groups)
-  return out
+  with kv_cache.recording(m._group_zero() if m.group_L is not None else ()):
+    return model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, m, **kwargs)
 
 
 @standard_promotion
@@ -326,8 +310,8 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
   try:
-    out = _paged_forward(model, cache, inputs, kv_groups, logits_indices=inputs.last_S,
-                         **forward_kwargs)
+    out = paged_forward_checked(model, cache, inputs, logits_indices=inputs.last_S,
+                                **forward_kwargs)
   except ValueError as e:
     if hasattr(e, "add_note") and "trace level" in str(e):  # Flax's, from an nnx transform
       e.add_note(f"(raised in {type(model).__name__}.paged_forward: a model that runs Flax "
@@ -337,8 +321,11 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                  "jax.tree.map(lambda x: x, state)) in the body; LLM and Steps do this)")
     elif hasattr(e, "add_note") and "metadata.for_layer" not in str(e):  # Python 3.11+
       dims = tuple(getattr(cache, n, "?") for n in ("num_layers", "num_kv_heads", "head_dim"))
+      source = ("num_layers (with KV groups: the layers of one group; each layer's cache "
+                "layer comes from metadata.for_layer(layer))"
+                if inputs.metadata.group_L is not None else "num_layers")
       e.add_note(f"(raised in {type(model).__name__}.paged_forward; the cache's L, K, D "
-                 f"{dims} come from the config's num_layers, num_kv_heads and head_dim: "
+                 f"{dims} come from the config's {source}, num_kv_heads and head_dim: "
                  "they must match the model)")
     raise
   if (not isinstance(out, (tuple, list)) or len(out) != 2

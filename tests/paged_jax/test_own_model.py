@@ -140,6 +140,29 @@ def test_paged_matches_dense_checks_the_kv_groups_layout(examples):
   plain = testing.assert_paged_matches_dense(windowed, config, sequences, seed=1,
                                              free_outside_window=False)
   assert plain["kv_groups"] is None and plain["max_rel_error"] < 2e-5
+  # A model asking for_layer inside a function jitted on its own (whose Python runs only
+  # at its first trace) is correct, and passes: nothing is refused by what it did not see.
+  place_of = jax.jit(lambda m, layer: m.for_layer(layer))
+
+  class PlaceJitted(own.TinyGPT):
+    def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+      m = metadata
+
+      def attend_at(layer, q_THD, k_TKD, v_TKD):
+        nonlocal cache
+        cache_layer, slots_T, block_tables_SP = place_of(m, layer)
+        cache = cache.write(cache_layer, k_TKD, v_TKD, slots_T)
+        return paged_attention(q_THD, cache, cache_layer, m.kv_lens_S, block_tables_SP,
+                               m.cu_q_lens, m.num_seqs, sliding_window=self.c.window(layer))
+
+      x_TE = self._run(tokens_T, positions_T, attend_at)
+      x_TE = x_TE if logits_indices is None else x_TE[logits_indices]
+      return self.head(self.ln_f(x_TE)), cache
+
+  jitted = PlaceJitted(config, rngs=nnx.Rngs(4))
+  for _ in range(2):
+    report = testing.assert_paged_matches_dense(jitted, config, sequences, seed=1)
+    assert report["kv_groups"] == (3, None) and report["max_rel_error"] < 2e-5
   # A model that attends over group 0's tables at every layer is refused under groups.
   wrong = _IgnoresGroups(windowed, "tables")
   with pytest.raises(ValueError, match=r"^block_tables is metadata\.block_tables_SP"):
@@ -368,10 +391,10 @@ def test_own_model_with_sliding_layers_gives_blocks_back(examples):
 
 class _IgnoresGroups(nnx.Module):
   """An own model that misuses KV groups, as ``how`` says: "raw" writes each layer at its
-  index with ``metadata.slots_T``; "copied" the same with a copy of those slots (so no
-  object of the metadata's reaches the write); "tables" writes as ``for_layer`` says but
-  attends over ``metadata.block_tables_SP``. ``traced``: the layer index is a loop's
-  (``lax.fori_loop`` over layers)."""
+  index with ``metadata.slots_T``; "rawlayer" takes the slots from ``for_layer`` but writes
+  at the layer index it gave it; "tables" writes as ``for_layer`` says but attends over
+  ``metadata.block_tables_SP``. ``traced``: the layer index is a loop's (``lax.fori_loop``
+  over layers)."""
 
   def __init__(self, inner, how="raw", traced=False):
     self.inner, self.how, self.traced = inner, how, traced
@@ -387,7 +410,7 @@ class _IgnoresGroups(nnx.Module):
         paged_attention(jnp.zeros((tokens_T.shape[0], c.num_heads, c.head_dim)), cache,
                         cache_layer, m.kv_lens_S, m.block_tables_SP, m.cu_q_lens, m.num_seqs)
         return cache
-      slots_T = m.slots_T if self.how == "raw" else m.slots_T + 0
+      slots_T = m.slots_T if self.how == "raw" else m.for_layer(layer)[1]
       return cache.write(layer, kv_TKD, kv_TKD, slots_T)
 
     if self.traced:
@@ -418,29 +441,27 @@ def test_layer_windows_are_checked_and_misuse_is_loud(examples):
                 kv_budget_bytes=2**16, max_seqs=2, max_tokens_per_step=8, token_buckets=(8,))
   assert grouped.kv_groups.num_groups == 2
   group_zero = r"metadata\.{}, KV group 0's, but this cache keeps the layers in KV groups"
-  never = (r"_IgnoresGroups.paged_forward wrote the cache \(\d cache.write call\(s\) "
-           r"traced\) without calling metadata.for_layer.*windows \(6, None\)")
-  for how, match in (("raw", r"^slots is " + group_zero.format("slots_T")),
-                     ("tables", r"^block_tables is " + group_zero.format("block_tables_SP")),
-                     ("copied", never)):
-    for traced in (False, True):
-      if how == "copied" and not traced:
-        match_here = r"layer=1 must be in \[0, L=1\)"  # caught at layer 1's write
-      else:
-        match_here = match
-      wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)), how, traced)
-      serves = (lambda: LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
-                            max_tokens_per_step=8, token_buckets=(8,)).generate(
-                                [[1, 2, 3]], SamplingParams(max_tokens=2)),
-                lambda: paged_jax.step.forward_step(
-                    wrong, grouped.allocator_state, paged_jax.KVCache.create(grouped.spec),
-                    jnp.zeros(8, jnp.int32), jnp.asarray([3, 0]),
-                    kv_groups=grouped.kv_groups),
-                lambda: testing.assert_paged_matches_dense(wrong, config, [[1, 2, 3, 4, 5]],
-                                                           dense=lambda t: None))
-      for serve in serves:
-        with pytest.raises(ValueError, match=match_here):
-          serve()
+  for how, traced, match in (
+      ("raw", False, r"^slots is " + group_zero.format("slots_T")),
+      ("raw", True, r"^slots is " + group_zero.format("slots_T")),
+      ("tables", False, r"^block_tables is " + group_zero.format("block_tables_SP")),
+      ("tables", True, r"^block_tables is " + group_zero.format("block_tables_SP")),
+      ("rawlayer", False, r"layer=1 must be in \[0, L=1\)"),  # caught at layer 1's write
+      ("rawlayer", True, r"^layer is the layer index given to metadata\.for_layer, not the "
+                         r"cache layer it returns, but this cache keeps the layers in KV")):
+    wrong = _IgnoresGroups(own.TinyGPT(config, rngs=nnx.Rngs(0)), how, traced)
+    serves = (lambda: LLM(wrong, config, block_size=4, kv_budget_bytes=2**16, max_seqs=2,
+                          max_tokens_per_step=8, token_buckets=(8,)).generate(
+                              [[1, 2, 3]], SamplingParams(max_tokens=2)),
+              lambda: paged_jax.step.forward_step(
+                  wrong, grouped.allocator_state, paged_jax.KVCache.create(grouped.spec),
+                  jnp.zeros(8, jnp.int32), jnp.asarray([3, 0]),
+                  kv_groups=grouped.kv_groups),
+              lambda: testing.assert_paged_matches_dense(wrong, config, [[1, 2, 3, 4, 5]],
+                                                         dense=lambda t: None))
+    for serve in serves:
+      with pytest.raises(ValueError, match=match):
+        serve()
 
 
 def test_documented_decode_loop_keeps_a_dropped_sequences_token(examples, model, config):
