@@ -137,9 +137,10 @@ def _paged_step(params, alloc, cache, tokens_T, num_new_S, *, graphdef, kwargs, 
   kept; both write the same K/V)."""
   model = protocol.merge(graphdef, params)
   alloc, inputs = step_api.prepare_step(alloc, tokens_T, num_new_S, kv_groups=kv_groups)
-  logits_TV, _ = step_api._paged_forward(model, cache, inputs, kv_groups, **dict(kwargs))
-  logits_SV, cache = step_api._paged_forward(model, cache, inputs, kv_groups,
-                                             logits_indices=inputs.last_S, **dict(kwargs))
+  logits_TV, _ = step_api.paged_forward_checked(model, cache, inputs, **dict(kwargs))
+  logits_SV, cache = step_api.paged_forward_checked(model, cache, inputs,
+                                                    logits_indices=inputs.last_S,
+                                                    **dict(kwargs))
   return logits_TV, logits_SV, alloc, cache, inputs
 
 
@@ -176,8 +177,9 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
       for a sharper one): pass ``rtol`` for yours.
     seed: the chunk schedule's and the block shuffle's seed.
     forward_kwargs: extra keyword arguments of ``paged_forward``.
-    free_outside_window: with ``config.layer_windows`` of more than one kind, the layers
-      are put in KV groups (``paged_jax.kv_groups``) as ``LLM`` does under a KV budget,
+    free_outside_window: with layer windows of more than one kind (``config.layer_windows``
+      or a built-in config's), the layers are put in KV groups (``paged_jax.kv_groups``) as
+      ``LLM`` does under a KV budget,
       unless this is False (one pool of every layer): the layout where each layer must
       take its cache layer, slots and tables from ``metadata.for_layer``.
 
@@ -198,10 +200,9 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
     rtol = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.int8): 4e-2,
             jnp.dtype(jnp.float8_e4m3fn): 6e-2, jnp.dtype(jnp.float8_e5m2): 1.5e-1
             }.get(dtype, 2e-2)
-  windows = protocol.layer_windows(config)
   groups = None
-  if windows is not None and free_outside_window is not False:
-    groups = kv_groups_lib.KVGroups.from_layer_windows(windows)
+  if free_outside_window is not False:  # the built-in configs' windows too, as LLM reads them
+    groups = kv_groups_lib.KVGroups.from_layer_windows(kv_groups_lib.layer_windows_of(config))
     groups = None if groups.plain else groups
   num_groups = 1 if groups is None else groups.num_groups
   per_seq = math.ceil(longest / block_size)

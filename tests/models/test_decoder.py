@@ -146,3 +146,18 @@ def test_decoder_layer_takes_any_mlp_module():
   assert isinstance(seen["mlp"], Doubler)
   assert seen["sinks"].shape == (2,) and seen["sinks"].dtype == jnp.float32
   np.testing.assert_allclose(out_TE, want_TE, rtol=1e-6)
+
+
+def test_testing_helper_checks_a_built_in_hybrid_decoder_in_kv_groups():
+  # testing.assert_paged_matches_dense read only config.layer_windows, which the built-in
+  # configs do not have: a Gemma 2 style decoder was checked in one pool of every layer
+  # while LLM(kv_budget_bytes=...) serves it in KV groups. It now reads the windows as the
+  # engine does, and the decoder passes in the groups layout (sliding W = 3, full).
+  from paged_jax import testing
+  model = models.init_random(ALL_VARIANTS, seed=2, impl="xla")
+  sequences = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [100, 50, 25]]
+  report = testing.assert_paged_matches_dense(model, ALL_VARIANTS, sequences, seed=2)
+  assert set(report["kv_groups"]) == {3, None}, report  # two sliding layers, one full
+  plain = testing.assert_paged_matches_dense(model, ALL_VARIANTS, sequences, seed=2,
+                                             free_outside_window=False)
+  assert plain["kv_groups"] is None
