@@ -1,7 +1,8 @@
 """A Flax Linen model served by paged_jax's engine.
 
 ``LLM`` serves ``flax.nnx.Module``s; a Linen model joins through a small NNX module that
-holds its trained parameters as ``nnx.Param``s and calls ``module.apply`` with them:
+holds its variables (parameters as ``nnx.Param``s, any other collection as
+``nnx.Variable``s) and calls ``module.apply`` with them:
 
 - the Linen model has a method ``paged_forward(tokens_T, positions_T, cache, metadata, *,
   logits_indices=None)`` returning ``(logits, cache)``; its layers write K/V with

@@ -149,7 +149,12 @@ def test_scales_given_where_they_cannot_be_kept_are_refused():
       (dict(k_pages=values, v_pages=values, k_scales=1.0, v_scales="1"),
        r"v_scales is a str; it must be an array"),
       (dict(k_pages=values, v_pages=values, k_scales=1.0),
-       r"k_scales and v_scales are required"),
+       r"^v_scales must be given with float8_e4m3fn pages for dtype=float8_e4m3fn: k_scales "
+       r"and v_scales are required together"),
+      (dict(k_pages=values, v_pages=values, k_scales=-0.5, v_scales=1.0),
+       r"k_scales=-0\.5 must be a finite number > 0"),
+      (dict(k_pages=values, v_pages=values, k_scales=1.0, v_scales=float("nan")),
+       r"v_scales=nan must be a finite number > 0"),
       (dict(k_pages=values.view(jnp.uint8), v_pages=values.view(jnp.uint8),
             dtype=jnp.float8_e4m3fn), r"k_scales and v_scales are required")):
     with pytest.raises(ValueError, match=match):
@@ -167,3 +172,15 @@ def test_a_tokens_scale_is_its_largest_magnitude_over_the_formats_largest(dtype,
   cache = KVCache.create(spec).write(0, k_TKD, k_TKD * 4, jnp.array([1], jnp.int32))
   assert float(cache.k_scales[0, 0, 0, 1]) == 0.5 and float(cache.v_scales[0, 0, 0, 1]) == 2.0
   assert float(cache.k_pages[0, 0, 0, 1, 1]) == -fmax
+
+
+def test_host_pages_of_the_pools_dtype_make_a_writable_cache():
+  # NumPy int8 pages were kept as NumPy (int8 pages used to be re-quantised into a JAX
+  # array): write and copy_blocks failed with "'numpy.ndarray' object has no attribute 'at'".
+  pages = np.zeros((1, 1, 2, 4, 8), np.int8)
+  for cache in (KVCache(pages, pages, dtype=jnp.int8),
+                KVCache(pages.astype(np.float32), pages.astype(np.float32))):
+    written = cache.write(0, jnp.ones((1, 1, 8)), jnp.ones((1, 1, 8)), jnp.array([5]))
+    np.testing.assert_allclose(np.asarray(written.dequantized()[0])[0, 0, 1, 1], 1.0,
+                               rtol=1e-2)
+    assert isinstance(cache.copy_blocks(jnp.array([0]), jnp.array([1])).k_bits, jax.Array)

@@ -1250,5 +1250,4 @@ def test_kernel_keeps_mosaic_gpus_automatic_barriers():
   assert len(calls) == 1, [e.primitive.name for e in calls]
   params = calls[0].params["compiler_params"]
   params = params.get("mosaic_gpu", params) if isinstance(params, dict) else params
-  assert getattr(params, "unsafe_no_auto_barriers", False) is False, params
-  assert hasattr(params, "approx_math"), params  # it is Mosaic GPU's CompilerParams
+  assert params.unsafe_no_auto_barriers is False, params  # renamed in a JAX: look again
