@@ -179,9 +179,9 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
     forward_kwargs: extra keyword arguments of ``paged_forward``.
     free_outside_window: with layer windows of more than one kind (``config.layer_windows``
       or a built-in config's), the layers are put in KV groups (``paged_jax.kv_groups``) as
-      ``LLM`` does under a KV budget,
-      unless this is False (one pool of every layer): the layout where each layer must
-      take its cache layer, slots and tables from ``metadata.for_layer``.
+      ``LLM`` does under a KV budget, unless this is False (one pool of every layer): the
+      layout where each layer must take its cache layer, slots and tables from
+      ``metadata.for_layer``.
 
   Returns:
     ``dict(steps=..., max_rel_error=..., kv_groups=...)``: ``kv_groups`` the groups'
