@@ -149,7 +149,7 @@ class KVCache:
         k_scales, v_scales = (_scales(name, x, shape) for name, x in (
             ("k_scales", k_scales), ("v_scales", v_scales)))
         if pages_dtype != stored:
-          k_pages, v_pages = (layout.to_storage(jnp.asarray(x), logical)
+          k_pages, v_pages = (layout.to_storage(x, logical)
                               for x in (k_pages, v_pages))
       elif scales_given:
         what = (f"a {logical.name} pool keeps no scales" if not quantized else
@@ -159,9 +159,9 @@ class KVCache:
                          f" for dtype={logical.name}: {what}")
       elif quantized:  # float pages into a quantised pool
         (k_pages, k_scales), (v_pages, v_scales) = (
-            layout.quantize(jnp.asarray(x), logical) for x in (k_pages, v_pages))
+            layout.quantize(x, logical) for x in (k_pages, v_pages))
       elif pages_dtype != stored:
-        k_pages, v_pages = (layout.to_storage(jnp.asarray(x), logical)
+        k_pages, v_pages = (layout.to_storage(x, logical)
                             for x in (k_pages, v_pages))
       dtype = logical
     # Anything else (PartitionSpecs, shardings, None) is kept as is: a pytree of specs.
