@@ -1,0 +1,136 @@
+"""The engine's scheduling step (``engine.device.schedule_step``) on hand-built states.
+
+The end-to-end tests pin what a serve produces; these pin the policy the module docstring
+states, step by step: the token budget goes to decodes, then prefills under way, then new
+sequences, each by arrival (not by slot); under block pressure the latest arrival holding
+blocks is preempted. Arrivals are given in an order unlike the slots', so a policy that
+followed slots (or reversed a priority) gives other lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax import KVCacheSpec
+from paged_jax.engine import state as state_lib
+from paged_jax.engine.device import schedule_step
+
+VOCAB, NEXT = 16, 5  # the stub model always predicts token NEXT
+MAX_LEN = 64
+
+
+class _Stub(nnx.Module):
+  """A model of the protocol whose logits pick NEXT (the policy is under test, not
+  attention); it writes each token's id as its K and V, as a model writes its K/V."""
+
+  def paged_forward(self, tokens_T, positions_T, cache, metadata, *, logits_indices=None):
+    kv_TKD = jnp.broadcast_to(tokens_T[:, None, None].astype(jnp.float32),
+                              tokens_T.shape + (1, 8))
+    cache = cache.write(0, kv_TKD, kv_TKD, metadata.slots_T)
+    logits_TV = jnp.broadcast_to(jax.nn.one_hot(NEXT, VOCAB), tokens_T.shape + (VOCAB,))
+    return logits_TV[logits_indices], cache
+
+
+def _state(num_blocks, requests, *, block_size=4, max_seqs=4):
+  """An engine state with ``requests`` admitted: ``{slot: (arrival, prompt_len,
+  max_tokens)}``, prompts of token 1."""
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=block_size,
+                     num_blocks=num_blocks, dtype=jnp.float32)
+  st = state_lib.init_state(spec, max_seqs, MAX_LEN)
+  entries = [(slot, dict(tokens_SJ=[1] * n, len_S=n, prompt_len_S=n, max_len_S=n + m,
+                         status_S=state_lib.RUNNING, arrival_S=arrival, fresh_S=True))
+             for slot, (arrival, n, m) in requests.items()]
+  for slot_r, rows in state_lib.row_chunks(entries, max_model_len=MAX_LEN, shards=1,
+                                           slots_per_shard=max_seqs):
+    st = state_lib.admit(st, jnp.asarray(slot_r), jax.tree.map(jnp.asarray, rows))
+  return st
+
+
+_steps = {}
+
+
+def _step(st, num_tokens):
+  if num_tokens not in _steps:
+    model = _Stub()
+    _steps[num_tokens] = jax.jit(lambda s: schedule_step(model, s, num_tokens=num_tokens))
+  return _steps[num_tokens](st)
+
+
+def _simulate(requests, num_tokens, steps, block_size):
+  """The docstring's budget policy in plain Python, with blocks to spare: the cached
+  lengths of every slot after each step."""
+  seqs = {s: dict(arrival=a, len=n, max_len=n + m, cached=0, done=False)
+          for s, (a, n, m) in requests.items()}
+  out = []
+  for _ in range(steps):
+    live = [(s, q) for s, q in seqs.items() if not q["done"] and q["len"] > q["cached"]]
+    kind = lambda s, q: 0 if q["cached"] and q["len"] - q["cached"] == 1 else (
+        1 if q["cached"] else 2)
+    budget = num_tokens
+    for s, q in sorted(live, key=lambda sq: (kind(*sq), sq[1]["arrival"], sq[0])):
+      take = min(q["len"] - q["cached"], budget)
+      budget -= take
+      q["cached"] += take
+      if take and q["cached"] == q["len"]:  # its whole history is in: a token is drawn
+        q["len"] += 1
+        if q["len"] >= q["max_len"]:
+          q.update(done=True, cached=0)
+    out.append([seqs[s]["cached"] if s in seqs else 0 for s in range(4)])
+  return out
+
+
+def test_the_token_budget_goes_to_decodes_then_prefills_under_way_then_new_by_arrival():
+  rng = np.random.default_rng(0)
+  for trial in range(4):
+    slots = rng.permutation(4)[:3 + trial % 2]
+    arrivals = rng.permutation(len(slots)) * 3  # unlike the slots' order
+    requests = {int(s): (int(a), int(rng.integers(3, 14)), int(rng.integers(2, 6)))
+                for s, a in zip(slots, arrivals)}
+    num_tokens = int(rng.choice([4, 8]))
+    st = _state(64, requests)
+    want = _simulate(requests, num_tokens, 12, 4)
+    for i, expect in enumerate(want):
+      st = _step(st, num_tokens)
+      got = np.asarray(st.alloc.seq_lens).tolist()
+      assert got == expect, f"trial {trial} ({requests}, T={num_tokens}), step {i + 1}"
+    assert int(st.preemptions) == 0
+
+
+def test_a_decode_goes_before_an_earlier_arrivals_prefill_under_way():
+  # Slot 0 (arrival 5) is decoding; slot 1 (arrival 0, earlier) is mid-prefill. With a
+  # budget of 2 the decode takes its 1 token first, though it arrived later.
+  st = _state(64, {0: (5, 3, 4), 1: (0, 12, 4)})
+  st = dataclasses.replace(st, arrival_S=jnp.asarray([0, 5, 0, 0], jnp.int32))
+  st = _step(st, 4)  # slot 0 (then earliest) prefills its 3 tokens and draws; slot 1 gets 1
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [3, 1]
+  st = dataclasses.replace(st, arrival_S=jnp.asarray([5, 0, 0, 0], jnp.int32))
+  st = _step(st, 2)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [4, 2]
+
+
+def test_block_pressure_preempts_the_latest_arrival_not_the_highest_slot():
+  # Two prompts of 8 tokens (2 blocks of 4 each) in a pool of 5 blocks. Their first
+  # decodes need a third block each, and one is free: the later arrival, which sits in the
+  # lower slot, is preempted (its blocks freed, its history kept); the earlier decodes.
+  st = _state(5, {0: (1, 8, 4), 1: (0, 8, 4)})
+  st = _step(st, 16)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [8, 8]
+  assert np.asarray(st.len_S).tolist()[:2] == [9, 9]
+  st = _step(st, 16)
+  assert int(st.preemptions) == 1
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [0, 9]  # slot 0 waits (3 blocks)
+  assert np.asarray(st.len_S).tolist()[:2] == [9, 10]  # its history kept
+  assert int(st.alloc.num_free) == 2 and st.status_S[0] == state_lib.RUNNING
+  # Once slot 1 finishes and gives its blocks back, slot 0 is re-prefilled from its history
+  # (prompt + the token it had drawn) and goes on to its 4 tokens.
+  for _ in range(8):
+    st = _step(st, 16)
+  assert np.asarray(st.status_S).tolist()[:2] == [state_lib.DONE] * 2
+  assert np.asarray(st.len_S).tolist()[:2] == [12, 12]
+  assert np.asarray(st.tokens_SJ)[0, :12].tolist() == [1] * 8 + [NEXT] * 4
+  assert int(st.alloc.num_free) == 5
