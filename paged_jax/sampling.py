@@ -20,8 +20,12 @@ Semantics (per row):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import os
+import warnings
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +126,89 @@ class SamplingParams:
     object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
     object.__setattr__(self, "logprobs", bool(self.logprobs))
     object.__setattr__(self, "n", int(n))
+
+  @classmethod
+  def from_generation_config(cls, source: str | os.PathLike | Mapping[str, Any],
+                             **overrides) -> "SamplingParams":
+    """The sampling a checkpoint's ``generation_config.json`` asks for, as transformers'
+    ``generate`` resolves it, with ``overrides`` (any field) taking precedence.
+
+    ``source``: a checkpoint directory (its ``generation_config.json``; none there: the
+    defaults below), the file itself, or its contents as a mapping (e.g. a transformers
+    ``GenerationConfig.to_dict()``). Without ``do_sample: true`` decoding is greedy (top-k
+    and top-p do nothing then); with it, ``temperature`` (default 1.0; 0 is greedy here),
+    ``top_k`` (default 50, transformers' own, also for null; 0 keeps every token) and ``top_p``
+    (default 1.0). ``max_new_tokens`` becomes ``max_tokens`` and ``num_return_sequences``
+    ``n``. ``max_length`` counts the prompt too, so it is not a per-request count: the
+    engine's ``max_model_len`` bounds the whole sequence. EOS ids are the engine's already
+    (``LLM.from_pretrained`` reads them from this file). Settings this sampler does not
+    have (``repetition_penalty``, ``num_beams``, ``min_p``, ...) at other than their neutral
+    values are named in a warning, not applied.
+    """
+    cfg, where = _generation_config(source)
+    get = lambda key, default: default if cfg.get(key) is None else cfg[key]
+    do_sample = get("do_sample", False)
+    if not isinstance(do_sample, bool):
+      raise ValueError(f"{where}: do_sample={do_sample!r} must be true or false")
+    fields = {}
+    if do_sample:
+      fields.update(temperature=get("temperature", 1.0), top_k=get("top_k", 50),
+                    top_p=get("top_p", 1.0))
+    if cfg.get("max_new_tokens") is not None:
+      fields["max_tokens"] = cfg["max_new_tokens"]
+    if cfg.get("num_return_sequences") is not None:
+      fields["n"] = cfg["num_return_sequences"]
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f"overrides {unknown} are not SamplingParams fields (fields: "
+                       f"{', '.join(f.name for f in dataclasses.fields(cls))})")
+    ignored = [f"{key}={cfg[key]!r}" for key, neutral in _NOT_APPLIED.items()
+               if cfg.get(key) not in (None, [], {}) and cfg[key] not in neutral]
+    if ignored:
+      warnings.warn(f"{where} asks for {', '.join(ignored)}, which paged_jax's sampler does "
+                    "not do; generating without", stacklevel=2)
+    try:
+      return cls(**{**fields, **overrides})
+    except ValueError:
+      try:  # a value of the file's (not overridden) is named with the file
+        cls(**{k: v for k, v in fields.items() if k not in overrides})
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+      raise
+
+
+_NOT_APPLIED = {"repetition_penalty": (1, 1.0), "num_beams": (1,), "min_p": (0, 0.0),
+                "typical_p": (1, 1.0), "no_repeat_ngram_size": (0,), "min_new_tokens": (0,),
+                "min_length": (0,), "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0),
+                "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (),
+                "encoder_repetition_penalty": (1, 1.0), "penalty_alpha": ()}
+"""generation_config.json settings ``SamplingParams`` has no counterpart for, each with the
+values that change nothing (anything else is named in ``from_generation_config``'s
+warning)."""
+
+
+def _generation_config(source) -> tuple[Mapping[str, Any], str]:
+  """The settings of ``from_generation_config``'s ``source`` and how to name it."""
+  if isinstance(source, Mapping):
+    return source, "the generation config"
+  if not isinstance(source, (str, os.PathLike)):
+    raise ValueError(f"source={source!r} must be a checkpoint directory, a "
+                     "generation_config.json path or a mapping of its settings")
+  path = os.path.expanduser(os.fspath(source))
+  if os.path.isdir(path):
+    path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(path):
+      return {}, path  # a checkpoint without one: transformers' defaults (greedy)
+  if not os.path.isfile(path):
+    raise ValueError(f"source={os.fspath(source)!r}: no such directory or file")
+  with open(path, encoding="utf-8") as f:
+    try:
+      cfg = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{path} must hold a JSON object, not {type(cfg).__name__}")
+  return cfg, path
 
 
 def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> jax.Array:

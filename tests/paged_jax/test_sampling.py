@@ -154,3 +154,85 @@ def test_each_row_of_a_mixed_batch_draws_by_its_own_parameters():
   tokens = np.asarray(tokens)
   assert np.all(tokens[kind != 1] == 3)  # the argmax of the reversed distribution
   np.testing.assert_allclose(_freq(tokens[kind == 1], 4), PROBS[::-1], atol=0.04)
+
+
+# --- SamplingParams.from_generation_config ---
+
+def _params_from(tmp_path, settings, **overrides):
+  import json
+  from paged_jax import SamplingParams
+  (tmp_path / "generation_config.json").write_text(json.dumps(settings))
+  return SamplingParams.from_generation_config(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize("settings, expect", [
+    # Qwen3's, Llama 3.1's and Gemma 3's files; SmolLM2's names EOS ids only.
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+     dict(temperature=0.6, top_k=20, top_p=0.95)),
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, dict(temperature=0.6, top_k=50,
+                                                               top_p=0.9)),
+    ({"cache_implementation": "hybrid", "do_sample": True, "top_k": 64, "top_p": 0.95},
+     dict(temperature=1.0, top_k=64, top_p=0.95)),
+    ({"bos_token_id": 1, "eos_token_id": 2}, dict(temperature=0.0, top_k=0, top_p=1.0)),
+    # Sampling settings without do_sample are greedy, as in transformers' generate.
+    ({"temperature": 0.7, "top_k": 5}, dict(temperature=0.0, top_k=0, top_p=1.0)),
+    ({"do_sample": True, "top_k": None, "top_p": None, "temperature": None},
+     dict(temperature=1.0, top_k=50, top_p=1.0)),
+    ({"do_sample": True, "top_k": 0}, dict(temperature=1.0, top_k=0, top_p=1.0)),
+    ({"do_sample": False, "max_new_tokens": 7, "num_return_sequences": 3, "max_length": 99},
+     dict(temperature=0.0, max_tokens=7, n=3)),
+])
+def test_sampling_params_from_a_generation_config_as_transformers_resolves_it(
+    tmp_path, settings, expect):
+  import dataclasses
+  from paged_jax import SamplingParams
+  got = _params_from(tmp_path, settings)
+  want = dataclasses.replace(SamplingParams(), **expect)
+  assert got == want
+  # The file's path, the mapping, and overrides (which win).
+  assert SamplingParams.from_generation_config(tmp_path / "generation_config.json") == want
+  assert SamplingParams.from_generation_config(settings) == want
+  assert _params_from(tmp_path, settings, temperature=0.0, seed=3, max_tokens=2) == \
+      dataclasses.replace(want, temperature=0.0, seed=3, max_tokens=2)
+
+
+def test_transformers_defaults_are_the_ones_from_generation_config_assumes():
+  transformers = pytest.importorskip("transformers")
+  defaults = transformers.GenerationConfig._get_default_generation_params()  # 5.x
+  assert (defaults["do_sample"], defaults["temperature"], defaults["top_k"],
+          defaults["top_p"]) == (False, 1.0, 50, 1.0)
+
+
+def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ignores(
+    tmp_path):
+  from paged_jax import SamplingParams
+  # A checkpoint directory without the file: transformers' defaults (greedy).
+  assert SamplingParams.from_generation_config(tmp_path) == SamplingParams()
+  with pytest.raises(ValueError, match="no such directory or file"):
+    SamplingParams.from_generation_config(tmp_path / "missing")
+  with pytest.raises(ValueError, match="source=3 must be"):
+    SamplingParams.from_generation_config(3)
+  with pytest.raises(ValueError, match="generation_config.json: top_p=0 must be"):
+    _params_from(tmp_path, {"do_sample": True, "top_p": 0})
+  assert _params_from(tmp_path, {"do_sample": True, "top_p": 0}, top_p=0.5).top_p == 0.5
+  with pytest.raises(ValueError, match="do_sample='yes' must be true or false"):
+    _params_from(tmp_path, {"do_sample": "yes"})
+  with pytest.raises(ValueError, match=r"overrides \['temprature'\] are not"):
+    _params_from(tmp_path, {}, temprature=0.5)
+  with pytest.raises(ValueError, match="top_k=-1 must be"):  # a bad override: its own name
+    _params_from(tmp_path, {}, top_k=-1)
+  (tmp_path / "generation_config.json").write_text("[1]")
+  with pytest.raises(ValueError, match="must hold a JSON object"):
+    SamplingParams.from_generation_config(tmp_path)
+  (tmp_path / "generation_config.json").write_text("{")
+  with pytest.raises(ValueError, match="not valid JSON"):
+    SamplingParams.from_generation_config(tmp_path)
+  with pytest.warns(UserWarning, match=r"repetition_penalty=1\.1, num_beams=4, which"):
+    got = _params_from(tmp_path, {"do_sample": True, "repetition_penalty": 1.1,
+                                  "num_beams": 4, "min_p": 0.0, "bad_words_ids": None,
+                                  "suppress_tokens": []})
+  assert got.temperature == 1.0
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # neutral values warn of nothing
+    _params_from(tmp_path, {"repetition_penalty": 1.0, "num_beams": 1, "typical_p": 1.0})
