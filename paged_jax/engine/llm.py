@@ -30,6 +30,7 @@ from paged_jax import sharding as mesh_sharding
 from paged_jax.engine import options
 from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
+from paged_jax.engine.salts import live_salt_ids
 from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
@@ -181,7 +182,7 @@ class LLM:
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
         vocab_size=int(config.vocab_size), eos=protocol.served_eos_token_ids(config),
-        limit_note=limit,
+        limit_note=limit, live_salts=lambda: live_salt_ids(self._state),
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
 

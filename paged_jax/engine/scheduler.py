@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from paged_jax.engine.salts import SaltIds
 from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING,
                                     add_counters)
 from paged_jax.sampling import SamplingParams
@@ -77,7 +78,7 @@ class Request:
   index: int
   prompt: tuple[int, ...]
   params: SamplingParams
-  seed: int
+  seed: int | None  # None until drawn (once the call's requests are all valid)
   stop: tuple[int, ...]
   salt: int = 0  # interned cache_salt, 0 for none
   arrival: int = -1
@@ -110,18 +111,19 @@ class Scheduler:
     token_buckets: the compiled step budgets, increasing.
     vocab_size, eos: the model config's vocabulary size and EOS ids.
     limit_note: what bounds ``max_model_len`` (for error messages).
+    live_salts: the salt ids the device state holds (``salts.live_salt_ids``).
     tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
     seed: seeds the draw of seeds for requests without one.
   """
 
   def __init__(self, *, max_seqs: int, slots_per_shard: int, max_model_len: int,
                token_buckets: tuple[int, ...], vocab_size: int, eos: tuple[int, ...],
-               limit_note: str, tokenizer=None, seed: int = 0):
+               limit_note: str, live_salts=set, tokenizer=None, seed: int = 0):
     self.max_seqs, self.slots_per_shard = max_seqs, slots_per_shard
     self.max_model_len, self.token_buckets = max_model_len, token_buckets
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
     self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
-    self._arrivals, self._salt_ids = 0, {}  # salt -> id
+    self._arrivals, self.salts = 0, SaltIds(live_salts)
     self._serving = False  # a serve() has started and has not ended (exhausted / closed)
     self.reset_counters()
 
@@ -190,43 +192,23 @@ class Scheduler:
                        f"{self.max_model_len} ({self.limit_note}) to generate anything")
     return tuple(ids)
 
-  def _salts(self, cache_salt, num_prompts: int) -> list[int]:
-    """One interned salt id per prompt (0: no salt). Ids are this engine's own and unique
-    per string, so two different salts can never share a cache entry."""
-    if cache_salt is None or isinstance(cache_salt, str):
-      cache_salt = [cache_salt] * num_prompts
-    elif (not isinstance(cache_salt, Sequence) or isinstance(cache_salt, bytes)
-          or len(cache_salt) != num_prompts):
-      raise ValueError(f"cache_salt={cache_salt!r} must be None, a str, or one str (or None) "
-                       f"per prompt ({num_prompts})")
-    ids = []
-    for i, salt in enumerate(cache_salt):
-      if salt is None:
-        ids.append(0)
-      elif isinstance(salt, str):
-        ids.append(self._salt_ids.setdefault(salt, len(self._salt_ids) + 1))
-      else:
-        raise ValueError(f"cache_salt[{i}]={salt!r} must be a str or None")
-    return ids
-
   def check(self, prompts, params, cache_salt=None) -> None:
-    """``requests``' checks alone: the seeds it would draw for unseeded requests are not
-    drawn (a later ``generate`` samples as if this had not run)."""
-    rng_state = self._rng.bit_generator.state
-    try:
-      self.requests(prompts, params, cache_salt)
-    finally:
-      self._rng.bit_generator.state = rng_state
+    """``requests``' checks alone: no seed is drawn for unseeded requests and no salt is
+    interned (a later ``generate`` runs as if this had not run)."""
+    self.requests(prompts, params, cache_salt, check_only=True)
 
-  def requests(self, prompts, params, cache_salt=None) -> list[Request]:
-    """Validate a ``generate`` call's arguments (``ValueError`` naming the request)."""
+  def requests(self, prompts, params, cache_salt=None, *,
+               check_only: bool = False) -> list[Request]:
+    """Validate a ``generate`` call's arguments (``ValueError`` naming the request); the
+    seeds of unseeded requests are drawn and the salts interned once all are valid, so a
+    refused call changes nothing."""
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
       raise ValueError(f"prompts={type(prompts).__name__}{getattr(prompts, 'shape', '')} must "
                        "be a list of prompts or a [B, T] array of B prompts (one prompt: put it "
                        "in a list)")
-    salts = self._salts(cache_salt, len(prompts))
+    self.salts.ids(cache_salt, len(prompts), intern=False)  # its ValueErrors first
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -255,9 +237,14 @@ class Scheduler:
       if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
-      seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2 ** 32))
-      out.append(Request(index=i, prompt=ids, params=p, seed=seed, stop=stop, salt=salts[i],
+      out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
                          tokens=[[] for _ in range(p.n)], logprobs=[[] for _ in range(p.n)]))
+    if check_only:
+      return out
+    for req, salt in zip(out, self.salts.ids(cache_salt, len(prompts))):
+      if req.seed is None:
+        req.seed = int(self._rng.integers(0, 2 ** 32))
+      req.salt = salt
     return out
 
   # --- one serving loop ---

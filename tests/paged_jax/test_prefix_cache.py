@@ -649,6 +649,70 @@ def test_cache_salt_keeps_tenants_apart(model, config):
       llm.generate([prompt, prompt], params, cache_salt=bad)
 
 
+def test_the_salt_table_keeps_only_live_salts_and_never_mixes_tenants(model, config):
+  # A server salting per user or per request interned every salt it ever saw (156 B each,
+  # for the life of the engine; check_requests interned too). Past its limit the table
+  # keeps the salts a slot or a cached block holds; a dropped salt seen again gets a new
+  # id, so it misses its old blocks and never finds another's.
+  llm = make_llm(model, config)
+  table = llm._scheduler.salts
+  table._slack = table._limit = 3  # compact after 3 new salts (default: 4096)
+  prompt = rand_tokens(np.random.default_rng(7), 17)
+  params = SamplingParams(max_tokens=2, ignore_eos=True)
+  first = llm.generate([prompt], params, cache_salt="kept")
+  hits = llm.stats["cached_prompt_tokens"]
+  for i in range(12):  # 3 tokens each, no full block: nothing cached, not live after
+    llm.generate([rand_tokens(np.random.default_rng(100 + i), 2)],
+                 SamplingParams(max_tokens=1), cache_salt=f"user-{i}")
+    assert len(table) <= 2 * 1 + 3  # "kept" (its blocks cached) and the new ones
+  llm.check_requests([prompt] * 3, params, cache_salt=["x", "y", "z"])  # interns nothing
+  assert "kept" in table._id_of and len(table) < 8 and "user-0" not in table._id_of
+  ids_before = dict(table._id_of)
+  again = llm.generate([prompt, prompt], params, cache_salt=["kept", "user-0"])
+  assert llm.stats["cached_prompt_tokens"] == hits + 16  # "kept" hits its own blocks
+  assert [o.token_ids for o in again] == [first[0].token_ids] * 2
+  assert table._id_of["user-0"] not in ids_before.values()  # a new id, no one else's
+  assert len(set(table._id_of.values())) == len(table._id_of)
+
+
+def test_salt_ids_are_unique_while_live_through_compaction_and_wrap_around():
+  from paged_jax.engine import salts
+  device = set()  # the ids "the device" holds
+  table = salts.SaltIds(lambda: set(device), slack=2)
+  a = table.ids(["a", "b", None], 3)
+  assert a[2] == 0 and a[0] != a[1] and 0 not in a[:2]
+  device.update(a[:2])
+  batch = table.ids([f"s{i}" for i in range(10)], 10)  # compacts mid-call
+  assert len(set(batch)) == 10 and not set(batch) & set(a)
+  assert table.ids(["a", "b"], 2) == a[:2]  # live: kept
+  device.clear()
+  table.ids([f"t{i}" for i in range(20)], 20)
+  assert len(table) <= 2 * 20 + 2
+  # Out of ids: the count starts over and skips every id still live.
+  device.update(table.ids(["old"], 1))
+  table._next = salts._LAST_ID - 1
+  wrapped = table.ids([f"w{i}" for i in range(4)], 4)
+  assert len(set(wrapped)) == 4 and max(wrapped) <= salts._LAST_ID
+  assert table._id_of["old"] not in wrapped and 0 not in wrapped
+  with pytest.raises(ValueError, match=r"cache_salt\[1\]=3 must be a str or None"):
+    table.ids(["a", 3], 2)
+
+
+def test_a_refused_generate_draws_no_seed_and_interns_no_salt(model, config):
+  # A call refused for its second prompt drew the first one's seed (and interned its
+  # salt) before the refusal: the next unseeded request sampled other tokens than on an
+  # engine that never saw the refused call.
+  prompt = rand_tokens(np.random.default_rng(8), 6)
+  params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+  refused, fresh = make_llm(model, config), make_llm(model, config)
+  with pytest.raises(ValueError, match=r"prompts\[1\]"):
+    refused.generate([prompt, [VOCAB + 5]], params, cache_salt=["new", "other"])
+  with pytest.raises(ValueError, match=r"params\[0\]\.n=9"):
+    refused.generate([prompt], SamplingParams(n=9))
+  assert ids(refused.generate([prompt], params)) == ids(fresh.generate([prompt], params))
+  assert len(refused._scheduler.salts) == 0
+
+
 def _poison_cache_entries(st):
   """NaN in every free block that is a prefix-cache entry."""
   m = A.cached_N(st.alloc)[None, None, :, None, None]
