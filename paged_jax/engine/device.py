@@ -287,7 +287,9 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
 
   st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
   max_len = st.tokens_SJ.shape[1]
-  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(steps_per_call)[None, :], 0, max_len - 1)
+  # A slot gains a token a step at most, and never past max_len: K = min(steps, max_len).
+  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(min(steps_per_call, max_len))[None, :], 0,
+                    max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
       want_S=want_S(st),

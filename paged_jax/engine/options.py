@@ -23,8 +23,11 @@ __all__ = ["pool_spec", "check_plain", "check_int", "check_bools", "check_seed",
 
 
 def check_int(name: str, value, low: int = 1) -> int:
+  """``value`` as an int in ``[low, 2**31)``: the device counts in int32."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
     raise ValueError(f"{name}={value!r} must be an int >= {low}")
+  if value >= 2**31:
+    raise ValueError(f"{name}={value!r} must be < 2**31 (the engine counts in int32)")
   return int(value)
 
 

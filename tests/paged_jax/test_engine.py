@@ -646,7 +646,13 @@ def test_engine_options_validation(model, config):
                          "jax_enable_x64"),
                         (dict(seed=-1), "seed=-1"), (dict(seed=1.5), "seed=1.5"),
                         (dict(seed=None), "seed=None"), (dict(tokenizer=1), "tokenizer=int"),
-                        (dict(max_traces=0), "max_traces=0")):
+                        (dict(max_traces=0), "max_traces=0"),
+                        # int32 on the device: accepted before, then an OverflowError at
+                        # the first call (2**31 - 1 steps a call hung building its report).
+                        (dict(steps_per_call=2**31), r"steps_per_call=2147483648 must be "
+                         r"< 2\*\*31"),
+                        (dict(max_tokens_per_step=2**31, token_buckets=(32, 2**31)),
+                         r"max_tokens_per_step=2147483648 must be < 2\*\*31")):
     budget = "kv_budget_bytes" in kwargs
     with pytest.raises(ValueError, match=match):
       LLM(model, config, block_size=4, num_blocks=None if budget else 8, **kwargs)
@@ -893,3 +899,16 @@ def test_the_kth_sampled_token_is_drawn_with_the_request_key_of_index_k(llm, mod
     want, _ = sample(logits_V[None], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), key)
     assert token == int(want[0]), (k, out.token_ids)
     seq.append(token)
+
+
+def test_a_call_reports_at_most_max_model_len_tokens_a_slot(model, config, dense_greedy):
+  # The report carried [S, steps_per_call] tokens and log-probs: a generous steps_per_call
+  # (1e8) made every call slow, and 2**31 - 1 never finished building it. A slot gains at
+  # most one token a step and never passes max_model_len, so that is the report's width.
+  llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=32,
+            steps_per_call=10**6)
+  report = llm._call_for(32).lower(llm._params, llm._state, jnp.int32(0)).out_info[1]
+  assert report["tokens_SK"].shape == report["logprobs_SK"].shape == (3, llm.max_model_len)
+  prompts = _prompts((5, 9, 30))
+  outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+  assert [list(o.token_ids) for o in outs] == [dense_greedy(p, 12)[0] for p in prompts]
