@@ -44,16 +44,19 @@ def layer_windows_of(config) -> tuple:
   """Each layer's sliding window (None: full attention): ``config.layer_windows`` when the
   config has one (an own model's, ``paged_jax.protocol``), else as the built-in decoders
   read it (``ModelConfig.attention_kinds`` and ``window_of``); every layer full for a
-  config with neither."""
+  config with neither. A window of ``config.max_seq_len`` or more hides no key of any
+  sequence the model serves: that layer counts as full (None), so it neither forms a
+  sliding group nor turns prefix caching off."""
   from paged_jax import protocol
-  own = protocol.layer_windows(config)
-  if own is not None:
-    return own
-  kinds = getattr(config, "attention_kinds", None)
-  if kinds is None or not hasattr(config, "window_of"):
-    return (None,) * int(config.num_layers)
-  names, kind_of_layer = kinds()
-  return tuple(config.window_of(names[k]) for k in kind_of_layer)
+  windows = protocol.layer_windows(config)
+  if windows is None:
+    kinds = getattr(config, "attention_kinds", None)
+    if kinds is None or not hasattr(config, "window_of"):
+      return (None,) * int(config.num_layers)
+    names, kind_of_layer = kinds()
+    windows = tuple(config.window_of(names[k]) for k in kind_of_layer)
+  context = int(config.max_seq_len)
+  return tuple(None if w is not None and w >= context else w for w in windows)
 
 
 @dataclasses.dataclass(frozen=True)

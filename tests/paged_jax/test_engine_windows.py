@@ -74,6 +74,22 @@ def test_for_layer_refuses_a_layer_past_the_groups():
   assert int(traced(jnp.int32(2))) == 1 and int(traced(jnp.int32(4))) == -1
 
 
+def test_a_window_of_the_whole_context_is_full_attention_to_the_engine():
+  # Mistral's 4096 window served at a 4096 context hides no key: it made a sliding group
+  # (a mixed model: two groups for nothing) and turned prefix caching off (all sliding).
+  from paged_jax.kv_groups import layer_windows_of
+  for window, kinds in ((64, (None,)), (10**6, (None,)), (63, (63,))):
+    config = models.ModelConfig(model_type="mistral", vocab_size=64, embed_dim=32,
+                                mlp_dim=48, num_layers=2, num_heads=2, num_kv_heads=1,
+                                head_dim=16, max_seq_len=64, sliding_window=window,
+                                layer_types=("sliding_attention",) * 2)
+    assert layer_windows_of(config) == kinds * 2
+    llm = LLM(models.init_random(config, seed=0, impl="xla"), config, block_size=4,
+              kv_budget_bytes=2 * 2 * 4 * 16 * 4 * 40, max_seqs=2)  # windowed freeing
+    assert llm.kv_groups.windows == kinds
+    assert llm.stats["prefix_caching"] is (kinds == (None,))
+
+
 def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
   with torch.no_grad():
     return hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
