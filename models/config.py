@@ -57,6 +57,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from paged_jax.models.rope import YarnScaling
+from paged_jax.pallas_kernels.validation import MAX_SOFT_CAP
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
                          "gpt_oss")
@@ -255,6 +256,11 @@ class ModelConfig:
     for name in ("local_rope_theta", "query_scale", "attn_soft_cap", "final_soft_cap"):
       if getattr(self, name) is not None:
         object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
+    for name in ("attn_soft_cap", "final_soft_cap"):  # inf made NaN logits
+      cap = getattr(self, name)
+      if cap is not None and not cap <= MAX_SOFT_CAP:
+        raise ValueError(f"{name}={cap!r} must be <= {MAX_SOFT_CAP:g} (a larger cap changes "
+                         "no float32 logit: use None)")
     if self.sliding_window is not None:
       object.__setattr__(self, "sliding_window",
                          _positive_int("sliding_window", self.sliding_window))

@@ -207,6 +207,11 @@ def check_layer(layer, num_layers: int) -> None:
     raise ValueError(f"layer={int(layer)} must be in [0, L={num_layers})")
 
 
+MAX_SOFT_CAP = 1e30
+"""The largest ``soft_cap``: ``s / c`` stays a normal float32 for any score that matters
+(1e37 put the quotients among the subnormals, 0.017 off; past float32's range, NaN)."""
+
+
 def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=None,
                              sinks=None) -> None:
   """Checks of the attention variants (static: shapes, dtypes, Python values).
@@ -222,8 +227,10 @@ def static_validate_variants(num_q_heads: int, *, sliding_window=None, soft_cap=
       or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
     raise ValueError(f"{sliding_window=} must be an int >= 1 or None")
   if soft_cap is not None and (not _is_real_number(soft_cap) or not np.isfinite(soft_cap)
-                               or soft_cap <= 0):
-    raise ValueError(f"{soft_cap=} must be a finite float > 0 or None")
+                               or soft_cap <= 0 or soft_cap > MAX_SOFT_CAP):
+    raise ValueError(f"{soft_cap=} must be a finite float > 0 and <= {MAX_SOFT_CAP:g} or "
+                     "None (the kernels divide scores by it in float32; a larger cap changes "
+                     "no score: pass None)")
   if sinks is not None:
     shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
     if shape is None or dtype is None:

@@ -172,6 +172,11 @@ def test_qwen2_sliding_window_only_when_enabled():
     (dict(vocab_size=0), "vocab_size=0"),
     (dict(num_hidden_layers=None), "num_hidden_layers"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    # An infinite cap made NaN logits; one past 1e30 changes nothing in float32.
+    (dict(model_type="gemma2", final_logit_softcapping=float("inf")),
+     r"final_soft_cap=inf must be <= 1e\+30"),
+    (dict(model_type="gemma2", attn_logit_softcapping=1e31),
+     r"attn_soft_cap=1e\+31 must be <= 1e\+30"),
 ])
 def test_invalid_configs_are_refused(override, match):
   with pytest.raises(ValueError, match=match):

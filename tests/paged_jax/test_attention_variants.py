@@ -231,6 +231,8 @@ def test_variants_given_as_concrete_jax_scalars_are_their_values():
     (dict(soft_cap=float("inf")), r"soft_cap=inf must be a finite float > 0"),
     (dict(soft_cap=float("nan")), r"soft_cap=nan must be a finite float > 0"),
     (dict(soft_cap="30"), r"soft_cap='30' must be a finite float > 0"),
+    # Past 1e30 the kernels' s / c left float32's normal range: 0.42 off, NaN past 3.4e38.
+    (dict(soft_cap=1e31), r"soft_cap=1e\+31 must be a finite float > 0 and <= 1e\+30"),
     (dict(sinks=jnp.zeros((4,), jnp.float32)), r"sinks\.shape=\(4,\) must be \[H\]=\[8\]"),
     (dict(sinks=jnp.zeros((8, 1), jnp.float32)), r"sinks\.shape=\(8, 1\) must be \[H\]"),
     (dict(sinks=jnp.zeros((8,), jnp.int32)), r"sinks\.dtype=int32 must be float32"),
