@@ -51,6 +51,14 @@ def shuffled_allocator(num_blocks: int, block_size: int, max_seqs: int,
                              clock=jnp.int32(num_blocks))
 
 
+# int8's 255 levels a token, float8's 3 (e4m3) or 2 (e5m2) mantissa bits; float16's 10
+# mantissa bits against bfloat16's 7.
+_DEFAULT_RTOL = {jnp.dtype(jnp.float64): 2e-5, jnp.dtype(jnp.float32): 2e-5,
+                 jnp.dtype(jnp.float16): 1e-2, jnp.dtype(jnp.bfloat16): 2e-2,
+                 jnp.dtype(jnp.int8): 4e-2, jnp.dtype(jnp.float8_e4m3fn): 6e-2,
+                 jnp.dtype(jnp.float8_e5m2): 1.5e-1}
+
+
 @jax.jit
 def _fill_nan(cache: KVCache) -> KVCache:
   num_slots = cache.num_blocks * cache.block_size
@@ -170,11 +178,15 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
       padded with 0); default ``model(tokens_BT)``.
     block_size: Z; ``num_blocks`` default: every sequence's blocks plus a quarter spare.
     max_tokens_per_step: T of every step (default half the tokens, at least 8).
-    cache_dtype: KV dtype (default the model's); ``rtol`` default 2e-5 for float32, 4e-2
-      for int8, 6e-2 for float8_e4m3fn and 1.5e-1 for float8_e5m2 pools (their
-      quantisation), else 2e-2. A quantised pool's error grows with how sharp the model's
-      attention is (an int8 pool: 1.0-1.3e-2 for ``examples/own_model.py``'s model, 2.7e-2
-      for a sharper one): pass ``rtol`` for yours.
+    cache_dtype: KV dtype (default the model's); ``rtol`` default: the looser of the
+      pool's and the dense logits' dtype's bound, 2e-5 for float32 (and float64), 1e-2
+      for float16, 2e-2 for bfloat16, 4e-2 for int8, 6e-2 for float8_e4m3fn and 1.5e-1 for
+      float8_e5m2 (their quantisation). A quantised pool's error grows with how sharp the
+      model's attention is (an int8 pool: 1.0-1.3e-2 for ``examples/own_model.py``'s
+      model, 2.7e-2 for a sharper one), and a 16-bit model's with its routing (a bf16
+      mixture of experts can pick other experts: 8e-2 for a correct gpt-oss): pass
+      ``rtol`` for yours. 16-bit runs cannot see small errors (a RoPE base 10 % off
+      passes at 16 bits, fails by 200x in float32): check a model in float32 too.
     seed: the chunk schedule's and the block shuffle's seed.
     forward_kwargs: extra keyword arguments of ``paged_forward``.
     free_outside_window: with layer windows of more than one kind (``config.layer_windows``
@@ -184,8 +196,8 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
       ``metadata.for_layer``.
 
   Returns:
-    ``dict(steps=..., max_rel_error=..., kv_groups=...)``: ``kv_groups`` the groups'
-    windows, None for one pool of every layer.
+    ``dict(steps=..., max_rel_error=..., rtol=..., kv_groups=...)``: the bound used, and
+    ``kv_groups`` the groups' windows, None for one pool of every layer.
   """
   protocol.check_model(model)
   protocol.check_config(config)
@@ -196,10 +208,6 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
   num_seqs, longest = len(sequences), max(lengths)
   kwargs = dict(forward_kwargs or {})
   dtype = jnp.dtype(cache_dtype or protocol.model_dtype(model))
-  if rtol is None:  # int8's 255 levels a token, float8's 3 (e4m3) or 2 (e5m2) mantissa bits
-    rtol = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.int8): 4e-2,
-            jnp.dtype(jnp.float8_e4m3fn): 6e-2, jnp.dtype(jnp.float8_e5m2): 1.5e-1
-            }.get(dtype, 2e-2)
   groups = None
   if free_outside_window is not False:  # the built-in configs' windows too, as LLM reads them
     groups = kv_groups_lib.KVGroups.from_layer_windows(kv_groups_lib.layer_windows_of(config))
@@ -226,7 +234,12 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
   padded_BT = np.zeros((num_seqs, longest), np.int32)
   for b, s in enumerate(sequences):
     padded_BT[b, :len(s)] = s
-  want_BTV = np.asarray(dense(jnp.asarray(padded_BT)), np.float64)
+  want_BTV = dense(jnp.asarray(padded_BT))
+  if rtol is None:  # the looser of the pool's and the logits' (a model computing in bf16
+    # from float32 parameters: the parameters say float32, its logits say otherwise)
+    rtol = max(_DEFAULT_RTOL.get(jnp.dtype(d), 2e-2)
+               for d in (dtype, getattr(want_BTV, "dtype", np.float64)))
+  want_BTV = np.asarray(want_BTV, np.float64)
 
   rng = np.random.default_rng(seed)
   done = [0] * num_seqs
@@ -265,5 +278,5 @@ def assert_paged_matches_dense(model, config, sequences: Sequence[Sequence[int]]
   if compiled > 1:
     raise AssertionError(f"the paged step was compiled {compiled} times over "
                          f"{len(schedule)} steps of one shape; it must trace once")
-  return dict(steps=len(schedule), max_rel_error=worst,
+  return dict(steps=len(schedule), max_rel_error=worst, rtol=rtol,
               kv_groups=None if groups is None else groups.windows)

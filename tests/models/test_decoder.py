@@ -161,3 +161,18 @@ def test_testing_helper_checks_a_built_in_hybrid_decoder_in_kv_groups():
   plain = testing.assert_paged_matches_dense(model, ALL_VARIANTS, sequences, seed=2,
                                              free_outside_window=False)
   assert plain["kv_groups"] is None
+
+
+def test_testing_helper_bounds_a_16_bit_model_by_its_logits_dtype():
+  # The default bound came from the pool's dtype alone: a correct bf16 model checked with
+  # a float32 pool failed at float32's 2e-5 (7.3e-3), and float16 got bfloat16's 2e-2.
+  # It is now the looser of the pool's and the dense logits' (float16: 1e-2).
+  from paged_jax import testing
+  config = helpers.tiny_config("llama")
+  sequences = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [100, 50, 25]]
+  for dtype, cache_dtype, rtol in ((jnp.bfloat16, jnp.float32, 2e-2),
+                                   (jnp.float16, None, 1e-2), (jnp.float32, None, 2e-5)):
+    model = models.init_random(config, seed=2, dtype=dtype, impl="xla")
+    report = testing.assert_paged_matches_dense(model, config, sequences, seed=2,
+                                                cache_dtype=cache_dtype)
+    assert report["rtol"] == rtol and report["max_rel_error"] < rtol, (dtype, report)
