@@ -276,6 +276,16 @@ def static_scale(sm_scale) -> float | None:
   return value
 
 
+def refuse_float64(q_THD, k_pages_LKNZD, kv_dtype, kernel: str) -> None:
+  """``ValueError`` for float64 q or KV (``jax_enable_x64``) on a kernel that computes in
+  float32 at most (it failed to trace, or ran at float32's precision in silence)."""
+  kv = jnp.dtype(k_pages_LKNZD.dtype if kv_dtype is None else kv_dtype)
+  for name, dtype in (("q.dtype", jnp.dtype(q_THD.dtype)), ("the KV dtype", kv)):
+    if dtype.itemsize > 4:
+      raise ValueError(f"{name}={dtype}: {kernel} computes in float32 at most; float64 "
+                       "attention runs on impl='xla' or 'reference'")
+
+
 def refusal_reason(q_THD, k_pages_LKNZD, check_shapes) -> str | None:
   """Why a kernel refuses these shapes, or None: what its ``unsupported_reason`` (asked by
   an "auto" choice) returns. H must be a multiple of K; then ``check_shapes(group=G,

@@ -43,6 +43,7 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
     raise ValueError(f"tiling={tiling!r} must be a GpuTiling or None")
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
+  validation.refuse_float64(q_THD, k_pages_LKNZD, kv_dtype, "the Pallas GPU kernel")
   _check_offsets(k_pages_LKNZD)
 
 
@@ -102,6 +103,7 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   (with its default tiling): what an "auto" choice asks before picking it. Static: only
   shapes and dtypes are read."""
   def check_shapes(**shape):
+    validation.refuse_float64(q_THD, k_pages_LKNZD, kv_dtype, "the Pallas GPU kernel")
     _check_offsets(k_pages_LKNZD)
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)

@@ -69,6 +69,7 @@ def static_validate(q_THD, k_pages_LKNZD, v_pages_LKNZD, layer, kv_lens_S, block
     raise ValueError(f"tiling={tiling!r} must be a MosaicTiling or None")
   validation.static_validate_variants(q_THD.shape[1], sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks)
+  validation.refuse_float64(q_THD, k_pages_LKNZD, kv_dtype, "the Mosaic GPU kernel")
   if not jnp.issubdtype(q_THD.dtype, jnp.floating) or q_THD.dtype.itemsize < 2:
     raise ValueError(f"q.dtype={q_THD.dtype} must be float16, bfloat16 or float32")
 
@@ -96,6 +97,7 @@ def unsupported_reason(q_THD, k_pages_LKNZD, block_tables_SP, *, kv_dtype=None,
   if not jnp.issubdtype(q_THD.dtype, jnp.floating) or jnp.dtype(q_THD.dtype).itemsize < 2:
     return f"q.dtype={q_THD.dtype} must be float16, bfloat16 or float32"
   def check_shapes(**shape):
+    validation.refuse_float64(q_THD, k_pages_LKNZD, kv_dtype, "the Mosaic GPU kernel")
     tiling = default_tiling_for(q_THD, k_pages_LKNZD, block_tables_SP, kv_dtype=kv_dtype,
                                 sliding_window=sliding_window)
     tiling.check_shapes(**shape, plan=operand_plan(q_THD.dtype, k_pages_LKNZD.dtype,

@@ -564,6 +564,31 @@ def test_kernels_trace_under_x64(impl):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_gpu_kernels_refuse_float64_by_name_and_auto_passes_them_by():
+  # Under x64 a float64 q and pool failed inside the Triton kernel's loop (carry float32
+  # vs float64), which "auto" would pick on a GPU, and the Mosaic GPU kernel ran them at
+  # float32's precision in silence (3.6e-7 off); the reference and XLA compute float64.
+  from paged_jax.pallas_kernels import gpu, mosaic_gpu
+  case = cases.make_case(31, q_lens=[1, 5], kv_lens=[40, 20], group=2, block_size=16)
+  with jax.enable_x64(True):
+    q, k_pages, v_pages, layer, kv_lens, tables, cu, num_seqs = case.jax_args()
+    q, k_pages, v_pages = (x.astype(jnp.float64) for x in (q, k_pages, v_pages))
+    args = (q, KVCache(k_pages=k_pages, v_pages=v_pages), layer, kv_lens, tables, cu,
+            num_seqs)
+    for kernel, impl in ((gpu, "pallas_gpu"), (mosaic_gpu, "pallas_mosaic_gpu")):
+      reason = kernel.unsupported_reason(q, k_pages, tables)
+      if impl == "pallas_mosaic_gpu" and not mosaic_gpu.compat.available():
+        continue
+      assert reason is not None and "float64" in reason, (impl, reason)
+      with pytest.raises(ValueError, match=r"q.dtype=float64: the .* kernel computes in "
+                                           r"float32 at most"):
+        paged_attention(*args, impl=impl, interpret=True)
+    got = paged_attention(*args, impl="xla")
+    assert got.dtype == jnp.float64
+    want = paged_attention(*args, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+
+
 def test_num_seqs_may_be_any_host_integer_scalar():
   # A NumPy integer (np.int64, as indexing or len of an array gives) was refused with
   # "num_seqs.dtype=int64 must be int32" where the Python int of the same value passed;
