@@ -75,7 +75,7 @@ def add_run_parser(subparsers) -> None:
                  help="token budget of one step (default 256)")
   p.add_argument("--steps-per-call", type=int, default=32,
                  help="scheduling steps per device call (default 32)")
-  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                  help="model dtype (default float32 for the tiny model, the checkpoint's "
                  "otherwise)")
   p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,

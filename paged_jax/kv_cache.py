@@ -123,6 +123,9 @@ class KVCache:
       if k_pages.shape != v_pages.shape:
         raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal k_pages.shape="
                          f"{tuple(k_pages.shape)}")
+      if k_pages.dtype != v_pages.dtype:  # V was cast to K's dtype, or failed later
+        raise ValueError(f"v_pages.dtype={v_pages.dtype} must equal k_pages.dtype="
+                         f"{k_pages.dtype}: one pool holds K and V alike")
       if k_pages.ndim != 5:
         raise ValueError(f"k_pages.shape={tuple(k_pages.shape)} must be [L, K, N, Z, D] "
                          "(KVCache.create(spec) builds one from a KVCacheSpec)")

@@ -62,7 +62,14 @@ def storage_dtype(dtype):
 
 def to_storage(x, dtype):
   """``x`` cast to the logical ``dtype``, as the bits the pool stores. Differentiating
-  through bits is a ``ValueError`` (``_bits``)."""
+  through bits is a ``ValueError`` (``_bits``). Into float16 the cast saturates at its
+  largest finite value (a K of 7e4 from a bf16 model was stored as inf, and attention
+  gave NaN); NaN stays NaN."""
+  dtype = jnp.dtype(dtype)
+  if (dtype == jnp.float16 and jnp.issubdtype(x.dtype, jnp.floating)
+      and jnp.finfo(x.dtype).max > jnp.finfo(dtype).max):
+    big = float(jnp.finfo(dtype).max)  # (bfloat16 cannot hold it: clip in float32)
+    x = jnp.clip(x.astype(jnp.promote_types(x.dtype, jnp.float32)), -big, big)
   x = x.astype(dtype)
   target = storage_dtype(dtype)
   return x if target == jnp.dtype(dtype) else _bits(x, target)

@@ -144,6 +144,8 @@ def test_plan_kv_cache_dtype_counts_scales_and_fits_about_twice(capsys):
 def test_run_report_names_a_quantised_pool():
   args = cli.build_parser().parse_args(["run", "--kv-cache-dtype", "float8_e5m2"])
   assert args.kv_cache_dtype == "float8_e5m2"
+  # float16 models as `plan --dtype` and load_pretrained take them (run refused the choice)
+  assert cli.build_parser().parse_args(["run", "--dtype", "float16"]).dtype == "float16"
   stats = dict(requests=1, generated_tokens=4, wall_s=1.0, tokens_per_s=4.0, requests_per_s=1.0,
                num_blocks=8, num_free_blocks=8, block_size=16, kv_cache_dtype="int8",
                kv_pool_bytes=3 * 2**20, peak_blocks_in_use=1, mean_blocks_in_use=1.0,

@@ -65,6 +65,21 @@ def test_write_casts_to_cache_dtype_and_accepts_traced_layer():
   np.testing.assert_array_equal(np.asarray(out.k_pages[1, 0, 1, 1], np.float32), 1.5)
 
 
+def test_a_float16_pool_saturates_instead_of_storing_inf():
+  # A bf16 / float32 model's K of 7e4 was stored as inf in a float16 pool and attention
+  # returned NaN; the cast now saturates at float16's largest (NaN stays NaN).
+  cache = KVCache.create(KVCacheSpec(1, 1, 4, 2, 2, jnp.float16))
+  k = jnp.asarray([[[7e4, -1e6, 3.0, 0.5]], [[1.0, 2.0, -3.0, jnp.nan]]], jnp.bfloat16)
+  out = cache.write(0, k, k.astype(jnp.float32), jnp.array([0, 2], jnp.int32))
+  for pages in (out.k_pages, out.v_pages):
+    np.testing.assert_array_equal(np.asarray(pages[0, 0, :, 0], np.float32),
+                                  [[65504, -65504, 3, 0.5], [1, 2, -3, np.nan]])
+  q = jnp.full((1, 1, 4), 1e-3, jnp.float16)
+  got = paged_attention(q, out, 0, jnp.array([1], jnp.int32), jnp.array([[0]], jnp.int32),
+                        jnp.array([0, 1], jnp.int32), 1, impl="reference")
+  np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), [65504, -65504, 3, 0.5])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=lambda d: jnp.dtype(d).name)
 def test_a_traced_layer_out_of_range_writes_and_reads_nothing(dtype):
   # A Python int outside [0, L) is refused; a traced one cannot be, and -1 used to wrap:
@@ -149,6 +164,11 @@ def test_the_constructor_refuses_what_a_spec_refuses():
                          r"k_pages\.dtype=int32 must be a floating dtype"),
                         (dict(k_pages=pages, v_pages=pages[:, :, :1]),
                          r"v_pages\.shape=\(1, 1, 1, 4, 8\) must equal k_pages\.shape"),
+                        # V was cast to K's dtype in silence (or failed in paged_attention)
+                        (dict(k_pages=pages.astype(jnp.float16), v_pages=pages),
+                         r"v_pages\.dtype=float32 must equal k_pages\.dtype=float16"),
+                        (dict(k_pages=pages, v_pages=pages.astype(jnp.bfloat16)),
+                         r"v_pages\.dtype=bfloat16 must equal k_pages\.dtype=float32"),
                         (dict(k_pages=pages[0], v_pages=pages[0]),
                          r"k_pages\.shape=\(1, 2, 4, 8\) must be \[L, K, N, Z, D\]"),
                         (dict(k_pages=pages, v_pages=pages, dtype=jnp.float8_e4m3fnuz),
