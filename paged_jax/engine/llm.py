@@ -57,8 +57,8 @@ class LLM:
     block_size: Z, tokens per KV block.
     num_blocks: N, blocks in the pool. Default: from ``kv_budget_bytes`` when given, else
       enough for ``max_seqs`` sequences of ``min(config.max_seq_len, 2048)`` tokens.
-    kv_budget_bytes: size the pool by memory (``KVCacheSpec.from_budget``); exclusive with
-      ``num_blocks``.
+    kv_budget_bytes: size the pool by memory (``KVCacheSpec.from_budget``; the token rows,
+      8 bytes x S x ``max_model_len``, are apart); exclusive with ``num_blocks``.
     max_seqs: S, sequences running at once (slots; a request with ``n`` completions uses n).
     max_tokens_per_step: T, the token budget of one step (prefill chunks + decode rows).
     token_buckets: increasing step budgets ending at T, one compiled device call each;
