@@ -73,8 +73,10 @@ from paged_jax.pallas_kernels.mosaic_gpu.tiling import MosaicTiling, OperandPlan
 plgpu = compat.plgpu
 
 # A finite floor for the running max: exp(-inf - floor) = 0 for masked scores, and a row
-# that sees nothing keeps max = floor, sum = 0 without any inf - inf.
-_MAX_FLOOR = -1e30
+# that sees nothing keeps max = floor, sum = 0 without any inf - inf. float32's lowest, so
+# that no finite score is below it (at -1e30, a row whose scores were all below, under a
+# huge sm_scale, summed exp(s - floor) = 0 and came out zero).
+_MAX_FLOOR = float(np.finfo(np.float32).min)
 
 
 def _div(a, b):

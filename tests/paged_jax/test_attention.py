@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -587,6 +588,27 @@ def test_gpu_kernels_refuse_float64_by_name_and_auto_passes_them_by():
     assert got.dtype == jnp.float64
     want = paged_attention(*args, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_mosaic_gpu", "xla"])
+def test_a_row_whose_every_score_is_below_minus_1e30_is_attended(impl):
+  # The GPU kernels' running max started at -1e30: with sm_scale = 1e30 (any finite
+  # positive one is allowed) and every q.k < 0, each exp(s - max) was 0 and the row came
+  # out zero. The float64 oracle attends to the nearest key.
+  from paged_jax.pallas_kernels import mosaic_gpu
+  if impl == "pallas_mosaic_gpu" and not mosaic_gpu.interpret_available():
+    pytest.skip("this jax has no Mosaic GPU interpret mode")
+  case = cases.make_case(32, q_lens=[1, 2], kv_lens=[3, 20], group=2, block_size=16)
+  # Every key positive, every query negative: every q.k < 0.
+  case = dataclasses.replace(case, q_THD=-np.abs(case.q_THD),
+                             k_pages_LKNZD=np.abs(case.k_pages_LKNZD))
+  q, k_pages, v_pages, layer, kv_lens, tables, cu, num_seqs = case.jax_args()
+  args = (q, KVCache(k_pages=k_pages, v_pages=v_pages), layer, kv_lens, tables, cu, num_seqs)
+  want = paged_attention(*args, impl="reference", sm_scale=1e30)
+  got = paged_attention(*args, impl=impl, sm_scale=1e30,
+                        **({} if impl == "xla" else {"interpret": True}))
+  assert np.abs(np.asarray(want)[:3]).max() > 0.1
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_num_seqs_may_be_any_host_integer_scalar():
