@@ -146,15 +146,14 @@ def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int)
   note = f"model context {max_seq_len}, KV pool {blocks} blocks x {spec.block_size} tokens"
   if shards > 1:
     note += " per data shard"
-  if kv_groups.plain:
-    note += f" = {blocks * spec.block_size} tokens"  # pool_tokens is capped at the context
-  else:
-    windows = kv_groups.windows
-    fits = (f"{pool_tokens} tokens" if pool_tokens < max_seq_len
-            else "the whole context or more")
-    note += (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
-             f"{len(windows) - windows.count(None)} sliding): one sequence fits in {fits}")
-  return note
+  windows = kv_groups.windows
+  if not kv_groups.slides:
+    return note + f" = {blocks * spec.block_size} tokens"  # pool_tokens: capped at context
+  fits = f"{pool_tokens} tokens" if pool_tokens < max_seq_len else "the whole context or more"
+  if kv_groups.plain:  # every layer slides: a sequence holds its window's blocks only
+    return note + f", every layer sliding (window {windows[0]}): one sequence fits in {fits}"
+  return note + (f" shared by {len(windows)} KV groups ({windows.count(None)} full, "
+                 f"{len(windows) - windows.count(None)} sliding): one sequence fits in {fits}")
 
 
 def pool_spec(config, kv_dtype, layers: int, *, block_size: int, num_blocks, kv_budget_bytes,

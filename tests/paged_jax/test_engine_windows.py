@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -325,3 +327,14 @@ def test_a_prompt_too_long_for_the_groups_is_refused_saying_why():
       r"\(1 full, 1 sliding\): one sequence fits in 24 tokens\)")):
     LLM(llm.model, config, block_size=4, num_blocks=12, max_seqs=2, free_outside_window=True,
         max_model_len=30)
+  # Every layer sliding, one group: the refusal said "KV pool 12 blocks x 4 tokens = 48
+  # tokens", neither the bound (the context) nor why.
+  config = dataclasses.replace(config, layer_types=("sliding_attention",) * 2)
+  llm = LLM(models.init_random(config, seed=0), config, block_size=4, num_blocks=12,
+            max_seqs=2, max_tokens_per_step=8, free_outside_window=True)
+  assert llm.kv_groups.windows == (8,) and llm.max_model_len == 256
+  with pytest.raises(ValueError, match=(
+      r"prompts\[0\] has 300 tokens; must be < max_model_len=256 \(model context 256, KV "
+      r"pool 12 blocks x 4 tokens, every layer sliding \(window 8\): one sequence fits in the "
+      r"whole context or more\)")):
+    llm.generate([[5] * 300], SamplingParams(max_tokens=4))
