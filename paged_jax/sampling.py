@@ -142,8 +142,8 @@ class SamplingParams:
     ``n``. ``max_length`` counts the prompt too, so it is not a per-request count: the
     engine's ``max_model_len`` bounds the whole sequence. EOS ids are the engine's already
     (``LLM.from_pretrained`` reads them from this file). Settings this sampler does not
-    have (``repetition_penalty``, ``num_beams``, ``min_p``, ...) at other than their neutral
-    values are named in a warning, not applied.
+    have (``repetition_penalty``, ``num_beams``, ``stop_strings``, ``min_p`` when sampling,
+    ...) at other than their neutral values are named in a warning, not applied.
     """
     cfg, where = _generation_config(source)
     get = lambda key, default: default if cfg.get(key) is None else cfg[key]
@@ -162,7 +162,8 @@ class SamplingParams:
     if unknown:
       raise ValueError(f"overrides {unknown} are not SamplingParams fields (fields: "
                        f"{', '.join(f.name for f in dataclasses.fields(cls))})")
-    ignored = [f"{key}={cfg[key]!r}" for key, neutral in _NOT_APPLIED.items()
+    unapplied = {**_NOT_APPLIED, **(_NOT_APPLIED_WHEN_SAMPLING if do_sample else {})}
+    ignored = [f"{key}={cfg[key]!r}" for key, neutral in unapplied.items()
                if cfg.get(key) not in (None, [], {}) and cfg[key] not in neutral]
     if ignored:
       warnings.warn(f"{where} asks for {', '.join(ignored)}, which paged_jax's sampler does "
@@ -177,14 +178,19 @@ class SamplingParams:
       raise
 
 
-_NOT_APPLIED = {"repetition_penalty": (1, 1.0), "num_beams": (1,), "min_p": (0, 0.0),
-                "typical_p": (1, 1.0), "no_repeat_ngram_size": (0,), "min_new_tokens": (0,),
-                "min_length": (0,), "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0),
-                "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (),
-                "encoder_repetition_penalty": (1, 1.0), "penalty_alpha": ()}
-"""generation_config.json settings ``SamplingParams`` has no counterpart for, each with the
-values that change nothing (anything else is named in ``from_generation_config``'s
-warning)."""
+# generation_config.json settings ``SamplingParams`` has no counterpart for, each with the
+# values that change nothing (anything else is named in ``from_generation_config``'s
+# warning); the sampling-only ones change nothing under greedy decoding either.
+_NOT_APPLIED = {"repetition_penalty": (1, 1.0), "encoder_repetition_penalty": (1, 1.0),
+                "num_beams": (1,), "no_repeat_ngram_size": (0,), "min_new_tokens": (0,),
+                "min_length": (0,), "bad_words_ids": (), "suppress_tokens": (),
+                "begin_suppress_tokens": (), "penalty_alpha": (0, 0.0), "stop_strings": (),
+                "sequence_bias": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
+                "exponential_decay_length_penalty": (), "guidance_scale": (1, 1.0),
+                "dola_layers": ()}
+_NOT_APPLIED_WHEN_SAMPLING = {"min_p": (0, 0.0), "typical_p": (1, 1.0),
+                              "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0),
+                              "top_h": ()}
 
 
 def _generation_config(source) -> tuple[Mapping[str, Any], str]:

@@ -159,7 +159,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
     raise ValueError(f"{type(model).__name__}.paged_forward returned logits of dtype "
                      f"{logits_SV.dtype}: they must be a floating dtype")
-  registered = True
+  after_register = True
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
     # A step fills at most num_tokens // Z + 1 blocks of a sequence: register walks only
@@ -171,7 +171,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     # The history written below is register's operand: the write must follow its read, or
     # XLA copies [S, J] twice a step to run it first. ``clock`` is what register computes
     # (the other branch passes it on), and ``(x | 1) != 0`` is True without being foldable.
-    registered = (alloc.clock | 1) != 0
+    after_register = (alloc.clock | 1) != 0
   done_prefill_S = ok_S & (q_S > 0) & (alloc.seq_lens == st.len_S)
   blocks_in_use = alloc.num_blocks - alloc.num_free
   utilization = allocator.utilization(alloc)
@@ -206,7 +206,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S)
   stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
-  col_S = jnp.where(keep_S & registered, len_S, max_len)
+  col_S = jnp.where(keep_S & after_register, len_S, max_len)
   tokens_SJ = tokens_SJ.at[slot_S, col_S].set(tok_S, mode="drop")
   logprobs_SJ = logprobs_SJ.at[slot_S, col_S].set(lp_S, mode="drop")
   len_S = len_S + keep_S.astype(jnp.int32)
@@ -287,7 +287,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
 
   st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
   max_len = st.tokens_SJ.shape[1]
-  # A slot gains a token a step at most, and never past max_len: K = min(steps, max_len).
+  # A slot gains a token a step at most, and never past max_len: min(steps, max_len) wide.
   idx_SK = jnp.clip(start_S[:, None] + jnp.arange(min(steps_per_call, max_len))[None, :], 0,
                     max_len - 1)
   report = dict(

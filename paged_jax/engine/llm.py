@@ -30,7 +30,7 @@ from paged_jax import sharding as mesh_sharding
 from paged_jax.engine import options
 from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
-from paged_jax.engine.salts import live_salt_ids
+from paged_jax.engine.salts import engine_live_salts
 from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
                                         default_token_buckets)
@@ -182,7 +182,7 @@ class LLM:
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
         vocab_size=int(config.vocab_size), eos=protocol.served_eos_token_ids(config),
-        limit_note=limit, live_salts=lambda: live_salt_ids(self._state),
+        limit_note=limit, live_salts=engine_live_salts(self),
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
 
@@ -294,10 +294,11 @@ class LLM:
     # A mesh's calls place host rows on their shards themselves.
     return host if self._plan is not None else jax.device_put(host)
 
-  def _serve(self, requests) -> Iterator[StreamEvent]:
-    self._scheduler.check_idle()  # raised here, at the call, not at the first event
-    return self._scheduler.serve(requests, run=self._run, admit=self._admit,
-                                 abort=self._abort)
+  def _serve(self, prompts, params, cache_salt) -> tuple[list, Iterator[StreamEvent]]:
+    self._scheduler.check_idle()  # at the call, not the first event; before any seed drawn
+    requests = self._scheduler.requests(prompts, params, cache_salt)
+    return requests, self._scheduler.serve(requests, run=self._run, admit=self._admit,
+                                           abort=self._abort)
 
   def generate_stream(self, prompts, params=None, *,
                       cache_salt=None) -> Iterator[StreamEvent]:
@@ -310,7 +311,7 @@ class LLM:
     ``RuntimeError`` until it is (``break`` out of ``for ev in llm.generate_stream(...)``
     closes it; a stream kept in a variable needs ``.close()``). ``cache_salt`` as for
     ``generate``."""
-    return self._serve(self._scheduler.requests(prompts, params, cache_salt))
+    return self._serve(prompts, params, cache_salt)[1]
 
   def check_requests(self, prompts, params=None, *, cache_salt=None) -> None:
     """The ``ValueError`` ``generate`` would raise for these arguments (an empty prompt, one
@@ -326,9 +327,9 @@ class LLM:
     ``cache_salt``: None, one str for every prompt, or one str (or None) per prompt. Prefix
     cache entries are shared only between requests with the same salt (none counts as one
     salt), so tenants that must not share pass different salts."""
-    requests = self._scheduler.requests(prompts, params, cache_salt)
+    requests, stream = self._serve(prompts, params, cache_salt)
     tokens, logprobs, finish = {}, {}, {}
-    for ev in self._serve(requests):
+    for ev in stream:
       key = (ev.prompt_index, ev.sample_index)
       if ev.token_id is not None:
         tokens.setdefault(key, []).append(ev.token_id)

@@ -80,7 +80,7 @@ class Request:
   params: SamplingParams
   seed: int | None  # None until drawn (once the call's requests are all valid)
   stop: tuple[int, ...]
-  salt: int = 0  # interned cache_salt, 0 for none
+  salt: str | None = None  # cache_salt (interned when admitted)
   arrival: int = -1
   tokens: list = dataclasses.field(default_factory=list)  # per completion
   logprobs: list = dataclasses.field(default_factory=list)
@@ -111,14 +111,14 @@ class Scheduler:
     token_buckets: the compiled step budgets, increasing.
     vocab_size, eos: the model config's vocabulary size and EOS ids.
     limit_note: what bounds ``max_model_len`` (for error messages).
-    live_salts: the salt ids the device state holds (``salts.live_salt_ids``).
+    live_salts: the salt ids the device state holds (``salts.engine_live_salts``).
     tokenizer: optional ``tokenizers.Tokenizer`` for string prompts.
     seed: seeds the draw of seeds for requests without one.
   """
 
   def __init__(self, *, max_seqs: int, slots_per_shard: int, max_model_len: int,
                token_buckets: tuple[int, ...], vocab_size: int, eos: tuple[int, ...],
-               limit_note: str, live_salts=set, tokenizer=None, seed: int = 0):
+               limit_note: str, live_salts=lambda: (), tokenizer=None, seed: int = 0):
     self.max_seqs, self.slots_per_shard = max_seqs, slots_per_shard
     self.max_model_len, self.token_buckets = max_model_len, token_buckets
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
@@ -193,22 +193,22 @@ class Scheduler:
     return tuple(ids)
 
   def check(self, prompts, params, cache_salt=None) -> None:
-    """``requests``' checks alone: no seed is drawn for unseeded requests and no salt is
-    interned (a later ``generate`` runs as if this had not run)."""
+    """``requests``' checks alone: no seed is drawn for unseeded requests (a later
+    ``generate`` samples as if this had not run)."""
     self.requests(prompts, params, cache_salt, check_only=True)
 
   def requests(self, prompts, params, cache_salt=None, *,
                check_only: bool = False) -> list[Request]:
     """Validate a ``generate`` call's arguments (``ValueError`` naming the request); the
-    seeds of unseeded requests are drawn and the salts interned once all are valid, so a
-    refused call changes nothing."""
+    seeds of unseeded requests are drawn once all are valid, so a refused call changes
+    nothing (salts are interned as requests are admitted)."""
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
       raise ValueError(f"prompts={type(prompts).__name__}{getattr(prompts, 'shape', '')} must "
                        "be a list of prompts or a [B, T] array of B prompts (one prompt: put it "
                        "in a list)")
-    self.salts.ids(cache_salt, len(prompts), intern=False)  # its ValueErrors first
+    salts = self.salts.check(cache_salt, len(prompts))
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -238,13 +238,13 @@ class Scheduler:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
       out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
-                         tokens=[[] for _ in range(p.n)], logprobs=[[] for _ in range(p.n)]))
+                         salt=salts[i], tokens=[[] for _ in range(p.n)],
+                         logprobs=[[] for _ in range(p.n)]))
     if check_only:
       return out
-    for req, salt in zip(out, self.salts.ids(cache_salt, len(prompts))):
+    for req in out:
       if req.seed is None:
         req.seed = int(self._rng.integers(0, 2 ** 32))
-      req.salt = salt
     return out
 
   # --- one serving loop ---
@@ -255,7 +255,7 @@ class Scheduler:
     admitted. ``want_S`` (the host's view of the tokens each slot still needs) gets the
     admitted prompts."""
     free = [s for s, o in enumerate(slot_owner) if o is None]
-    entries = []
+    entries, held = [], set()  # held: the salt ids given out here, not on the device yet
     # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
     while waiting and (slots := pick_slots(free, waiting[0].params.n,
                                            self.slots_per_shard)) is not None:
@@ -271,7 +271,8 @@ class Scheduler:
             status_S=RUNNING if f == 0 else FORK_WAIT, arrival_S=req.arrival,
             parent_S=slots[0] % self.slots_per_shard,  # slot within its shard
             fork_S=f, seed_S=req.seed, temperature_S=p.temperature, top_k_S=p.top_k,
-            top_p_S=p.top_p, stop_Si=req.stop, salt_S=req.salt, fresh_S=f == 0)))
+            top_p_S=p.top_p, stop_Si=req.stop, salt_S=self.salts.intern(req.salt, held),
+            fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0
     return entries
 

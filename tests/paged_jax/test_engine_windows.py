@@ -278,8 +278,8 @@ def test_hybrid_model_prefix_hits_reuse_every_groups_blocks():
   # (a KV budget). Three prompts share 40 tokens; the first runs alone and registers its
   # blocks. Each later prompt hits the 10 shared levels: the full group's 10 blocks and, in
   # each sliding group, levels 6..9 (a query at 40 reads from 25), of which the first
-  # request had given back 6..8 before it ended (cached, not freed). Scrubbing zeroes every block nobody may
-  # read, so a hit on a wrong or stale block changes the tokens.
+  # request had given back 6..8 before it ended (cached, not freed). Scrubbing zeroes every
+  # block nobody may read, so a hit on a wrong or stale block changes the tokens.
   window, z = 16, 4
   config = helpers.tiny_config("gemma3_text", num_hidden_layers=6, sliding_window=window,
                                max_position_embeddings=128)

@@ -665,7 +665,9 @@ def test_the_salt_table_keeps_only_live_salts_and_never_mixes_tenants(model, con
     llm.generate([rand_tokens(np.random.default_rng(100 + i), 2)],
                  SamplingParams(max_tokens=1), cache_salt=f"user-{i}")
     assert len(table) <= 2 * 1 + 3  # "kept" (its blocks cached) and the new ones
+  before = dict(table._id_of)
   llm.check_requests([prompt] * 3, params, cache_salt=["x", "y", "z"])  # interns nothing
+  assert table._id_of == before
   assert "kept" in table._id_of and len(table) < 8 and "user-0" not in table._id_of
   ids_before = dict(table._id_of)
   again = llm.generate([prompt, prompt], params, cache_salt=["kept", "user-0"])
@@ -673,29 +675,65 @@ def test_the_salt_table_keeps_only_live_salts_and_never_mixes_tenants(model, con
   assert [o.token_ids for o in again] == [first[0].token_ids] * 2
   assert table._id_of["user-0"] not in ids_before.values()  # a new id, no one else's
   assert len(set(table._id_of.values())) == len(table._id_of)
+  # A stream made before many other salts are served, iterated only after: its salt gets
+  # its id when admitted (it had one from the call, dropped while it waited, so the same
+  # tenant's next request missed the blocks the stream had cached).
+  other = rand_tokens(np.random.default_rng(9), 17)
+  pending = llm.generate_stream([other], params, cache_salt="late")
+  for i in range(8):
+    llm.generate([rand_tokens(np.random.default_rng(200 + i), 2)],
+                 SamplingParams(max_tokens=1), cache_salt=f"other-{i}")
+  list(pending)
+  hits = llm.stats["cached_prompt_tokens"]
+  llm.generate([other], params, cache_salt="late")
+  assert llm.stats["cached_prompt_tokens"] == hits + 16
 
 
-def test_salt_ids_are_unique_while_live_through_compaction_and_wrap_around():
+def test_salt_ids_are_unique_while_held_through_compaction_and_wrap_around():
+  # Ids are given as slots are admitted: held by "the device" or by the admission under
+  # way (``held``), never given to a second salt while held.
   from paged_jax.engine import salts
   device = set()  # the ids "the device" holds
   table = salts.SaltIds(lambda: set(device), slack=2)
-  a = table.ids(["a", "b", None], 3)
-  assert a[2] == 0 and a[0] != a[1] and 0 not in a[:2]
-  device.update(a[:2])
-  batch = table.ids([f"s{i}" for i in range(10)], 10)  # compacts mid-call
-  assert len(set(batch)) == 10 and not set(batch) & set(a)
-  assert table.ids(["a", "b"], 2) == a[:2]  # live: kept
+  held = set()
+  a, b = table.intern("a", held), table.intern("b", held)
+  assert table.intern(None, held) == 0 and 0 not in (a, b) and a != b and held == {a, b}
+  assert table.intern("a", held) == a
+  device.update(held)
+  held = set()
+  batch = [table.intern(f"s{i}", held) for i in range(10)]  # compacts mid-admission
+  assert len(set(batch)) == 10 and not set(batch) & {a, b} and held == set(batch)
+  assert table.intern("a", set()) == a and table.intern("b", set()) == b  # live: kept
   device.clear()
-  table.ids([f"t{i}" for i in range(20)], 20)
+  for i in range(20):
+    table.intern(f"t{i}", set())
   assert len(table) <= 2 * 20 + 2
-  # Out of ids: the count starts over and skips every id still live.
-  device.update(table.ids(["old"], 1))
+  # Out of ids: the count starts over and skips every id held.
+  device.add(table.intern("old", set()))
   table._next = salts._LAST_ID - 1
-  wrapped = table.ids([f"w{i}" for i in range(4)], 4)
+  held = set()
+  wrapped = [table.intern(f"w{i}", held) for i in range(4)]
   assert len(set(wrapped)) == 4 and max(wrapped) <= salts._LAST_ID
-  assert table._id_of["old"] not in wrapped and 0 not in wrapped
+  assert table.intern("old", set()) not in wrapped and 0 not in wrapped
   with pytest.raises(ValueError, match=r"cache_salt\[1\]=3 must be a str or None"):
-    table.ids(["a", 3], 2)
+    table.check(["a", 3], 2)
+
+
+def test_an_engine_is_freed_when_its_last_reference_goes(model, config):
+  # The salt table's reader of the device state held the engine: an LLM (its pool, its
+  # parameters) outlived `del llm` until Python's cycle collector ran.
+  import gc
+  import weakref
+  gc.collect()
+  gc.disable()
+  try:
+    llm = make_llm(model, config)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), cache_salt="t")
+    ref = weakref.ref(llm)
+    del llm
+    assert ref() is None
+  finally:
+    gc.enable()
 
 
 def test_a_refused_generate_draws_no_seed_and_interns_no_salt(model, config):
@@ -709,8 +747,16 @@ def test_a_refused_generate_draws_no_seed_and_interns_no_salt(model, config):
     refused.generate([prompt, [VOCAB + 5]], params, cache_salt=["new", "other"])
   with pytest.raises(ValueError, match=r"params\[0\]\.n=9"):
     refused.generate([prompt], SamplingParams(n=9))
-  assert ids(refused.generate([prompt], params)) == ids(fresh.generate([prompt], params))
   assert len(refused._scheduler.salts) == 0
+  # Nor one refused because a stream is open (it drew its seeds, then was refused).
+  stream = refused.generate_stream([prompt], SamplingParams(max_tokens=2, seed=1))
+  next(stream)
+  rng = refused._scheduler._rng.bit_generator.state
+  with pytest.raises(RuntimeError, match="still open"):
+    refused.generate([prompt], params, cache_salt="late")
+  assert refused._scheduler._rng.bit_generator.state == rng
+  stream.close()
+  assert ids(refused.generate([prompt], params)) == ids(fresh.generate([prompt], params))
 
 
 def _poison_cache_entries(st):
