@@ -49,13 +49,13 @@ sliding layers are served at any window size, including windows shorter than the
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
+from paged_jax._json import read_json_object
 from paged_jax.models.rope import YarnScaling
 from paged_jax.pallas_kernels.validation import MAX_SOFT_CAP
 
@@ -498,14 +498,7 @@ def text_config_of(hf: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _read_json(path: str) -> dict:
   """A JSON object from ``path`` (a ``ValueError`` naming the file if it is not one)."""
-  with open(path, encoding="utf-8") as f:
-    try:
-      data = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
-  if not isinstance(data, dict):
-    raise ValueError(f"config file {path!r} must hold a JSON object, not {type(data).__name__}")
-  return data
+  return read_json_object(path)
 
 
 # transformers' defaults (5.25) for a config.json that leaves ``sliding_window`` out.

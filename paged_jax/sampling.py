@@ -20,7 +20,6 @@ Semantics (per row):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
 import os
@@ -30,6 +29,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from paged_jax._json import read_json_object
 
 __all__ = ["SamplingParams", "sample", "request_keys", "truncate"]
 
@@ -207,14 +208,7 @@ def _generation_config(source) -> tuple[Mapping[str, Any], str]:
       return {}, path  # a checkpoint without one: transformers' defaults (greedy)
   if not os.path.isfile(path):
     raise ValueError(f"source={os.fspath(source)!r}: no such directory or file")
-  with open(path, encoding="utf-8") as f:
-    try:
-      cfg = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path} is not valid JSON: {e}") from None
-  if not isinstance(cfg, dict):
-    raise ValueError(f"{path} must hold a JSON object, not {type(cfg).__name__}")
-  return cfg, path
+  return read_json_object(path, "generation config"), path
 
 
 def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> jax.Array:
