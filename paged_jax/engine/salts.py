@@ -98,6 +98,7 @@ class SaltIds:
         self._advance(held)
       known = self._next
       self._id_of[salt], self._salt_of[known] = known, salt
+      held.add(known)  # before a wrap's compaction in ``_advance``, which keeps it then
       self._advance(held)
     held.add(known)
     return known

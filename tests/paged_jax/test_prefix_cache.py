@@ -717,6 +717,36 @@ def test_salt_ids_are_unique_while_held_through_compaction_and_wrap_around():
   assert table.intern("old", set()) not in wrapped and 0 not in wrapped
   with pytest.raises(ValueError, match=r"cache_salt\[1\]=3 must be a str or None"):
     table.check(["a", 3], 2)
+  # A salt of this admission seen again after a compaction within it keeps its id.
+  table, held = salts.SaltIds(lambda: set(device), slack=2), set()
+  first = table.intern("first", held)
+  for i in range(6):
+    table.intern(f"u{i}", held)
+  assert table.intern("first", held) == first
+  # The last id before the wrap: kept through the wrap's compaction (a fork of the same
+  # request asks again), and an id the device holds is skipped after it.
+  device.clear()
+  table = salts.SaltIds(lambda: set(device))
+  device.add(table.intern("old", set()))
+  table._next, held = salts._LAST_ID, set()
+  last = table.intern("w", held)
+  assert last == salts._LAST_ID and table.intern("w", held) == last
+  assert table.intern("next", set()) not in device | {last, 0}
+
+
+def test_the_live_salt_ids_are_busy_slots_and_cached_blocks():
+  from paged_jax import KVCacheSpec
+  from paged_jax.engine import salts
+  from paged_jax.engine import state as state_lib
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=8,
+                     dtype=jnp.float32)
+  st = state_lib.init_state(spec, 3, 16)
+  st = dataclasses.replace(
+      st, salt_S=jnp.asarray([7, 8, 9], jnp.int32),
+      status_S=jnp.asarray([state_lib.RUNNING, state_lib.FREE, state_lib.FORK_WAIT]),
+      alloc=dataclasses.replace(st.alloc, salt_N=jnp.arange(8, dtype=jnp.int32) + 20,
+                                depth_N=jnp.asarray([-1, 0, -1, 2, -1, -1, -1, -1])))
+  assert salts.live_salt_ids(st) == {7, 9, 21, 23}
 
 
 def test_an_engine_is_freed_when_its_last_reference_goes(model, config):
