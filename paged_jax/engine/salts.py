@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from paged_jax.engine.state import FREE, lost
+
 __all__ = ["SaltIds", "SLACK", "engine_live_salts", "live_salt_ids"]
 
 SLACK = 4096
@@ -32,12 +34,11 @@ _LAST_ID = 2**31 - 1  # int32 on the device; 0 is "no salt"
 def live_salt_ids(st, fetch=jax.device_get) -> set[int]:
   """The salt ids an ``EngineState`` holds: its busy slots' and its cached blocks'
   (``fetch``: how to bring an array to the host; a mesh's plan has its own)."""
-  if any(getattr(x, "is_deleted", lambda: False)()
-         for x in (st.salt_S, st.status_S, st.alloc.salt_N, st.alloc.depth_N)):
-    return set()  # a lost state (``state.lost``): the engine starts a fresh, empty one
+  if lost(st):  # given to a device call that never returned: a fresh, empty one follows
+    return set()
   salt_N, depth_N, salt_S, status_S = (np.asarray(fetch(x)) for x in (
       st.alloc.salt_N, st.alloc.depth_N, st.salt_S, st.status_S))
-  busy = salt_S[status_S != 0]  # 0: FREE
+  busy = salt_S[status_S != FREE]
   return {int(i) for i in np.concatenate([salt_N[depth_N >= 0].ravel(), busy.ravel()])}
 
 
