@@ -467,13 +467,13 @@ class ModelConfig:
       path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
       raise CheckpointNotFoundError(f"path={path!r}: config file does not exist")
-    hf = _read_json(path)
+    hf = read_json_object(path)
     # A checkpoint's generation_config.json (beside it) holds the EOS ids generation stops
     # at, often more than config.json lists (chat models' end-of-turn ids); transformers'
     # generate uses its ids when it names them, as do we.
     generation_path = os.path.join(os.path.dirname(path), "generation_config.json")
     if os.path.isfile(generation_path):
-      eos = _read_json(generation_path).get("eos_token_id")
+      eos = read_json_object(generation_path).get("eos_token_id")
       if eos is not None:
         hf = dict(hf, eos_token_id=eos)
     return cls.from_hf_dict(hf, max_seq_len=max_seq_len)
@@ -494,11 +494,6 @@ def text_config_of(hf: Mapping[str, Any]) -> Mapping[str, Any]:
     if hf.get(key) is not None:
       merged[key] = hf[key]
   return merged
-
-
-def _read_json(path: str) -> dict:
-  """A JSON object from ``path`` (a ``ValueError`` naming the file if it is not one)."""
-  return read_json_object(path)
 
 
 # transformers' defaults (5.25) for a config.json that leaves ``sliding_window`` out.

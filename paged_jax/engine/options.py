@@ -146,9 +146,9 @@ def limit_note(max_seq_len: int, spec, kv_groups, pool_tokens: int, shards: int)
   note = f"model context {max_seq_len}, KV pool {blocks} blocks x {spec.block_size} tokens"
   if shards > 1:
     note += " per data shard"
-  windows = kv_groups.windows
   if not kv_groups.slides:
     return note + f" = {blocks * spec.block_size} tokens"  # pool_tokens: capped at context
+  windows = kv_groups.windows
   fits = f"{pool_tokens} tokens" if pool_tokens < max_seq_len else "the whole context or more"
   if kv_groups.plain:  # every layer slides: a sequence holds its window's blocks only
     return note + f", every layer sliding (window {windows[0]}): one sequence fits in {fits}"

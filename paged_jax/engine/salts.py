@@ -101,7 +101,8 @@ class SaltIds:
       self._id_of[salt], self._salt_of[known] = known, salt
       held.add(known)  # before a wrap's compaction in ``_advance``, which keeps it then
       self._advance(held)
-    held.add(known)
+    else:
+      held.add(known)
     return known
 
   def _advance(self, held: set[int]) -> None:

@@ -61,7 +61,7 @@ def _step(st, num_tokens):
   return _steps[num_tokens](st)
 
 
-def _simulate(requests, num_tokens, steps, block_size):
+def _simulate(requests, num_tokens, steps):
   """The docstring's budget policy in plain Python, with blocks to spare: the cached
   lengths of every slot after each step."""
   seqs = {s: dict(arrival=a, len=n, max_len=n + m, cached=0, done=False)
@@ -93,7 +93,7 @@ def test_the_token_budget_goes_to_decodes_then_prefills_under_way_then_new_by_ar
                 for s, a in zip(slots, arrivals)}
     num_tokens = int(rng.choice([4, 8]))
     st = _state(64, requests)
-    want = _simulate(requests, num_tokens, 12, 4)
+    want = _simulate(requests, num_tokens, 12)
     for i, expect in enumerate(want):
       st = _step(st, num_tokens)
       got = np.asarray(st.alloc.seq_lens).tolist()
