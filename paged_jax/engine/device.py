@@ -12,7 +12,9 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    blocks (``allocator.attach``) and prefills only the rest. After the forward, the blocks
    it filled are registered (``allocator.register``). Lookups are confined to the request's
    ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
-   recompute is cheap while they survive.
+   recompute is cheap while they survive. A new sequence whose next block one ahead of it
+   in step 1's order is about to fill (same tokens after the same blocks) waits a step and
+   attaches it then, rather than computing a copy (``_waits_for_fill``).
 1. Token budget (the bucket's T): every running sequence wants its uncached tokens
    (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode rows
    come first, then prefills under way (sequences holding KV), then new sequences, each by
@@ -103,6 +105,14 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   decode_S = (cached_S > 0) & (want_S == 1)
   group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, jnp.where(cached_S > 0, 1, 2)), 3)
   order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
+  if prefix_caching:  # a new sequence whose next block one ahead of it is filling waits
+    rank_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(slot_S)
+    wait_S = jax.lax.cond(
+        jnp.any(empty_S),
+        lambda: _waits_for_fill(alloc, st.tokens_SJ, st.salt_S, hit_SP, hit_S, base_S,
+                                st.len_S, empty_S, rank_S),
+        lambda: jnp.zeros(num_slots, jnp.bool_))
+    want_S = jnp.where(wait_S, 0, want_S)
   want_o = want_S[order_S]
   q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
   q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
@@ -235,6 +245,36 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
       cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(
           jnp.where(first_S, hit_S * z, 0), dtype=jnp.int32),
   )
+
+
+def _waits_for_fill(alloc, tokens_SJ, salt_S, hit_SP, hit_S, base_S, len_S, empty_S, rank_S):
+  """bool[S]: the new sequences (``empty_S``) that sit out this step because one ahead of
+  them in its order (``rank_S``) will fill the block their hit stops at: it wants tokens,
+  holds (or is about to attach) the same block one level up (the same salt at level 0),
+  has the same Z tokens at that level and has not computed them yet. Blocks are registered
+  after the forward, so the two would otherwise compute and hold a copy each; next step the
+  block is registered and the waiting one attaches it. Only a level the waiting sequence
+  may hit (not its last token's) counts. The first in the order never waits."""
+  num_slots, max_len = tokens_SJ.shape
+  z = alloc.block_size
+  anchor = alloc.windows.index(None)  # the group prefix hits follow (a full one)
+  tables_SP = alloc.block_tables if alloc.block_tables.ndim == 2 else alloc.block_tables[anchor]
+  hits_SP = hit_SP if hit_SP.ndim == 2 else hit_SP[anchor]
+  end_S = (hit_S + 1) * z  # the tokens through the level each sequence computes first
+  up_S = jnp.maximum(hit_S - 1, 0)  # the level above it, where its hit ends
+  held_SP = jnp.where((alloc.seq_lens > 0)[:, None], tables_SP, hits_SP)
+  # [a, b]: what sequence a holds at b's level above, against b's hit there.
+  same_parent_SS = jnp.where(hit_S[None, :] == 0, salt_S[:, None] == salt_S[None, :],
+                             held_SP[:, up_S] == hits_SP[jnp.arange(num_slots), up_S][None, :])
+  cols_SZ = jnp.clip(hit_S[:, None] * z + jnp.arange(z)[None, :], 0, max_len - 1)
+  same_block_SS = jnp.all(tokens_SJ[:, cols_SZ]
+                          == jnp.take_along_axis(tokens_SJ, cols_SZ, axis=1)[None], axis=-1)
+  fills_SS = (base_S[:, None] < end_S[None, :]) & (len_S[:, None] >= end_S[None, :])
+  # Ahead in the order: wanting tokens (who wants none sorts last), and a new sequence
+  # always wants its last token at least.
+  ahead_SS = rank_S[:, None] < rank_S[None, :]
+  may_hit_S = empty_S & (end_S <= len_S - 1)
+  return may_hit_S & jnp.any(ahead_SS & fills_SS & same_parent_SS & same_block_SS, axis=0)
 
 
 def _computed_after(x_SV: jax.Array) -> jax.Array:

@@ -627,6 +627,23 @@ def test_engine_hit_rate_by_hand(model, config):
   assert ids(first) == ids(second)
 
 
+def test_prompts_arriving_together_share_their_prefix(model, config):
+  # Three prompts with a 26-token system prompt, given at once (T = 16: the first is
+  # chunked). Blocks are registered after the forward that fills them, so a prompt admitted
+  # beside the one filling them would compute its own copies; instead it waits a step and
+  # attaches them. Each later prompt hits all 6 full system blocks (24 tokens), where
+  # running beside the first, the second hit 4.
+  rng = np.random.default_rng(7)
+  system = rand_tokens(rng, 26)
+  prompts = [system + rand_tokens(rng, k) for k in (1, 2, 1)]
+  params = SamplingParams(max_tokens=4, ignore_eos=True)
+  on, off = make_llm(model, config), make_llm(model, config, enable_prefix_caching=False)
+  assert ids(on.generate(prompts, params)) == ids(off.generate(prompts, params))
+  assert (on.stats["prompt_tokens"], on.stats["cached_prompt_tokens"]) == (82, 48)
+  assert on.stats["peak_blocks_in_use"] < off.stats["peak_blocks_in_use"]
+  A.validate(on.allocator_state)
+
+
 def test_cache_salt_keeps_tenants_apart(model, config):
   llm = make_llm(model, config)
   prompt = rand_tokens(np.random.default_rng(4), 17)

@@ -36,17 +36,23 @@ class _Stub(nnx.Module):
     return logits_TV[logits_indices], cache
 
 
-def _state(num_blocks, requests, *, block_size=4, max_seqs=4):
-  """An engine state with ``requests`` admitted: ``{slot: (arrival, prompt_len,
-  max_tokens)}``, prompts of token 1."""
-  spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=block_size,
-                     num_blocks=num_blocks, dtype=jnp.float32)
-  st = state_lib.init_state(spec, max_seqs, MAX_LEN)
-  entries = [(slot, dict(tokens_SJ=[1] * n, len_S=n, prompt_len_S=n, max_len_S=n + m,
-                         status_S=state_lib.RUNNING, arrival_S=arrival, fresh_S=True))
-             for slot, (arrival, n, m) in requests.items()]
+def _state(num_blocks, requests, *, block_size=4, max_seqs=4, st=None):
+  """An engine state with ``requests`` admitted: ``{slot: (arrival, prompt, max_tokens)}``,
+  ``prompt`` a list of token ids or a length (that many tokens 1), ``max_tokens`` with an
+  optional salt after it. Into ``st`` if given (its other slots kept), else a fresh state."""
+  if st is None:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=block_size,
+                       num_blocks=num_blocks, dtype=jnp.float32)
+    st = state_lib.init_state(spec, max_seqs, MAX_LEN)
+  entries = []
+  for slot, (arrival, prompt, m, *salt) in requests.items():
+    prompt = [1] * prompt if isinstance(prompt, int) else list(prompt)
+    n = len(prompt)
+    entries.append((slot, dict(tokens_SJ=prompt, len_S=n, prompt_len_S=n, max_len_S=n + m,
+                               status_S=state_lib.RUNNING, arrival_S=arrival, fresh_S=True,
+                               salt_S=salt[0] if salt else 0)))
   for slot_r, rows in state_lib.row_chunks(entries, max_model_len=MAX_LEN, shards=1,
-                                           slots_per_shard=max_seqs):
+                                           slots_per_shard=st.len_S.shape[0]):
     st = state_lib.admit(st, jnp.asarray(slot_r), jax.tree.map(jnp.asarray, rows))
   return st
 
@@ -54,11 +60,13 @@ def _state(num_blocks, requests, *, block_size=4, max_seqs=4):
 _steps = {}
 
 
-def _step(st, num_tokens):
-  if num_tokens not in _steps:
+def _step(st, num_tokens, prefix_caching=False):
+  key = num_tokens, prefix_caching
+  if key not in _steps:
     model = _Stub()
-    _steps[num_tokens] = jax.jit(lambda s: schedule_step(model, s, num_tokens=num_tokens))
-  return _steps[num_tokens](st)
+    _steps[key] = jax.jit(lambda s: schedule_step(model, s, num_tokens=num_tokens,
+                                                  prefix_caching=prefix_caching))
+  return _steps[key](st)
 
 
 def _simulate(requests, num_tokens, steps):
@@ -134,3 +142,101 @@ def test_block_pressure_preempts_the_latest_arrival_not_the_highest_slot():
   assert np.asarray(st.len_S).tolist()[:2] == [12, 12]
   assert np.asarray(st.tokens_SJ)[0, :12].tolist() == [1] * 8 + [NEXT] * 4
   assert int(st.alloc.num_free) == 5
+
+
+# ---------------------------------------------------------------- prefix cache: waiting
+
+P9 = [3, 4, 5, 6, 7, 8, 9, 10, 11]  # two full blocks of Z = 4 before its last token
+
+
+def _lens(st):
+  return np.asarray(st.alloc.seq_lens).tolist()
+
+
+def _blocks(st, slot, levels):
+  return np.asarray(st.alloc.block_tables)[slot, :levels].tolist()
+
+
+def test_a_new_prompt_waits_while_an_earlier_one_fills_the_same_block():
+  # Blocks are registered after the forward: had slot 0 (the later arrival) run beside
+  # slot 1 in this step, it would compute and hold a copy of each shared block. It sits
+  # the step out, then attaches both blocks and computes its last token only.
+  st = _state(64, {0: (1, P9, 4), 1: (0, P9, 4)})
+  st = _step(st, 32, prefix_caching=True)
+  assert _lens(st)[:2] == [0, 9]
+  st = _step(st, 32, prefix_caching=True)
+  assert _lens(st)[:2] == [9, 10]
+  assert _blocks(st, 0, 2) == _blocks(st, 1, 2)
+  assert int(st.cached_prompt_tokens) == 8 and int(st.prompt_tokens) == 18
+
+
+def test_no_wait_when_nothing_can_be_shared():
+  # Nothing in common at level 0 (other tokens, or another salt), or the shared block is
+  # the one holding the later prompt's last token (never a hit): both run at once.
+  other = [99] + P9[1:]
+  for requests in ({0: (1, other, 4), 1: (0, P9, 4)},
+                   {0: (1, P9, 4, 7), 1: (0, P9, 4, 0)},
+                   {0: (1, P9[:4], 4), 1: (0, P9, 4)}):
+    st = _step(_state(64, requests), 32, prefix_caching=True)
+    assert _lens(st)[:2] == [len(requests[0][1]), 9], requests
+
+
+def test_the_wait_follows_the_chain_past_level_zero():
+  # Slot 1 is mid-prefill (its first block registered); slot 0 arrives with the same 12
+  # tokens and hits that block. Slot 1 fills level 1 this step, so slot 0 waits again,
+  # then hits both levels. A prompt that parts from slot 1's at level 1 does not wait.
+  p12 = P9 + [12, 13, 14]
+  for second, waits in ((p12, True), (p12[:4] + [50] + p12[5:], False)):
+    st = _step(_state(64, {1: (0, p12, 4)}), 4, prefix_caching=True)
+    assert _lens(st)[:2] == [0, 4]
+    st = _state(64, {0: (1, second, 4)}, st=st)
+    st = _step(st, 32, prefix_caching=True)
+    assert _lens(st)[:2] == ([0, 12] if waits else [12, 12]), second
+    if waits:
+      st = _step(st, 32, prefix_caching=True)
+      assert _lens(st)[:2] == [12, 13]
+      assert _blocks(st, 0, 2) == _blocks(st, 1, 2)
+    assert _blocks(st, 0, 1) == _blocks(st, 1, 1)  # level 0 was a hit either way
+
+
+def test_the_same_tokens_after_another_block_are_no_reason_to_wait():
+  # Slot 0's hit (level 0, a block slot 2 registered) is not what slot 1 holds there
+  # (nothing yet): their level-1 tokens agree, their prefixes do not. Slot 0 runs at once.
+  st = _step(_state(64, {2: (0, [20, 21, 22, 23, 30], 4)}), 4, prefix_caching=True)
+  st = _state(64, {1: (1, P9 + [12, 13, 14], 4), 0: (2, [20, 21, 22, 23] + P9[4:8] + [40], 4)},
+              st=st)
+  st = _step(st, 32, prefix_caching=True)
+  assert _lens(st)[:3] == [9, 12, 5]
+  assert _blocks(st, 0, 1) == _blocks(st, 2, 1)  # the hit
+
+
+def _constant_hash(tokens_SPZ, salt_S):
+  del salt_S
+  return jnp.zeros(tokens_SPZ.shape[:2], jnp.uint32)
+
+
+def test_a_block_the_cache_missed_is_no_reason_to_wait():
+  # Every hash collides here, so the lookup misses blocks that slot 1 has computed (level 1
+  # below). Slot 1 holds them already and will fill nothing slot 0 could attach next step:
+  # waiting for it would last until it finished. Slot 0 runs once budget is left for it.
+  p12 = P9 + [12, 13, 14]
+  step = jax.jit(lambda s: schedule_step(_Stub(), s, num_tokens=8, prefix_caching=True,
+                                         hash_fn=_constant_hash))
+  st = step(_state(64, {1: (0, p12 + [15] * 8, 8)}))
+  st = step(_state(64, {0: (1, p12, 4)}, st=st))
+  assert _lens(st)[:2] == [0, 16]  # slot 1's prefill under way takes the budget
+  st = step(st)
+  assert _lens(st)[:2] == [8, 20]  # a hit of level 0, then 4 tokens
+  assert int(st.cached_prompt_tokens) == 4 and _blocks(st, 0, 1) == _blocks(st, 1, 1)
+
+
+def test_tokens_past_the_history_are_no_reason_to_wait():
+  # Slot 1's history (9 prompt tokens, then NEXT) ends inside level 2, where its row holds
+  # zeros: no block it will fill soon. Slot 0's level 2 happens to read the same, [11,
+  # NEXT, 0, 0]; slot 0 waits out step 1 (levels 0-1 are shared), never for level 2.
+  st = _state(64, {1: (0, P9, 4), 0: (1, P9[:8] + [11, NEXT, 0, 0, 7], 4)})
+  st = _step(st, 32, prefix_caching=True)
+  assert _lens(st)[:2] == [0, 9]
+  st = _step(st, 32, prefix_caching=True)
+  assert _lens(st)[:2] == [13, 10]
+  assert int(st.cached_prompt_tokens) == 8
