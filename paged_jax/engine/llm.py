@@ -262,6 +262,7 @@ class LLM:
   def allocator_state(self) -> allocator.AllocatorState:
     """The allocator state now (for ``allocator.validate``); with a mesh, every leaf has
     a leading data-shard axis (validate ``tree_map(lambda x: x[i], ...)`` per shard)."""
+    self._abort(np.zeros(self._scheduler.max_seqs, np.bool_))  # rebuilds a lost state
     return self._state.alloc
 
   # --- serving ---
@@ -370,7 +371,7 @@ class LLM:
     wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
     # The pool now (read on demand, outside the serving loop), not since a reset.
     # On the host (numpy): an eager jnp reduction here compiled on the first stats read.
-    alloc = self._state.alloc
+    alloc = self.allocator_state
     fetch = jax.device_get if self._plan is None else self._plan.fetch
     host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
                                depth_N=fetch(alloc.depth_N))

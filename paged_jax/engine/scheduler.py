@@ -125,6 +125,7 @@ class Scheduler:
     self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
     self._arrivals, self.salts = 0, SaltIds(live_salts)
     self._serving = False  # a serve() has started and has not ended (exhausted / closed)
+    self._unclean = False  # a serve's last abort did not finish: slots may still be taken
     self.reset_counters()
 
   def check_idle(self) -> None:
@@ -346,6 +347,9 @@ class Scheduler:
     finished = dict.fromkeys((r.index for r in requests), 0)  # completions done, delivered
     last, stalled = None, 0
     try:
+      if self._unclean:  # an interrupt (a second Ctrl-C) cut the last serve's abort short
+        abort(np.ones(self.max_seqs, np.bool_))
+        self._unclean = False
       while waiting or any(o is not None for o in slot_owner):
         admitted = self._fill_slots(waiting, slot_owner, want_S)
         if admitted:
@@ -381,7 +385,11 @@ class Scheduler:
       # torn down already (their globals None): nothing to free then.
       if finalizing():
         return
-      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them.
+      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them. Should
+      # that fail too, the next serve drops every slot first (admit rewrites a slot's rows,
+      # not its blocks: a new request would read what the old one left there as its own).
+      self._unclean = True
       abort(np.array([o is not None for o in slot_owner]))  # no-op when none are left
+      self._unclean = False
       self.counters["wall_s"] += time.perf_counter() - t0 - suspended
       self.counters["requests"] += sum(finished[r.index] == r.params.n for r in requests)

@@ -484,6 +484,46 @@ def test_an_interrupt_between_a_donating_call_and_its_result_leaves_the_engine_s
   _check_all_free(llm)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_second_interrupt_in_the_cleanup_leaves_no_sequence_behind(model, config, when):
+  # Ctrl-C during a serve, then another during its cleanup's abort (before its device call,
+  # or after it, its result lost): the sequences stayed in their slots, the engine said it
+  # was idle, and the next generate's requests took those slots as their own KV: wrong
+  # tokens, no error (or a "no progress" error when the new prompts were shorter).
+  llm = LLM(model, config, block_size=4, num_blocks=48, max_seqs=4)
+  runs, real_run, real_abort = [], llm._run, llm._device.abort
+
+  def run(*args):
+    runs.append(1)
+    if len(runs) == 3:
+      raise KeyboardInterrupt("the first")
+    return real_run(*args)
+
+  class Abort:  # the jitted abort (``lower`` and all), interrupted
+    def __getattr__(self, name):
+      return getattr(real_abort, name)
+
+    def __call__(self, *args):
+      if when == "after":
+        real_abort(*args)  # the state's buffers are donated, the result is dropped
+      raise KeyboardInterrupt("the second")
+
+  llm._run, llm._device.abort = run, Abort()
+  with pytest.raises(KeyboardInterrupt, match="the second"):
+    llm.generate(_prompts((3, 3, 3, 3), seed=5), SamplingParams(max_tokens=40, ignore_eos=True))
+  del llm._run
+  llm._device.abort = real_abort
+  # The pool is readable at once (a lost state is rebuilt): the blocks the dropped
+  # sequences hold count as taken until the next serve drops them.
+  allocator.validate(llm.allocator_state)
+  assert 0 < llm.stats["num_free_blocks"] <= 48
+  prompts, params = _prompts((20, 22, 24, 26), seed=6), SamplingParams(max_tokens=8)
+  fresh = LLM(model, config, block_size=4, num_blocks=48, max_seqs=4)
+  want = [(o.token_ids, o.logprobs) for o in fresh.generate(prompts, params)]
+  assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)] == want
+  _check_all_free(llm)
+
+
 def test_outputs_hash_with_their_lists():
   from paged_jax.engine import Output
   a, b = (Output(0, 0, [1, 2], [3], None, "length", [-0.5]) for _ in range(2))
