@@ -25,13 +25,20 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    every step after it the same (a livelock).
 2. Blocks. Sequences that already hold KV (decodes, chunked prefills under way) must get
    their blocks: while their demand exceeds the free blocks, the latest-arrived sequence
-   holding blocks is preempted (``allocator.preempt`` with priority ``-arrival``); its KV is
-   released, its token history kept, so it is re-prefilled later from ``prompt + generated``
-   (recompute; nothing is lost, greedy outputs are unchanged). New sequences (nothing
-   cached yet, preempted ones included) are admitted in arrival order while their first
-   chunk's blocks (and the cached free blocks their hits revive) fit, without preempting
-   anyone. Fresh blocks come from the allocator's free order: never-cached blocks first,
-   then cached ones least recently used first (evicting them).
+   holding blocks gives way. If it is short itself, it first holds its own chunk back and
+   keeps its KV; if the others are still short, it is preempted (``allocator.preempt``
+   with priority ``-arrival``): its KV is released, its token history kept, so it is
+   re-prefilled later from ``prompt + generated`` (recompute; nothing is lost, greedy
+   outputs are unchanged). The one holding back runs what fits in the blocks the others
+   leave (maybe nothing). New sequences (nothing cached yet, preempted ones included) are
+   admitted in arrival order, without preempting anyone, while their first chunk's blocks
+   (and the cached free blocks their hits revive) fit; a preempted one also needs room
+   for the rest of its history (in full-attention groups), and none is admitted that
+   arrived after a sequence this step preempted or held back (they would take the blocks
+   it waits for). Without these, a sequence admitted for one chunk was the next victim,
+   again and again (recompute of several times the useful work under block pressure).
+   Fresh blocks come from the allocator's free order: never-cached blocks first, then
+   cached ones least recently used first (evicting them).
 3. ONE ragged forward of the model (``paged_jax.step.forward_step``: ``allocator.append``,
    slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
@@ -123,31 +130,60 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   must_S = (cached_S > 0) & (q_S > 0)
 
   def short(c):
-    alloc, pre_S = c
-    live_demand = jnp.sum(jnp.where(must_S & ~pre_S, demand_S, 0))
+    alloc, pre_S, held_S = c
+    live_demand = jnp.sum(jnp.where(must_S & ~pre_S & ~held_S, demand_S, 0))
     holders = jnp.any(alloc.block_tables != allocator.NO_BLOCK)
     return (live_demand > alloc.num_free) & holders
 
-  def preempt_one(c):
-    alloc, pre_S = c
-    alloc, new_S = allocator.preempt(alloc, -st.arrival_S, alloc.num_free + 1)
-    return alloc, pre_S | new_S
+  def make_room(c):
+    # The victim is the latest arrival holding blocks (``allocator.preempt``'s order). If
+    # it is short itself, it first holds its chunk back and keeps its KV: preempting it for
+    # its own chunk only had it re-admitted and preempted again, step after step.
+    alloc, pre_S, held_S = c
+    t = alloc.block_tables
+    holds_S = jnp.any((t != allocator.NO_BLOCK).reshape((-1,) + t.shape[-2:]), axis=(0, 2))
+    v = jnp.lexsort((-slot_S, -st.arrival_S, ~holds_S))[0]
+    hold_back = must_S[v] & ~held_S[v] & (demand_S[v] > 0)
 
-  alloc, pre_S = jax.lax.while_loop(short, preempt_one,
-                                    (alloc, jnp.zeros(num_slots, jnp.bool_)))
+    def preempt():
+      a, new_S = allocator.preempt(alloc, -st.arrival_S, alloc.num_free + 1)
+      return a, pre_S | new_S, held_S
+
+    return jax.lax.cond(hold_back, lambda: (alloc, pre_S, held_S.at[v].set(True)), preempt)
+
+  none_S = jnp.zeros(num_slots, jnp.bool_)
+  alloc, pre_S, held_S = jax.lax.while_loop(short, make_room, (alloc, none_S, none_S))
   cache = st.cache
   if scrub_on_release:  # before anything is appended: a preempted block may be reused now
     cache = scrub_freed(cache, st.alloc, alloc)
   must_S &= ~pre_S
+  # At most one sequence holds back and keeps its KV (were the rest still short, it would
+  # be the next victim): it runs what fits in the blocks the others leave, maybe nothing.
+  held_S &= ~pre_S
+  room = alloc.num_free - jnp.sum(jnp.where(must_S & ~held_S, demand_S, 0))
+  fit_S = jnp.clip(_blocks_for(base_S, z) * z + room // num_groups * z - base_S, 0, q_S)
+  cut_S = held_S & (fit_S < q_S)
+  q_S = jnp.where(held_S, fit_S, q_S)
+  must_S &= q_S > 0
+  demand_S = num_groups * (_blocks_for(base_S + q_S, z) - _blocks_for(base_S, z))
   free_left = alloc.num_free - jnp.sum(jnp.where(must_S, demand_S, 0))
-  new_S = (cached_S == 0) & (q_S > 0)
+  # New sequences are admitted by arrival, and none that arrived after a sequence this step
+  # preempted or held back: it would take the blocks that sequence waits for.
+  first_out = jnp.min(jnp.where(pre_S | cut_S, st.arrival_S, jnp.iinfo(jnp.int32).max))
+  new_S = (cached_S == 0) & (q_S > 0) & (st.arrival_S < first_out)
   if prefix_caching:  # reviving a cached free block takes it from the free count as well
     hit_gSP = hit_SP.reshape((-1,) + hit_SP.shape[-2:])  # every group's blocks of the hit
     revive_S = jnp.sum((hit_gSP >= 0) & (alloc.ref_counts[jnp.maximum(hit_gSP, 0)] == 0),
                        axis=(0, 2), dtype=jnp.int32)
     demand_S = demand_S + jnp.where(new_S, revive_S, 0)
-  new_demand_o = jnp.where(new_S, demand_S, 0)[order_S]
-  admit_o = new_S[order_S] & (jnp.cumsum(new_demand_o) <= free_left)
+  # A preempted sequence comes back only once the rest of its history fits as well (full
+  # groups' blocks): back for one chunk, it was the next victim when an earlier one grew,
+  # and recomputed its history again and again. The blocks stay counted for those after it.
+  full_groups = sum(w is None for w in alloc.windows)
+  rest_S = full_groups * (_blocks_for(st.len_S, z) - _blocks_for(base_S + q_S, z))
+  need_S = demand_S + jnp.where(new_S & ~st.fresh_S, rest_S, 0)
+  new_need_o = jnp.where(new_S, need_S, 0)[order_S]
+  admit_o = new_S[order_S] & (jnp.cumsum(new_need_o) <= free_left)
   admit_S = jnp.zeros(num_slots, jnp.bool_).at[order_S].set(admit_o)
   q_S = jnp.where(must_S | admit_S, q_S, 0)
   first_S = admit_S & st.fresh_S

@@ -122,10 +122,11 @@ def test_a_decode_goes_before_an_earlier_arrivals_prefill_under_way():
 
 
 def test_block_pressure_preempts_the_latest_arrival_not_the_highest_slot():
-  # Two prompts of 8 tokens (2 blocks of 4 each) in a pool of 5 blocks. Their first
-  # decodes need a third block each, and one is free: the later arrival, which sits in the
-  # lower slot, is preempted (its blocks freed, its history kept); the earlier decodes.
-  st = _state(5, {0: (1, 8, 4), 1: (0, 8, 4)})
+  # Two prompts of 8 tokens (2 blocks of 4 each) fill a pool of 4 blocks. Their first
+  # decodes need a third block each, and none is free: the later arrival, which sits in the
+  # lower slot, holds its decode back, and as the earlier is still short, is preempted (its
+  # blocks freed, its history kept); the earlier decodes.
+  st = _state(4, {0: (1, 8, 4), 1: (0, 8, 4)})
   st = _step(st, 16)
   assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [8, 8]
   assert np.asarray(st.len_S).tolist()[:2] == [9, 9]
@@ -133,7 +134,7 @@ def test_block_pressure_preempts_the_latest_arrival_not_the_highest_slot():
   assert int(st.preemptions) == 1
   assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [0, 9]  # slot 0 waits (3 blocks)
   assert np.asarray(st.len_S).tolist()[:2] == [9, 10]  # its history kept
-  assert int(st.alloc.num_free) == 2 and st.status_S[0] == state_lib.RUNNING
+  assert int(st.alloc.num_free) == 1 and st.status_S[0] == state_lib.RUNNING
   # Once slot 1 finishes and gives its blocks back, slot 0 is re-prefilled from its history
   # (prompt + the token it had drawn) and goes on to its 4 tokens.
   for _ in range(8):
@@ -141,7 +142,61 @@ def test_block_pressure_preempts_the_latest_arrival_not_the_highest_slot():
   assert np.asarray(st.status_S).tolist()[:2] == [state_lib.DONE] * 2
   assert np.asarray(st.len_S).tolist()[:2] == [12, 12]
   assert np.asarray(st.tokens_SJ)[0, :12].tolist() == [1] * 8 + [NEXT] * 4
-  assert int(st.alloc.num_free) == 5
+  assert int(st.alloc.num_free) == 4
+
+
+def test_a_preempted_sequence_comes_back_once_its_whole_history_fits():
+  # As above, then with a budget of 5 tokens: slot 0's first chunk (4 tokens, 1 block)
+  # would fit the free block, but not the rest of its 9-token history. Let back in, it
+  # was preempted again when slot 1 grew, and again after. It waits for its 3 blocks.
+  st = _step(_step(_state(4, {0: (1, 8, 4), 1: (0, 8, 4)}), 16), 16)
+  assert int(st.preemptions) == 1 and int(st.alloc.num_free) == 1
+  st = _step(st, 5)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [0, 10]
+  for _ in range(8):
+    st = _step(st, 5)
+  assert np.asarray(st.status_S).tolist()[:2] == [state_lib.DONE] * 2
+  assert int(st.preemptions) == 1 and int(st.alloc.num_free) == 4
+
+
+def test_a_sequence_short_of_blocks_itself_waits_with_its_kv():
+  # As above with one block free: the earlier arrival's decode takes it, and the later one
+  # holds its decode back, keeping its KV (preempting it for its own block only had it
+  # prefilled again). It goes on from its KV once the earlier one is done.
+  st = _step(_state(5, {0: (1, 8, 4), 1: (0, 8, 4)}), 16)
+  st = _step(st, 16)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:2] == [8, 9] and int(st.preemptions) == 0
+  st = _step(_step(st, 16), 16)  # slot 1 draws its last token and gives its blocks back
+  assert np.asarray(st.status_S).tolist()[:2] == [state_lib.RUNNING, state_lib.DONE]
+  for _ in range(3):
+    st = _step(st, 16)
+  assert np.asarray(st.status_S).tolist()[:2] == [state_lib.DONE] * 2
+  assert int(st.preemptions) == 0 and int(st.alloc.num_free) == 5
+
+
+def test_a_prefill_short_of_blocks_runs_what_fits_and_no_later_arrival_takes_them():
+  # Slot 1 (arrival 0) decodes; slot 2 (arrival 1) is mid-prefill of a 24-token prompt,
+  # 8 tokens in; slot 0 (arrival 2) waits with a 4-token prompt. Of the 2 free blocks the
+  # decode takes 1; slot 2 wanted 4 for its next 16 tokens: it runs the 4 tokens that fit
+  # (it used to preempt itself, to be re-admitted and preempted again) and slot 0, a later
+  # arrival, is not admitted into the blocks slot 2 waits for.
+  st = _step(_state(6, {1: (0, 7, 20)}), 16)  # 2 blocks; its next decode needs no block
+  st = _step(_state(6, {2: (1, 24, 4)}, st=st), 9)  # slot 2 gets 8 tokens (2 blocks)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:3] == [0, 8, 8]
+  st = _step(_state(6, {0: (2, 4, 4)}, st=st), 17)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:3] == [0, 9, 12]
+  assert int(st.preemptions) == 0 and int(st.alloc.num_free) == 0
+
+
+def test_no_later_arrival_is_admitted_into_the_blocks_of_one_just_preempted():
+  # Slot 1 (arrival 0) and slot 2 (arrival 1, mid-prefill) fill the pool of 4 blocks; slot
+  # 1's decode needs a block, so slot 2 is preempted. Slot 0 (arrival 2) would fit in what
+  # is left, but it came after slot 2, whose blocks those are: it is not admitted.
+  st = _step(_state(4, {1: (0, 4, 8), 2: (1, 16, 4)}), 16)
+  assert np.asarray(st.alloc.seq_lens).tolist()[:3] == [0, 4, 12]
+  st = _step(_state(4, {0: (2, 3, 4)}, st=st), 16)
+  assert int(st.preemptions) == 1
+  assert np.asarray(st.alloc.seq_lens).tolist()[:3] == [0, 5, 0]
 
 
 # ---------------------------------------------------------------- prefix cache: waiting
