@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
   except BrokenPipeError:  # `paged-jax plan | head`: the reader left; exit quietly
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1
+  except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+    sys.stdout.flush()
+    sys.stderr.write(f"paged-jax {args.command}: interrupted\n")
+    sys.stderr.flush()
+    # Not a normal exit: JAX torn down while a compilation runs crashes the interpreter
+    # (SIGSEGV, exit 139, after a long traceback).
+    os._exit(130)
 
 
 if __name__ == "__main__":

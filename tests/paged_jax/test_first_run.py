@@ -373,3 +373,20 @@ def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
   # The first progress line comes after a while, not at the first token (a rate over a
   # moment: "served 0/4 requests, 1 token, 50 tokens/s, 0.0 s").
   assert "served 0/4 requests, 1 token," not in runs[1].stderr, runs[1].stderr
+
+
+def test_ctrl_c_during_a_run_is_one_line_and_exit_130(tmp_path):
+  # Ctrl-C while `paged-jax run` compiled printed a long traceback into JAX, then the
+  # interpreter crashed tearing JAX down mid-compilation (SIGSEGV, exit 139).
+  import signal
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  proc = subprocess.Popen([sys.executable, "-m", "paged_jax.cli", "run", "--compilation-cache",
+                           "off", "--num-requests", "4"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+  for line in proc.stderr:  # interrupt while it compiles its first device call
+    if "compiling 1/" in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  assert err.strip().splitlines()[-1] == "paged-jax run: interrupted" and "Traceback" not in err
