@@ -10,6 +10,8 @@ model of the protocol (``paged_jax.protocol``). Its modules, each readable alone
   (a ``while_loop`` of steps);
 - ``calls``: the jitted device calls of one engine and their compilation;
 - ``scheduler``: the host side (requests, slots, token buckets, reading reports);
+- ``stream``: ``generate_stream``'s generator, started at its first event;
+- ``salts``: the ids of ``cache_salt`` strings;
 - ``options``: the checks of ``LLM``'s options (a ``ValueError`` naming each bad one);
 - ``llm``: ``LLM``, construction, ``generate``, ``stats``.
 """

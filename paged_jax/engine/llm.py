@@ -32,8 +32,8 @@ from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
 from paged_jax.engine.salts import engine_live_salts
 from paged_jax.kv_groups import KVGroups, layer_windows_of
-from paged_jax.engine.scheduler import (Output, Scheduler, StreamEvent,
-                                        default_token_buckets)
+from paged_jax.engine.scheduler import Output, Scheduler, StreamEvent, default_token_buckets
+from paged_jax.engine.stream import Stream
 
 __all__ = ["LLM"]
 
@@ -270,8 +270,7 @@ class LLM:
   def _run(self, bucket: int, slots_wanted: int) -> dict:
     self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
     self._bucket = bucket
-    # Host -> device transfers are explicit (jax.device_put), so a caller's
-    # jax.transfer_guard("disallow") holds around generate.
+    # Explicit host -> device puts: a caller's jax.transfer_guard("disallow") holds.
     wanted = jax.device_put(np.int32(slots_wanted))
     self._state, report = self._call(self._params, self._state, wanted)
     return jax.device_get(report)  # the one device -> host transfer of this call
@@ -296,22 +295,23 @@ class LLM:
     return host if self._plan is not None else jax.device_put(host)
 
   def _serve(self, prompts, params, cache_salt) -> tuple[list, Iterator[StreamEvent]]:
-    self._scheduler.check_idle()  # at the call, not the first event; before any seed drawn
-    requests = self._scheduler.requests(prompts, params, cache_salt)
-    return requests, self._scheduler.serve(requests, run=self._run, admit=self._admit,
-                                           abort=self._abort)
+    self._scheduler.check_idle()  # at the call, and again at the first event
+    requests, scheduler = self._scheduler.requests(prompts, params, cache_salt), self._scheduler
+    return requests, Stream(scheduler.check_idle, lambda: scheduler.serve(
+        requests, run=self._run, admit=self._admit, abort=self._abort))
 
   def generate_stream(self, prompts, params=None, *,
                       cache_salt=None) -> Iterator[StreamEvent]:
     """Serve ``prompts`` and yield ``StreamEvent``s as tokens are decided (after each device
     call): one per generated token, then one with ``finish_reason`` per completion. All
-    requests are validated (``ValueError`` naming the request) before this returns. Closing
-    the generator early drops the unfinished requests (their blocks are released). One
-    ``generate`` / ``generate_stream`` at a time per engine: a stream iterated but neither
-    exhausted nor closed holds the engine's slots, and starting another is a
-    ``RuntimeError`` until it is (``break`` out of ``for ev in llm.generate_stream(...)``
-    closes it; a stream kept in a variable needs ``.close()``). ``cache_salt`` as for
-    ``generate``."""
+    requests are validated (``ValueError`` naming the request) before this returns; seeds of
+    unseeded requests are drawn when it starts. Closing the generator early drops the
+    unfinished requests (their blocks are released). One ``generate`` / ``generate_stream``
+    at a time per engine: a stream iterated but neither exhausted nor closed holds the
+    engine's slots, and starting another is a ``RuntimeError`` until it is (``break`` out of
+    ``for ev in llm.generate_stream(...)`` closes it; a stream kept in a variable needs
+    ``.close()``); a stream so refused at its first event can be iterated again later.
+    ``cache_salt`` as for ``generate``."""
     return self._serve(prompts, params, cache_salt)[1]
 
   def check_requests(self, prompts, params=None, *, cache_salt=None) -> None:

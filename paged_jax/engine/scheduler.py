@@ -196,13 +196,12 @@ class Scheduler:
   def check(self, prompts, params, cache_salt=None) -> None:
     """``requests``' checks alone: no seed is drawn for unseeded requests (a later
     ``generate`` samples as if this had not run)."""
-    self.requests(prompts, params, cache_salt, check_only=True)
+    self.requests(prompts, params, cache_salt)
 
-  def requests(self, prompts, params, cache_salt=None, *,
-               check_only: bool = False) -> list[Request]:
-    """Validate a ``generate`` call's arguments (``ValueError`` naming the request); the
-    seeds of unseeded requests are drawn once all are valid, so a refused call changes
-    nothing (salts are interned as requests are admitted)."""
+  def requests(self, prompts, params, cache_salt=None) -> list[Request]:
+    """Validate a ``generate`` call's arguments (``ValueError`` naming the request). Draws
+    nothing: unseeded requests get their seeds when served (``serve``), salts their ids
+    when admitted, so a refused call, or a stream never iterated, changes nothing."""
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
@@ -241,11 +240,6 @@ class Scheduler:
       out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
                          salt=salts[i], tokens=[[] for _ in range(p.n)],
                          logprobs=[[] for _ in range(p.n)]))
-    if check_only:
-      return out
-    for req in out:
-      if req.seed is None:
-        req.seed = int(self._rng.integers(0, 2 ** 32))
     return out
 
   # --- one serving loop ---
@@ -335,6 +329,9 @@ class Scheduler:
     """
     self.check_idle()  # two streams made before either ran: the second is refused here
     self._serving = True
+    for req in requests:  # drawn as serving starts: a stream never iterated draws none
+      if req.seed is None:
+        req.seed = int(self._rng.integers(0, 2 ** 32))
     # Arrival order only ranks the sequences of one serve (every slot is free between
     # two), so it restarts at 0: the int32 arrival_S never overflows on a long-lived engine.
     self._arrivals = 0

@@ -417,6 +417,38 @@ def test_a_stream_left_open_refuses_a_second_one_until_closed(llm, dense_greedy)
   out, = llm.generate([good], params)
   assert list(out.token_ids) == dense_greedy(good, 10)[0]
   _check_all_free(llm)
+  # The stream refused at its first event is not spent: it serves its request now (a
+  # generator that raised was finished, and yielded nothing, its request dropped unsaid).
+  tokens = [ev.token_id for ev in late if ev.token_id is not None]
+  assert tokens == dense_greedy(good, 10)[0]
+  assert list(late) == []  # exhausted now
+  _check_all_free(llm)
+
+
+def test_unseeded_sampling_is_as_on_a_fresh_engine_after_an_unused_stream(model, config):
+  # A stream never iterated, closed unstarted, or refused at its first event draws no
+  # seeds: the unseeded requests after it sample as on a fresh engine (the seeds were
+  # drawn when the stream was made).
+  def make():
+    return LLM(model, config, block_size=4, num_blocks=48, max_seqs=4, seed=3)
+
+  prompts, params = _prompts((5, 9), seed=4), SamplingParams(max_tokens=6, temperature=1.0)
+  want = [o.token_ids for o in make().generate(prompts, params)]
+  llm = make()
+  unused = llm.generate_stream(prompts, params)
+  closed = llm.generate_stream(prompts, params)
+  closed.close()
+  assert list(closed) == []
+  first = llm.generate_stream(prompts[:1], SamplingParams(max_tokens=2, seed=0))
+  refused = llm.generate_stream(prompts, params)
+  next(first)
+  with pytest.raises(RuntimeError, match="still open"):
+    next(refused)
+  first.close()
+  del unused, refused
+  assert [o.token_ids for o in llm.generate(prompts, params)] == want
+  with pytest.raises(ValueError):  # throw() into an unstarted stream: raised, then closed
+    llm.generate_stream(prompts, params).throw(ValueError("x"))
 
 
 def test_a_stream_never_closed_exits_quietly():
