@@ -23,6 +23,7 @@ its end.
 
     python benchmarks/prefix_cache.py            # full; writes prefix_cache_RESULTS_section.md
     python benchmarks/prefix_cache.py --hybrid   # the hybrid model; prints, never writes
+    python benchmarks/prefix_cache.py --together # 16 prompts admitted at once; prints
     python benchmarks/prefix_cache.py --quick    # seconds; never writes
 """
 
@@ -63,6 +64,9 @@ WORKLOADS = (
     PrefixWorkload("five-shot (341-token prefix)", 341, 48, 24, 0.6, 64, 16, 0.6, 48),
 )
 QUICK_WORKLOADS = (PrefixWorkload("quick (40-token prefix)", 40, 6, 8, 0.5, 16, 4, 0.5, 8),)
+# --together: every prompt admitted in the first step (a budget of 2048 tokens).
+TOGETHER_WORKLOADS = (
+    PrefixWorkload("16 at once (100-token prefix)", 100, 16, 10, 0.0, 10, 4, 0.0, 4),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,7 @@ def serve_once(model, config, opts: EngineOptions, prompts, params, *, caching: 
   wall = time.perf_counter() - start
   tokens = sum(len(o.token_ids) for o in outs)
   return (len(prompts) / wall, tokens / wall, llm.stats["prefix_hit_rate"],
-          [o.token_ids for o in outs])
+          [o.token_ids for o in outs], llm.stats["peak_blocks_in_use"])
 
 
 def main(argv=None) -> list[dict]:
@@ -116,12 +120,17 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
   parser.add_argument("--hybrid", action="store_true",
                       help="a 6-layer model of 5 sliding layers (window 64) to 1 full, KV groups")
+  parser.add_argument("--together", action="store_true",
+                      help="16 prompts admitted in one step (256 blocks, 2048 tokens a step)")
   args = parser.parse_args(argv)
   from paged_jax.models import ModelConfig, init_random
   from paged_jax.models.config import FULL, SLIDING
   from paged_jax.cli_run import TINY_LLAMA
   workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
   opts = QUICK_ENGINE if args.quick else EngineOptions()
+  if args.together:
+    workloads = TOGETHER_WORKLOADS
+    opts = EngineOptions(num_blocks=256, max_tokens_per_step=2048)
   if args.hybrid:
     config = ModelConfig(**{**TINY_LLAMA, "num_layers": 6, "sliding_window": 64,
                             "layer_types": (SLIDING,) * 5 + (FULL,)})
@@ -136,8 +145,9 @@ def main(argv=None) -> list[dict]:
   rows = []
   for w in workloads:
     prompts, params = make_requests(w, config.vocab_size)
+    warm = len(prompts) if args.together else 2  # every bucket it will use
     for caching in (False, True):  # compile both steps outside the timing
-      serve_once(model, config, opts, prompts[:2], params[:2], caching=caching)
+      serve_once(model, config, opts, prompts[:warm], params[:warm], caching=caching)
     runs = {False: [], True: []}
     for _ in range(repeats):
       for caching in (False, True):
@@ -152,19 +162,20 @@ def main(argv=None) -> list[dict]:
                      off_req_s=med[False][0], on_req_s=med[True][0],
                      off_tok_s=med[False][1], on_tok_s=med[True][1],
                      hit_rate=med[True][2], speedup=med[True][0] / med[False][0],
-                     outputs_equal=same))
+                     outputs_equal=same, peak_off=runs[False][0][4], peak_on=runs[True][0][4]))
   lines = ["| workload | requests | mean prompt | generated tokens | req/s off | req/s on "
            "| tokens/s off | tokens/s on | prefix hit rate | speedup (on / off) "
-           "| outputs equal |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| outputs equal | peak blocks off | peak blocks on |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
   for r in rows:
     lines.append(f"| {r['workload']} | {r['requests']} | {r['mean_prompt']:.0f} | "
                  f"{r['generated']} | {r['off_req_s']:.2f} | {r['on_req_s']:.2f} | "
                  f"{r['off_tok_s']:.0f} | {r['on_tok_s']:.0f} | {100 * r['hit_rate']:.1f}% | "
-                 f"{r['speedup']:.2f}x | {'yes' if r['outputs_equal'] else 'NO'} |")
+                 f"{r['speedup']:.2f}x | {'yes' if r['outputs_equal'] else 'NO'} | "
+                 f"{r['peak_off']} | {r['peak_on']} |")
   table = "\n".join(lines)
   print(table)
-  if not args.quick and not args.hybrid:
+  if not (args.quick or args.hybrid or args.together):
     machine = (f"{platform.machine()} CPU, {os.cpu_count()} cores visible (shared), jax "
                f"{jax.__version__}, backend {jax.default_backend()}")
     RESULTS_PATH.write_text(

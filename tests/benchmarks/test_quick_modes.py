@@ -127,3 +127,13 @@ def test_pool_size_own_model_quick(capsys):
   for line in rows:
     rates = [float(cell) for cell in line.split("|")[3:5]]
     assert all(math.isfinite(r) and r > 0 for r in rates), line
+
+
+@pytest.mark.slow
+def test_preemption_quick(capsys):
+  from benchmarks import preemption
+  row, = preemption.main(["--quick"])
+  # The callback counted every token the forward ran: at least the useful ones, and
+  # the pool is small enough to preempt.
+  assert row["preemptions"] > 0 and row["computed"] >= row["useful"] > 0, row
+  assert "| long mix | on |" in capsys.readouterr().out
