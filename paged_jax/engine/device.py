@@ -14,7 +14,7 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
    recompute is cheap while they survive. A new sequence whose next block one ahead of it
    in step 1's order is about to fill (same tokens after the same blocks) waits a step and
-   attaches it then, rather than computing a copy (``_waits_for_fill``).
+   attaches it then, rather than computing a copy (``_waits_for_fill``); once at most.
 1. Token budget (the bucket's T): every running sequence wants its uncached tokens
    (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode rows
    come first, then prefills under way (sequences holding KV), then new sequences, each by
@@ -32,8 +32,10 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    outputs are unchanged). The one holding back runs what fits in the blocks the others
    leave (maybe nothing). New sequences (nothing cached yet, preempted ones included) are
    admitted in arrival order, without preempting anyone, while their first chunk's blocks
-   (and the cached free blocks their hits revive) fit; a preempted one also needs room
-   for the rest of its history (in full-attention groups), and none is admitted that
+   (and the cached free blocks their hits revive) fit; without the prefix cache a
+   preempted one also needs room for the rest of its history (in full-attention groups:
+   with the cache it comes back mostly as hits, and the wait cost steps), and none is
+   admitted that
    arrived after a sequence this step preempted or held back (they would take the blocks
    it waits for). Without these, a sequence admitted for one chunk was the next victim,
    again and again (recompute of several times the useful work under block pressure).
@@ -112,6 +114,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   decode_S = (cached_S > 0) & (want_S == 1)
   group_S = jnp.where(want_S > 0, jnp.where(decode_S, 0, jnp.where(cached_S > 0, 1, 2)), 3)
   order_S = jnp.lexsort((slot_S, st.arrival_S, group_S))
+  lost_S = jnp.zeros(num_slots, jnp.bool_)
   if prefix_caching:  # a new sequence whose next block one ahead of it is filling waits
     rank_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(slot_S)
     wait_S = jax.lax.cond(
@@ -119,10 +122,13 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
         lambda: _waits_for_fill(alloc, st.tokens_SJ, st.salt_S, hit_SP, hit_S, base_S,
                                 st.len_S, empty_S, rank_S),
         lambda: jnp.zeros(num_slots, jnp.bool_))
+    # Once at most (counted when it cost the sequence budget): prompts that each extend
+    # the one before (turns of a conversation) would otherwise run one a step, each
+    # waiting for the next block of the last.
+    wait_S &= ~st.waited_S
+    lost_S = wait_S & (_budget_S(want_S, order_S, num_tokens) > 0)
     want_S = jnp.where(wait_S, 0, want_S)
-  want_o = want_S[order_S]
-  q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
-  q_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(q_o)
+  q_S = _budget_S(want_S, order_S, num_tokens)
 
   # 2. Blocks: sequences holding KV preempt the latest arrivals; new ones wait for room.
   # One block per new logical block in every group.
@@ -176,12 +182,15 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     revive_S = jnp.sum((hit_gSP >= 0) & (alloc.ref_counts[jnp.maximum(hit_gSP, 0)] == 0),
                        axis=(0, 2), dtype=jnp.int32)
     demand_S = demand_S + jnp.where(new_S, revive_S, 0)
-  # A preempted sequence comes back only once the rest of its history fits as well (full
-  # groups' blocks): back for one chunk, it was the next victim when an earlier one grew,
-  # and recomputed its history again and again. The blocks stay counted for those after it.
-  full_groups = sum(w is None for w in alloc.windows)
-  rest_S = full_groups * (_blocks_for(st.len_S, z) - _blocks_for(base_S + q_S, z))
-  need_S = demand_S + jnp.where(new_S & ~st.fresh_S, rest_S, 0)
+  need_S = demand_S
+  if not prefix_caching:
+    # A preempted sequence comes back only once the rest of its history fits as well (full
+    # groups' blocks): back for one chunk, it was the next victim when an earlier one grew,
+    # and recomputed its history again and again. The blocks stay counted for those after
+    # it. (With the prefix cache its history comes back mostly as hits: this cost steps.)
+    full_groups = sum(w is None for w in alloc.windows)
+    rest_S = full_groups * (_blocks_for(st.len_S, z) - _blocks_for(base_S + q_S, z))
+    need_S = demand_S + jnp.where(new_S & ~st.fresh_S, rest_S, 0)
   new_need_o = jnp.where(new_S, need_S, 0)[order_S]
   admit_o = new_S[order_S] & (jnp.cumsum(new_need_o) <= free_left)
   admit_S = jnp.zeros(num_slots, jnp.bool_).at[order_S].set(admit_o)
@@ -269,6 +278,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   return dataclasses.replace(
       st, alloc=alloc, cache=cache, tokens_SJ=tokens_SJ, logprobs_SJ=logprobs_SJ, len_S=len_S,
       status_S=status_S, reason_S=reason_S, fresh_S=st.fresh_S & ~admit_S,
+      waited_S=st.waited_S | lost_S,
       steps=st.steps + 1,
       preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
       generated=st.generated + jnp.sum(draw_S, dtype=jnp.int32),
@@ -281,6 +291,13 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
       cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(
           jnp.where(first_S, hit_S * z, 0), dtype=jnp.int32),
   )
+
+
+def _budget_S(want_S, order_S, num_tokens: int):
+  """i32[S]: each sequence's share of the step's ``num_tokens``, given in ``order_S``."""
+  want_o = want_S[order_S]
+  q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
+  return jnp.zeros_like(want_S).at[order_S].set(q_o)
 
 
 def _waits_for_fill(alloc, tokens_SJ, salt_S, hit_SP, hit_S, base_S, len_S, empty_S, rank_S):

@@ -385,8 +385,10 @@ class Scheduler:
       # A stream abandoned (closed) mid-way leaves sequences in slots: drop them. Should
       # that fail too, the next serve drops every slot first (admit rewrites a slot's rows,
       # not its blocks: a new request would read what the old one left there as its own).
+      held = np.array([o is not None for o in slot_owner])  # no-op when none are left
+      held |= self._unclean  # the drop of every slot above did not run to its end either
       self._unclean = True
-      abort(np.array([o is not None for o in slot_owner]))  # no-op when none are left
+      abort(held)
       self._unclean = False
       self.counters["wall_s"] += time.perf_counter() - t0 - suspended
       self.counters["requests"] += sum(finished[r.index] == r.params.n for r in requests)

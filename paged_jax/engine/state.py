@@ -60,6 +60,7 @@ class EngineState:
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
+  waited_S: jax.Array  # bool[S] has sat out a step for a block another was filling
   # Counters.
   steps: jax.Array  # i32[]
   preemptions: jax.Array  # i32[]
@@ -79,7 +80,7 @@ _ROW_LAYOUT = dict(
     reason_S=(np.int32, 0, ""), arrival_S=(np.int32, 0, ""), parent_S=(np.int32, 0, ""),
     fork_S=(np.int32, 0, ""), seed_S=(np.uint32, 0, ""), temperature_S=(np.float32, 0, ""),
     top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""), stop_Si=(np.int32, -1, "i"),
-    salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""))
+    salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""
 

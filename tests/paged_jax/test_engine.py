@@ -531,19 +531,31 @@ def test_a_second_interrupt_in_the_cleanup_leaves_no_sequence_behind(model, conf
       raise KeyboardInterrupt("the first")
     return real_run(*args)
 
-  class Abort:  # the jitted abort (``lower`` and all), interrupted
+  class Abort:  # the jitted abort (``lower`` and all), interrupted ``raises`` times
+    raises = 1
+
     def __getattr__(self, name):
       return getattr(real_abort, name)
 
     def __call__(self, *args):
+      if self.raises <= 0:
+        return real_abort(*args)
+      self.raises -= 1
       if when == "after":
         real_abort(*args)  # the state's buffers are donated, the result is dropped
       raise KeyboardInterrupt("the second")
 
-  llm._run, llm._device.abort = run, Abort()
+  abort = Abort()
+  llm._run, llm._device.abort = run, abort
   with pytest.raises(KeyboardInterrupt, match="the second"):
     llm.generate(_prompts((3, 3, 3, 3), seed=5), SamplingParams(max_tokens=40, ignore_eos=True))
   del llm._run
+  if when == "before":  # (after: the state was lost, and is rebuilt with no device call)
+    # The next serve's first act, dropping every slot, interrupted too (its own cleanup
+    # then ran with no slot of its own taken, and the engine was taken for clean).
+    abort.raises = 1
+    with pytest.raises(KeyboardInterrupt, match="the second"):
+      llm.generate(_prompts((3,), seed=7), SamplingParams(max_tokens=4))
   llm._device.abort = real_abort
   # The pool is readable at once (a lost state is rebuilt): the blocks the dropped
   # sequences hold count as taken until the next serve drops them.

@@ -295,3 +295,17 @@ def test_tokens_past_the_history_are_no_reason_to_wait():
   st = _step(st, 32, prefix_caching=True)
   assert _lens(st)[:2] == [13, 10]
   assert int(st.cached_prompt_tokens) == 8
+
+
+def test_prompts_that_extend_each_other_wait_once_at_most():
+  # Each prompt is the one before's blocks and one more (turns of a conversation). Slot 1
+  # and 2 wait out step 1 for level 0; in step 2 slot 1 fills level 1, which slot 2 would
+  # wait for too: had it, such prompts would run one a step. It has waited once: it runs.
+  x0, x1, x2 = [3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]
+  st = _state(64, {0: (0, x0 + [20], 4), 1: (1, x0 + x1 + [21], 4),
+                   2: (2, x0 + x1 + x2 + [22], 4)})
+  st = _step(st, 64, prefix_caching=True)
+  assert _lens(st)[:3] == [5, 0, 0]
+  st = _step(st, 64, prefix_caching=True)
+  assert _lens(st)[:3] == [6, 9, 13]
+  assert _blocks(st, 1, 1) == _blocks(st, 2, 1) == _blocks(st, 0, 1)
