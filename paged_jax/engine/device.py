@@ -32,15 +32,14 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    outputs are unchanged). The one holding back runs what fits in the blocks the others
    leave (maybe nothing). New sequences (nothing cached yet, preempted ones included) are
    admitted in arrival order, without preempting anyone, while their first chunk's blocks
-   (and the cached free blocks their hits revive) fit; without the prefix cache a
-   preempted one also needs room for the rest of its history (in full-attention groups:
-   with the cache it comes back mostly as hits, and the wait cost steps), and none is
-   admitted that
-   arrived after a sequence this step preempted or held back (they would take the blocks
-   it waits for). Without these, a sequence admitted for one chunk was the next victim,
-   again and again (recompute of several times the useful work under block pressure).
-   Fresh blocks come from the allocator's free order: never-cached blocks first, then
-   cached ones least recently used first (evicting them).
+   (and the cached free blocks their hits revive) fit; none that arrived after a sequence
+   this step preempted or held back (it would take the blocks that one waits for); and
+   without the prefix cache, a preempted one only once the rest of its history fits too
+   (full-attention groups' blocks; with the cache that history comes back mostly as hits,
+   and the wait cost steps). Without these, a sequence admitted for one chunk was the
+   next victim, again and again (recompute of several times the useful work under block
+   pressure). Fresh blocks come from the allocator's free order: never-cached blocks
+   first, then cached ones least recently used first (evicting them).
 3. ONE ragged forward of the model (``paged_jax.step.forward_step``: ``allocator.append``,
    slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
