@@ -55,6 +55,9 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--max-tokens", type=int, default=None,
                  help="tokens to generate for --prompt (default 32); the synthetic workload "
                  "draws each request's output length instead (--output-median)")
+  p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                 help="end --prompt's completion where its text reaches TEXT, which is not "
+                 "printed (repeatable; default: none)")
   p.add_argument("--temperature", type=float, default=0.0,
                  help="sampling temperature of every request (default 0: greedy)")
   p.add_argument("--top-k", type=int, default=0,
@@ -305,6 +308,11 @@ def _check_args(args) -> None:
   if args.max_tokens is not None and args.prompt is None:
     raise ValueError(f"--max-tokens={args.max_tokens} applies to --prompt only; the synthetic "
                      "workload draws each request's output length (set --output-median)")
+  if args.stop is not None and args.prompt is None:
+    raise ValueError(f"--stop={args.stop[0]!r} applies to --prompt only; the synthetic "
+                     "workload's requests end at their drawn lengths")
+  if args.stop is not None and not all(args.stop):
+    raise ValueError("--stop='' is empty: a stop string needs one character at least")
   if args.prompt is not None:
     for name in ("num_requests", "prompt_median", "output_median", "sigma"):
       if getattr(args, name) is not None:
@@ -433,7 +441,8 @@ def _run(args) -> int:
                   seed=args.seed)
   if args.prompt is not None:  # an empty or too long prompt: said before compiling
     prompt_params = SamplingParams(max_tokens=32 if args.max_tokens is None
-                                   else args.max_tokens, **sampling)
+                                   else args.max_tokens, stop=tuple(args.stop or ()),
+                                   **sampling)
     try:
       llm.check_requests([args.prompt], prompt_params)
     except ValueError as e:  # named as the option: the user typed no list of prompts

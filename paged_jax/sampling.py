@@ -24,6 +24,7 @@ import math
 import numbers
 import os
 import warnings
+from collections import abc
 from typing import Any, Mapping
 
 import jax
@@ -76,6 +77,11 @@ class SamplingParams:
       top-k and top-p (as vLLM's default), so greedy and sampled runs report alike.
     n: completions per prompt (>= 1); n > 1 forks the prompt's KV blocks after its prefill
       and each completion gets its own sampling stream (the fork index is folded in).
+    stop: strings (one str, or a sequence of non-empty ones) that finish the request with
+      "stop" when its generated text reaches one (needs the engine's tokenizer).
+      ``Output.text`` ends before it; ``Output.token_ids`` ends with the token that
+      completed it (tokens the device generated after it in the same call are dropped).
+    include_stop_str_in_output: end ``Output.text`` after the stop string instead.
   """
 
   max_tokens: int = 16
@@ -87,6 +93,8 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: bool = False
   n: int = 1
+  stop: tuple[str, ...] = ()
+  include_stop_str_in_output: bool = False
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -118,6 +126,17 @@ class SamplingParams:
       raise ValueError(f"logprobs={self.logprobs!r} must be a bool")
     if not _is_int(n) or n < 1:
       raise ValueError(f"{n=} must be an int >= 1")
+    stop_strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+    if (isinstance(stop_strings, (bytes, abc.Mapping, abc.Set))
+        or not isinstance(stop_strings, abc.Iterable)):
+      stop_strings = None
+    else:
+      stop_strings = tuple(stop_strings)
+    if stop_strings is None or not all(isinstance(t, str) and t for t in stop_strings):
+      raise ValueError(f"stop={self.stop!r} must be a str or a sequence of non-empty strs")
+    if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+      raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must "
+                       "be a bool")
     object.__setattr__(self, "max_tokens", int(max_tokens))
     object.__setattr__(self, "temperature", float(temperature))
     object.__setattr__(self, "top_k", int(top_k))
@@ -127,6 +146,9 @@ class SamplingParams:
     object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
     object.__setattr__(self, "logprobs", bool(self.logprobs))
     object.__setattr__(self, "n", int(n))
+    object.__setattr__(self, "stop", tuple(dict.fromkeys(stop_strings)))
+    object.__setattr__(self, "include_stop_str_in_output",
+                       bool(self.include_stop_str_in_output))
 
   @classmethod
   def from_generation_config(cls, source: str | os.PathLike | Mapping[str, Any],
@@ -139,12 +161,12 @@ class SamplingParams:
     ``GenerationConfig.to_dict()``). Without ``do_sample: true`` decoding is greedy (top-k
     and top-p do nothing then); with it, ``temperature`` (default 1.0; 0 is greedy here),
     ``top_k`` (default 50, transformers' own, also for null; 0 keeps every token) and ``top_p``
-    (default 1.0). ``max_new_tokens`` becomes ``max_tokens`` and ``num_return_sequences``
-    ``n``. ``max_length`` counts the prompt too, so it is not a per-request count: the
-    engine's ``max_model_len`` bounds the whole sequence. EOS ids are the engine's already
-    (``LLM.from_pretrained`` reads them from this file). Settings this sampler does not
-    have (``repetition_penalty``, ``num_beams``, ``stop_strings``, ``min_p`` when sampling,
-    ...) at other than their neutral values are named in a warning, not applied.
+    (default 1.0). ``max_new_tokens`` becomes ``max_tokens``, ``num_return_sequences``
+    ``n`` and ``stop_strings`` ``stop``. ``max_length`` counts the prompt too, so it is not
+    a per-request count: the engine's ``max_model_len`` bounds the whole sequence. EOS ids
+    are the engine's already (``LLM.from_pretrained`` reads them from this file). Settings
+    this sampler does not have (``repetition_penalty``, ``num_beams``, ``min_p`` when
+    sampling, ...) at other than their neutral values are named in a warning, not applied.
     """
     cfg, where = _generation_config(source)
     get = lambda key, default: default if cfg.get(key) is None else cfg[key]
@@ -159,6 +181,8 @@ class SamplingParams:
       fields["max_tokens"] = cfg["max_new_tokens"]
     if cfg.get("num_return_sequences") is not None:
       fields["n"] = cfg["num_return_sequences"]
+    if cfg.get("stop_strings") is not None:
+      fields["stop"] = cfg["stop_strings"]
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
       raise ValueError(f"overrides {unknown} are not SamplingParams fields (fields: "
@@ -185,7 +209,7 @@ class SamplingParams:
 _NOT_APPLIED = {"repetition_penalty": (1, 1.0), "encoder_repetition_penalty": (1, 1.0),
                 "num_beams": (1,), "no_repeat_ngram_size": (0,), "min_new_tokens": (0,),
                 "min_length": (0,), "bad_words_ids": (), "suppress_tokens": (),
-                "begin_suppress_tokens": (), "penalty_alpha": (0, 0.0), "stop_strings": (),
+                "begin_suppress_tokens": (), "penalty_alpha": (0, 0.0),
                 "sequence_bias": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
                 "exponential_decay_length_penalty": (), "guidance_scale": (1, 1.0),
                 "dola_layers": ()}

@@ -11,6 +11,7 @@ model of the protocol (``paged_jax.protocol``). Its modules, each readable alone
 - ``calls``: the jitted device calls of one engine and their compilation;
 - ``scheduler``: the host side (requests, slots, token buckets, reading reports);
 - ``stream``: ``generate_stream``'s generator, started at its first event;
+- ``text``: prompts to token ids, and each completion's text as it grows (stop strings);
 - ``salts``: the ids of ``cache_salt`` strings;
 - ``options``: the checks of ``LLM``'s options (a ``ValueError`` naming each bad one);
 - ``llm``: ``LLM``, construction, ``generate``, ``stats``.

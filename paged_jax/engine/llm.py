@@ -294,9 +294,10 @@ class LLM:
     # A mesh's calls place host rows on their shards themselves.
     return host if self._plan is not None else jax.device_put(host)
 
-  def _serve(self, prompts, params, cache_salt) -> tuple[list, Iterator[StreamEvent]]:
+  def _serve(self, prompts, params, cache_salt, text_per_token=True) -> tuple[list, Stream]:
     self._scheduler.check_idle()  # at the call, and again at the first event
-    requests, scheduler = self._scheduler.requests(prompts, params, cache_salt), self._scheduler
+    scheduler = self._scheduler
+    requests = scheduler.requests(prompts, params, cache_salt, text_per_token=text_per_token)
     return requests, Stream(scheduler.check_idle, lambda: scheduler.serve(
         requests, run=self._run, admit=self._admit, abort=self._abort))
 
@@ -328,10 +329,11 @@ class LLM:
     ``cache_salt``: None, one str for every prompt, or one str (or None) per prompt. Prefix
     cache entries are shared only between requests with the same salt (none counts as one
     salt), so tenants that must not share pass different salts."""
-    requests, stream = self._serve(prompts, params, cache_salt)
-    tokens, logprobs, finish = {}, {}, {}
+    requests, stream = self._serve(prompts, params, cache_salt, text_per_token=False)
+    tokens, logprobs, texts, finish = {}, {}, {}, {}
     for ev in stream:
       key = (ev.prompt_index, ev.sample_index)
+      texts.setdefault(key, []).append(ev.text or "")  # all at the end unless stop strings
       if ev.token_id is not None:
         tokens.setdefault(key, []).append(ev.token_id)
         logprobs.setdefault(key, []).append(ev.logprob)
@@ -340,13 +342,11 @@ class LLM:
     outputs = []
     for req in requests:
       for f in range(req.params.n):
-        ids = tokens.get((req.index, f), [])
-        text = None
-        if self.tokenizer is not None:
-          text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        lps = logprobs.get((req.index, f), []) if req.params.logprobs else None
-        outputs.append(Output(req.index, f, list(req.prompt), ids, text,
-                              finish[(req.index, f)], lps))
+        key = (req.index, f)
+        text = "".join(texts[key]) if self.tokenizer is not None else None
+        lps = logprobs.get(key, []) if req.params.logprobs else None
+        outputs.append(Output(req.index, f, list(req.prompt), tokens.get(key, []), text,
+                              finish[key], lps))
     return outputs
 
   @property

@@ -25,6 +25,7 @@ import numpy as np
 from paged_jax.engine.salts import SaltIds
 from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING,
                                     add_counters)
+from paged_jax.engine.text import CompletionText, encode_prompt
 from paged_jax.sampling import SamplingParams
 from paged_jax.sharding import pick_slots
 
@@ -40,8 +41,10 @@ class Output:
     sample_index: completion index within the prompt (0 .. n-1).
     prompt_token_ids: the prompt's token ids (a list).
     token_ids: generated ids, a list (the stop / EOS token not included).
-    text: ``token_ids`` decoded when the engine has a tokenizer, else None.
-    finish_reason: "stop" (EOS or a stop id) or "length" (max_tokens or max_model_len).
+    text: ``token_ids`` decoded when the engine has a tokenizer (up to a stop string:
+      ``SamplingParams.stop``), else None.
+    finish_reason: "stop" (EOS, a stop id or a stop string) or "length" (max_tokens or
+      max_model_len).
     logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
       else None.
   Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
@@ -62,13 +65,17 @@ class Output:
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
   """One event of ``generate_stream``: a token (``token_id`` set) or the end of a completion
-  (``token_id`` None, ``finish_reason`` set)."""
+  (``token_id`` None, ``finish_reason`` set). ``text``: with a tokenizer, the text the
+  event adds to the completion's (maybe ""; text that could begin a stop string, or a
+  character whose bytes are not all in yet, comes with a later event), so the ``text`` of a
+  completion's events joined is its ``Output.text``; None without a tokenizer."""
 
   prompt_index: int
   sample_index: int
   token_id: int | None
   logprob: float | None = None
   finish_reason: str | None = None
+  text: str | None = None
 
 
 @dataclasses.dataclass
@@ -84,6 +91,7 @@ class Request:
   arrival: int = -1
   tokens: list = dataclasses.field(default_factory=list)  # per completion
   logprobs: list = dataclasses.field(default_factory=list)
+  texts: list = dataclasses.field(default_factory=list)  # CompletionText (None: no tokenizer)
 
 
 def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int, ...]:
@@ -147,61 +155,17 @@ class Scheduler:
 
   # --- requests ---
 
-  def _encode(self, i: int, prompt) -> tuple[int, ...]:
-    if isinstance(prompt, str):
-      if self.tokenizer is None:
-        raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
-                         "checkpoint has no tokenizer.json): pass token ids")
-      encoded = self.tokenizer.encode(prompt)
-      # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
-      prompt = getattr(encoded, "ids", encoded)
-    if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
-      raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
-                       "tokens or holds no ids: a prompt is a str or a sequence of token ids")
-    prompt = np.asarray(prompt) if hasattr(prompt, "__array__") else prompt  # one transfer
-    dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
-    try:
-      items = list(prompt)
-    except TypeError:
-      raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
-                       "ids") from None
-    if dtype is not None:
-      if getattr(prompt, "ndim", 1) != 1:
-        raise ValueError(f"prompts[{i}] has shape {tuple(prompt.shape)}; a prompt is one "
-                         "sequence of token ids (1-D)")
-      if not np.issubdtype(np.dtype(dtype), np.integer):
-        raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
-                         "integers")
-    else:
-      for j, t in enumerate(items):
-        scalar_int = (getattr(t, "shape", None) == ()
-                      and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
-        if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
-          why = " (a float id is refused, not truncated)" * isinstance(t, (float, np.floating))
-          raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
-                           f"must be ints{why}")
-    ids = [int(t) for t in items]
-    if len(ids) == 0:
-      raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
-    v = self.vocab_size
-    bad = [t for t in ids if not 0 <= t < v]
-    if bad:
-      raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
-                       f"[0, vocab_size={v})")
-    if len(ids) >= self.max_model_len:
-      raise ValueError(f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len="
-                       f"{self.max_model_len} ({self.limit_note}) to generate anything")
-    return tuple(ids)
-
   def check(self, prompts, params, cache_salt=None) -> None:
     """``requests``' checks alone: no seed is drawn for unseeded requests (a later
     ``generate`` samples as if this had not run)."""
     self.requests(prompts, params, cache_salt)
 
-  def requests(self, prompts, params, cache_salt=None) -> list[Request]:
+  def requests(self, prompts, params, cache_salt=None, *,
+               text_per_token: bool = True) -> list[Request]:
     """Validate a ``generate`` call's arguments (``ValueError`` naming the request). Draws
     nothing: unseeded requests get their seeds when served (``serve``), salts their ids
-    when admitted, so a refused call, or a stream never iterated, changes nothing."""
+    when admitted, so a refused call, or a stream never iterated, changes nothing.
+    ``text_per_token``: each token event carries its text (else only the last event)."""
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
@@ -223,7 +187,8 @@ class Scheduler:
     for i, (prompt, p) in enumerate(zip(prompts, params)):
       if not isinstance(p, SamplingParams):
         raise ValueError(f"params[{i}]={p!r} must be a SamplingParams")
-      ids = self._encode(i, prompt)
+      ids = encode_prompt(i, prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                          max_model_len=self.max_model_len, limit_note=self.limit_note)
       if p.n > self.slots_per_shard:  # a request's slots are in one data shard
         shards = self.max_seqs // self.slots_per_shard
         per_shard = "" if shards == 1 else f" / {shards} data shards"
@@ -233,13 +198,20 @@ class Scheduler:
       if outside:  # could never be generated, so never stop anything: a mistake
         raise ValueError(f"params[{i}].stop_token_ids={p.stop_token_ids} holds {outside}, "
                          f"outside the vocabulary [0, vocab_size={self.vocab_size})")
+      if p.stop and self.tokenizer is None:
+        raise ValueError(f"params[{i}].stop={p.stop} needs the engine's tokenizer to read "
+                         "the text, and it has none (pass LLM(..., tokenizer=...))")
       stop = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else self.eos)))
       if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
       out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
                          salt=salts[i], tokens=[[] for _ in range(p.n)],
-                         logprobs=[[] for _ in range(p.n)]))
+                         logprobs=[[] for _ in range(p.n)], texts=[
+                             None if self.tokenizer is None else CompletionText(
+                                 self.tokenizer, p.stop, p.include_stop_str_in_output,
+                                 per_token=text_per_token)
+                             for _ in range(p.n)]))
     return out
 
   # --- one serving loop ---
@@ -271,17 +243,20 @@ class Scheduler:
         want_S[s] = n_prompt if f == 0 else 0
     return entries
 
-  def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray]:
-    """The events of one call's report, and the slots whose completion finished."""
+  def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray,
+                                                            np.ndarray]:
+    """The events of one call's report, the slots whose completion finished, and those of
+    them whose text reached a stop string (still running on the device: to abort)."""
     for counter in ("host_syncs", "device_calls"):
       self.counters[counter] += 1
     add_counters(self.device_counters, report)
-    clear = np.zeros(self.max_seqs, bool)
+    clear, stopped = np.zeros(self.max_seqs, bool), np.zeros(self.max_seqs, bool)
     events = []
     for s, owner in enumerate(slot_owner):
       if owner is None:
         continue
       req, f = owner
+      text = req.texts[f]
       start = int(report["start_S"][s])
       have = len(req.prompt) + len(req.tokens[f])
       end = int(report["len_S"][s])
@@ -291,13 +266,18 @@ class Scheduler:
         req.tokens[f].append(tok)
         req.logprobs[f].append(lp)
         self.counters["tokens"] += 1
-        events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None))
-      if report["status_S"][s] == DONE:
-        reason = REASONS[int(report["reason_S"][s])]
-        events.append(StreamEvent(req.index, f, None, None, reason))
+        events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None,
+                                  text=None if text is None else text.add(tok)))
+        if text is not None and text.stopped:  # the tokens after it are dropped
+          stopped[s] = True
+          break
+      if stopped[s] or report["status_S"][s] == DONE:
+        reason = "stop" if stopped[s] else REASONS[int(report["reason_S"][s])]
+        events.append(StreamEvent(req.index, f, None, None, reason,
+                                  None if text is None else text.finish()))
         slot_owner[s] = None
         clear[s] = True
-    return events, clear
+    return events, clear, stopped
 
   def slots_wanted(self, waiting: list[Request]) -> int:
     """Free slots (in one data shard) that end a device call early for waiting requests:
@@ -325,7 +305,8 @@ class Scheduler:
 
     ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
     ``admit(entries)`` writes slots' host rows (``_fill_slots``) into the device state;
-    ``abort(mask_S)`` ends every serve: drops what is left in slots (else an empty mask).
+    ``abort(mask_S)`` drops sequences: those whose text reached a stop string, and what is
+    left in slots when a serve ends (every serve ends with one, maybe of an empty mask).
     """
     self.check_idle()  # two streams made before either ran: the second is refused here
     self._serving = True
@@ -352,7 +333,11 @@ class Scheduler:
         if admitted:
           admit(admitted)
         report = run(self.pick_bucket(want_S), self.slots_wanted(waiting))
-        events, clear = self._read_report(report, slot_owner)
+        events, clear, stopped = self._read_report(report, slot_owner)
+        if stopped.any():  # at a stop string: dropped (by the finally below if cut short)
+          self._unclean = True
+          abort(stopped)
+          self._unclean = False
         if clear.any():  # finished slots back to a free slot's rows
           admit([(s, {}) for s in np.flatnonzero(clear)])
         for event in events:
@@ -363,7 +348,7 @@ class Scheduler:
             yield event
           finally:  # a close() resumes the stream here with GeneratorExit
             suspended += time.perf_counter() - handed
-        want_S = np.array(report["want_S"], np.int64)
+        want_S = np.where(stopped, 0, np.array(report["want_S"], np.int64))
         # A device call that changed nothing, with nothing admitted before it, leaves the
         # next call the same state: it would loop for ever. Never expected; a loud error
         # (the stream's cleanup below frees the slots) instead of a silent hang.

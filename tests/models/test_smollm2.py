@@ -92,6 +92,25 @@ def test_text_prompts_match_transformers_greedy(smollm2):
   assert "Paris" in answers[QUESTIONS[0]], answers
   assert "Tokyo" in answers[QUESTIONS[1]], answers
   assert "7" in answers[QUESTIONS[3]] or "seven" in answers[QUESTIONS[3]].lower(), answers
+  # Streamed, each completion's text comes in pieces that join to the same text (byte-level
+  # BPE: a character can span tokens). Stop strings end each where its text first reaches
+  # one, at the token that completes it.
+  events = list(llm.generate_stream(texts, SamplingParams(max_tokens=max_tokens)))
+  for i, output in enumerate(outputs):
+    assert "".join(e.text for e in events if e.prompt_index == i) == output.text
+  stop = (" is", ".")
+  cut_outputs = llm.generate(texts, SamplingParams(max_tokens=max_tokens, stop=stop))
+  assert any(cut.finish_reason == "stop" and cut.token_ids for cut in cut_outputs)
+  for output, cut in zip(outputs, cut_outputs):
+    hits = [output.text.find(s) for s in stop if s in output.text]
+    if not hits:
+      assert cut == output
+      continue
+    assert cut.text == output.text[:min(hits)] and cut.finish_reason == "stop"
+    assert cut.token_ids == output.token_ids[:len(cut.token_ids)]
+    decoded = [tokenizer.decode(cut.token_ids[:k]) for k in (-1, None)]
+    assert not any(s in decoded[0] for s in stop) and any(s in decoded[1] for s in stop)
+  assert llm.stats["num_free_blocks"] == 64
 
 
 def test_long_prompt_chunked_then_served_from_the_prefix_cache(smollm2):

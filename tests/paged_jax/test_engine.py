@@ -354,7 +354,7 @@ def test_stats_and_array_prompts_compile_nothing(model, config):
     logger.addHandler(handler)
     try:
       stats = engine.stats
-      encoded = engine._scheduler._encode(0, prompt)
+      encoded = engine._scheduler.requests([prompt], None)[0].prompt
     finally:
       logger.removeHandler(handler)
   assert stats["cached_blocks"] == 0 and stats["num_free_blocks"] == 16
@@ -661,6 +661,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     with pytest.raises(ValueError, match=f"params={type(params).__name__} must be a "
                                          "SamplingParams or a list of them, one per prompt"):
       llm.generate([good], params)
+  # Stop strings are read in the text: an engine without a tokenizer has none.
+  with pytest.raises(ValueError, match=r"params\[1\].stop=\('\\n',\) needs the engine's "
+                                       "tokenizer"):
+    llm.check_requests([good, good], [SamplingParams(), SamplingParams(stop="\n")])
   with pytest.raises(ValueError, match=r"params\[1\].stop_token_ids=\(7, 128\) holds \[128\], "
                      r"outside the vocabulary \[0, vocab_size=128\)"):
     llm.generate([good, good], [SamplingParams(), SamplingParams(stop_token_ids=(7, 128))])
@@ -681,6 +685,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-3), "seed"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"), (dict(n=0), "n"),
     (dict(max_tokens=2.5), "max_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(stop=("a", "")), r"stop=\('a', ''\) must be a str or a sequence of non-empty"),
+    (dict(stop=[7]), r"stop=\[7\] must be"), (dict(stop=b"\n"), r"stop=b'\\n' must be"),
+    (dict(stop={"a"}), "stop="), (dict(stop=None), "stop=None must be"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1 must be a bool"),
 ])
 def test_sampling_params_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -702,6 +710,10 @@ def test_sampling_params_defaults_and_frozen():
   with pytest.raises(Exception):
     p.max_tokens = 3  # frozen
   assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
+  # One stop string or several (a list as a tuple, repeats once); "" would stop at once.
+  assert SamplingParams(stop="\n").stop == ("\n",) and p.stop == ()
+  assert SamplingParams(stop=["a", "bc", "a"]).stop == ("a", "bc")
+  assert p.include_stop_str_in_output is False
 
 
 def test_engine_options_validation(model, config):

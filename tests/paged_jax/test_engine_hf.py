@@ -92,6 +92,80 @@ def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   assert llm.stats["num_free_blocks"] == 48
 
 
+def _stopped(ids, text, stop, include):
+  """A word-level completion ``ids`` / ``text`` cut at its first stop string: the first
+  prefix of words holding one ends there (words are joined by spaces)."""
+  words = text.split(" ")
+  for k in range(1, len(ids) + 1):
+    prefix = " ".join(words[:k])
+    hits = [(prefix.find(s), prefix.find(s) + len(s)) for s in stop if s in prefix]
+    if hits:
+      at, end = min(hits)
+      return ids[:k], prefix[:end if include else at], "stop"
+  return None
+
+
+def test_stop_strings_end_the_text_stream_it_and_free_the_blocks(checkpoint):
+  path, _ = checkpoint
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=2, max_tokens_per_step=16, steps_per_call=8,
+                            max_model_len=192)
+  rng = np.random.default_rng(3)
+  prompts = [[int(t) for t in rng.integers(3, helpers.VOCAB, n)] for n in (5, 9, 7)]
+  base = dict(max_tokens=12, ignore_eos=True)
+  runs = [dict(base), dict(base, temperature=1.0, seed=5, n=2)]
+  greedy = llm.generate(prompts, SamplingParams(**base))
+  for kwargs in runs:
+    free = llm.generate(prompts, SamplingParams(**kwargs))
+    for include in (False, True):
+      # Per prompt: two words of the free text (a stop mid-call, held back across
+      # tokens), its first word (a stop at the first token), one never generated.
+      stops = [(" ".join(free[kwargs.get("n", 1) * i].text.split(" ")[k:k + 2]),)
+               for i, k in enumerate((4, 6, 9))]
+      stops[1] = (free[kwargs.get("n", 1)].text.split(" ")[0], "x")
+      stops[2] += ("w9999",)
+      params = [SamplingParams(**kwargs, stop=s, include_stop_str_in_output=include)
+                for s in stops]
+      events = list(llm.generate_stream(prompts, params))
+      outs = llm.generate(prompts, params)
+      for o, f in zip(outs, free):
+        want = _stopped(f.token_ids, f.text, params[o.prompt_index].stop, include)
+        want = want or (f.token_ids, f.text, f.finish_reason)
+        assert (o.token_ids, o.text, o.finish_reason) == want
+        mine = [e for e in events if (e.prompt_index, e.sample_index) ==
+                (o.prompt_index, o.sample_index)]
+        assert [e.token_id for e in mine] == o.token_ids + [None]
+        assert mine[-1].finish_reason == o.finish_reason
+        # The stream shows the text as it grows, never a part of a stop string it then
+        # ends before.
+        pieces = [e.text for e in mine]
+        assert "".join(pieces) == o.text
+        assert all(o.text.startswith("".join(pieces[:i])) for i in range(len(pieces)))
+      assert any(o.finish_reason == "stop" for o in outs)
+      assert llm.stats["num_free_blocks"] == 48
+      allocator.validate(llm.allocator_state)
+  # Nothing of the stopped sequences is left behind: the same requests serve as before.
+  assert llm.generate(prompts, SamplingParams(**base)) == greedy
+  with pytest.raises(ValueError, match=r"stop=\('', 'x'\) must be a str or a sequence of "
+                                       "non-empty strs"):
+    SamplingParams(stop=("", "x"))
+
+
+def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys):
+  from paged_jax import cli
+  path, _ = checkpoint
+  argv = ["run", "--model", str(path), "--prompt", "w3 w4 w5", "--max-tokens", "6",
+          "--max-seqs", "2", "--num-blocks", "48", "--block-size", "4", "--no-progress",
+          "--compilation-cache", "off"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  words = out.split("completion: ", 1)[1].splitlines()[0].split(" ")
+  assert len(words) == 6 and "finish_reason length" in out
+  assert cli.main(argv + ["--stop", f" {words[2]} ", "--stop", "w9999"]) == 0
+  out = capsys.readouterr().out
+  assert f"completion: {' '.join(words[:2])}\n" in out and "finish_reason stop" in out
+
+
 def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, checkpoint,
                                                                  capsys):
   import shutil

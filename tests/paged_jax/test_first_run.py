@@ -244,7 +244,9 @@ def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
     # --prompt serves one prompt: the workload's options were ignored without a word.
     (["--prompt", "hi", "--num-requests", "5"], "--num-requests=5 applies to the synthetic "
      "workload only; --prompt serves that one prompt"),
-    (["--prompt", "hi", "--sigma", "0.5"], "--sigma=0.5 applies to the synthetic workload")])
+    (["--prompt", "hi", "--sigma", "0.5"], "--sigma=0.5 applies to the synthetic workload"),
+    (["--stop", "."], "--stop='.' applies to --prompt only"),
+    (["--prompt", "hi", "--stop", ".", "--stop", ""], "--stop='' is empty")])
 def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):
   with pytest.raises(SystemExit) as exc:
     cli.main(["run", *argv, "--no-progress"])

@@ -237,5 +237,7 @@ def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ig
     warnings.simplefilter("error")  # neutral values warn of nothing, nor sampling's greedy
     _params_from(tmp_path, {"repetition_penalty": 1.0, "num_beams": 1, "typical_p": 1.0,
                             "penalty_alpha": 0.0, "min_p": 0.05, "epsilon_cutoff": 3e-4})
-  with pytest.warns(UserWarning, match=r"stop_strings=\['###'\], min_p=0\.05, which"):
-    _params_from(tmp_path, {"do_sample": True, "stop_strings": ["###"], "min_p": 0.05})
+  with pytest.warns(UserWarning, match=r"asks for min_p=0\.05, which"):
+    got = _params_from(tmp_path, {"do_sample": True, "stop_strings": ["###"], "min_p": 0.05})
+  assert got.stop == ("###",)  # stop strings are applied now (the text reaching one)
+  assert _params_from(tmp_path, {"stop_strings": "</s>"}).stop == ("</s>",)

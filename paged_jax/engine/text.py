@@ -1,0 +1,155 @@
+"""Text in and out of the engine: prompts to token ids, completions to text.
+
+``encode_prompt`` checks one prompt (a string through the tokenizer, or token ids) and gives
+its ids. ``CompletionText`` follows one completion as its tokens arrive: the text each token
+adds, and where the text reaches one of the request's stop strings
+(``SamplingParams.stop``).
+
+A token's text is read from a short window of the tokens before it: decoded alone, a
+token can lose the space it starts with (SentencePiece) or be part of a character whose
+UTF-8 bytes span several tokens (byte-level BPE, whose partial characters decode as
+U+FFFD). Text ending in U+FFFD waits for the next token. While stop strings are asked for,
+the text that could still be the start of one is held back too, so that a stream never
+shows a part of the stop string it is about to end at. Everything held back comes with the
+completion's last event, and the completion's text is the text of its events joined.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+
+import numpy as np
+
+__all__ = ["CompletionText", "encode_prompt"]
+
+_REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 character decodes to
+
+
+def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: int,
+                  limit_note: str) -> tuple[int, ...]:
+  """The token ids of ``prompts[i]`` (a str needs ``tokenizer``), or a ``ValueError``
+  naming it: no order of tokens, a non-integer id, an id outside ``[0, vocab_size)``, empty,
+  or ``max_model_len`` tokens or more (``limit_note`` says what bounds it)."""
+  if isinstance(prompt, str):
+    if tokenizer is None:
+      raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
+                       "checkpoint has no tokenizer.json): pass token ids")
+    encoded = tokenizer.encode(prompt)
+    # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
+    prompt = getattr(encoded, "ids", encoded)
+  if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
+    raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
+                     "tokens or holds no ids: a prompt is a str or a sequence of token ids")
+  prompt = np.asarray(prompt) if hasattr(prompt, "__array__") else prompt  # one transfer
+  dtype = getattr(prompt, "dtype", None)  # a numpy / JAX array: its dtype decides
+  try:
+    items = list(prompt)
+  except TypeError:
+    raise ValueError(f"prompts[{i}]={prompt!r} must be a string or a sequence of token "
+                     "ids") from None
+  if dtype is not None:
+    if getattr(prompt, "ndim", 1) != 1:
+      raise ValueError(f"prompts[{i}] has shape {tuple(prompt.shape)}; a prompt is one "
+                       "sequence of token ids (1-D)")
+    if not np.issubdtype(np.dtype(dtype), np.integer):
+      raise ValueError(f"prompts[{i}] has dtype {np.dtype(dtype)}; token ids must be "
+                       "integers")
+  else:
+    for j, t in enumerate(items):
+      scalar_int = (getattr(t, "shape", None) == ()
+                    and np.issubdtype(np.dtype(getattr(t, "dtype", object)), np.integer))
+      if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or scalar_int):
+        why = " (a float id is refused, not truncated)" * isinstance(t, (float, np.floating))
+        raise ValueError(f"prompts[{i}][{j}]={t!r} is a {type(t).__name__}; token ids "
+                         f"must be ints{why}")
+  ids = [int(t) for t in items]
+  if len(ids) == 0:
+    raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
+                     f"[0, vocab_size={vocab_size})")
+  if len(ids) >= max_model_len:
+    raise ValueError(f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len="
+                     f"{max_model_len} ({limit_note}) to generate anything")
+  return tuple(ids)
+
+
+class CompletionText:
+  """The text of one completion, token by token (module docstring).
+
+  Args:
+    tokenizer: what the engine decodes with (``decode(ids, skip_special_tokens=True)``).
+    stop: the request's stop strings (``SamplingParams.stop``).
+    include_stop: keep the stop string at the end of the text
+      (``SamplingParams.include_stop_str_in_output``).
+    per_token: give each token's text as it comes (a stream); False (``generate``): only
+      what stop strings need, and the whole text at the end (two decodes a token saved).
+  """
+
+  def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False,
+               per_token: bool = True):
+    self._tokenizer, self._stop, self._include_stop = tokenizer, stop, include_stop
+    self._per_token = per_token or bool(stop)
+    # Text that could be the start of a stop string is not shown until it cannot be.
+    self._hold = max(map(len, stop), default=1) - 1 if not include_stop else 0
+    self._ids: list[int] = []
+    self._window = self._read = 0  # ids[window:read] decoded give the text's last part
+    self._text = ""  # the text of ids[:read]
+    self._shown = 0  # characters of it given out
+    self.stopped = False  # the text reached a stop string: nothing more is taken
+
+  def _decode(self, ids) -> str:
+    return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+  def add(self, token_id: int) -> str:
+    """Take the next token; returns the text that can be shown now (maybe "")."""
+    if self.stopped:
+      raise RuntimeError("CompletionText.add after its stop string")
+    self._ids.append(token_id)
+    if not self._per_token:
+      return ""
+    before = self._decode(self._ids[self._window:self._read])
+    after = self._decode(self._ids[self._window:])
+    if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+      return ""  # no character complete yet (a partial UTF-8 one, a skipped special id)
+    start = len(self._text)
+    self._text += after[len(before):]
+    self._window, self._read = self._read, len(self._ids)
+    if self._stop:
+      end = self._stop_end(start)
+      if end is not None:
+        self.stopped = True
+        self._text = self._text[:end]
+        return self._take(len(self._text))
+    return self._take(len(self._text) - self._hold)
+
+  def _stop_end(self, start: int) -> int | None:
+    """Where the text ends at the first stop string in it that ends past ``start`` (the
+    text before held none): before it, or after it with ``include_stop``; None if none."""
+    found = None
+    for s in self._stop:
+      at = self._text.find(s, max(start - len(s) + 1, 0))
+      if at >= 0 and (found is None or at < found[0]):
+        found = (at, at + len(s))
+    if found is None:
+      return None
+    return found[1] if self._include_stop else found[0]
+
+  def _take(self, upto: int) -> str:
+    piece = self._text[self._shown:max(upto, self._shown)]
+    self._shown += len(piece)
+    return piece
+
+  def finish(self) -> str:
+    """The completion ended: the text not shown yet. Without a stop string, the text is
+    the decode of every id when that continues what was shown (it does for the tokenizers
+    tested; a tokenizer whose decode of a window differs keeps the window's text)."""
+    if not self.stopped:
+      whole = self._decode(self._ids)
+      if whole.startswith(self._text[:self._shown]):
+        self._text = whole
+      elif self._read < len(self._ids):  # a partial character at the end: shown as U+FFFD
+        self._text += self._decode(self._ids[self._window:])[
+            len(self._decode(self._ids[self._window:self._read])):]
+    return self._take(len(self._text))

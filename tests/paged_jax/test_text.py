@@ -1,0 +1,123 @@
+"""``CompletionText``: a completion's text token by token, and its stop strings, against a
+brute-force reading of the decoded prefixes, on tokenizers whose tokens do not decode alone
+(byte-level BPE splitting UTF-8 characters; SentencePiece's leading spaces)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from paged_jax.engine.text import CompletionText
+
+
+def _byte_level() -> tokenizers.Tokenizer:
+  """Byte-level BPE without merges: token id b is byte b (GPT-2's byte-to-char table)."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+  chars = {b: chr(b) for b in printable}
+  chars.update({b: chr(256 + i) for i, b in
+                enumerate(b for b in range(256) if b not in chars)})
+  tok = tokenizers.Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
+_WORDS = ["▁the", "▁cat", "s", "▁sat", "▁on", "at", "▁mat", ".", "▁é", "t", "é"]
+
+
+def _metaspace() -> tokenizers.Tokenizer:
+  """Word pieces with SentencePiece's "▁" for a space: a piece decoded alone at the start
+  of a text loses its space."""
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)},
+                                              unk_token="."))
+  tok.decoder = decoders.Metaspace()
+  return tok
+
+
+def _reference(tok, ids, stop, include):
+  """What a completion of ``ids`` gives: the first prefix whose decode holds a stop string
+  ends it there (its first occurrence), else every id and its whole decode."""
+  for k in range(1, len(ids) + 1):
+    text = tok.decode(ids[:k], skip_special_tokens=True)
+    hits = [(text.find(s), text.find(s) + len(s)) for s in stop if s in text]
+    if hits:
+      at, end = min(hits)
+      return ids[:k], text[:end if include else at]
+  return ids, tok.decode(ids, skip_special_tokens=True)
+
+
+def _run(tok, ids, stop, include):
+  """Feed ``ids`` until a stop; checks that what is shown is only ever a prefix of the
+  final text (never the start of a stop string that then ends it)."""
+  text = CompletionText(tok, stop, include)
+  taken, pieces = [], []
+  for t in ids:
+    taken.append(t)
+    pieces.append(text.add(t))
+    if text.stopped:
+      break
+  pieces.append(text.finish())
+  final = "".join(pieces)
+  for i in range(len(pieces)):
+    assert final.startswith("".join(pieces[:i]))
+  return taken, final
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_byte_level_text_and_stop_strings_match_the_decoded_prefixes(include):
+  tok = _byte_level()
+  rng = np.random.default_rng(0)
+  alphabet = list("ab ,.\n") + ["é", "中", "文", "🙂", "ß"]
+  for trial in range(150):
+    words = "".join(rng.choice(alphabet, rng.integers(1, 30)))
+    ids = list(words.encode())
+    assert tok.decode(ids) == words
+    # Stop strings cut from the text (multi-byte ones included) and one that never appears.
+    stop = ["zz"]
+    for _ in range(rng.integers(0, 3)):
+      a = int(rng.integers(0, len(words)))
+      stop.append(words[a:a + int(rng.integers(1, 4))])
+    stop = tuple(dict.fromkeys(s for s in stop if s))
+    assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
+        words, stop)
+  # No stop string: the text is the decode of every id, each character once it is whole.
+  text = CompletionText(tok)
+  assert [text.add(t) for t in "é🙂".encode()] == ["", "é", "", "", "", "🙂"]
+  assert text.finish() == ""
+  # For generate (no stream): nothing decoded a token, the whole text at the end, unless
+  # stop strings need the text as it grows.
+  text = CompletionText(tok, per_token=False)
+  assert [text.add(t) for t in "é🙂".encode()] == [""] * 6 and text.finish() == "é🙂"
+  text = CompletionText(tok, ("🙂",), per_token=False)
+  assert "".join(text.add(t) for t in "é🙂a".encode()[:6]) == "é" and text.stopped
+  # A completion that ends inside a character shows it as decode does (U+FFFD).
+  text = CompletionText(tok)
+  assert [text.add(t) for t in "a🙂".encode()[:3]] == ["a", "", ""]
+  assert "a" + text.finish() == tok.decode(list("a🙂".encode()[:3])) == "a\ufffd"
+
+
+def test_metaspace_text_keeps_its_spaces_and_stops():
+  tok = _metaspace()
+  rng = np.random.default_rng(1)
+  for trial in range(150):
+    ids = [int(t) for t in rng.integers(0, len(_WORDS), rng.integers(1, 12))]
+    whole = tok.decode(ids)
+    assert _run(tok, ids, (), False) == (ids, whole)
+    for stop in ((" cat", "t."), ("at",), ("s s", " mat"), (" ",)):
+      for include in (False, True):
+        assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
+            ids, stop)
+  # The first piece decodes without its space, the next ones with theirs.
+  text = CompletionText(tok)
+  assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["the", " cat", "s"]
+  # Held back while it could begin the stop string, and given with the last event.
+  text = CompletionText(tok, ("cat.",))
+  assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["", "the ", "c"]
+  assert text.finish() == "ats"
+  with pytest.raises(RuntimeError, match="after its stop string"):
+    text = CompletionText(tok, ("the",))
+    text.add(0)
+    assert text.stopped
+    text.add(1)
