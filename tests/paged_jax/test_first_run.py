@@ -382,9 +382,13 @@ def test_ctrl_c_during_a_run_is_one_line_and_exit_130(tmp_path):
   # interpreter crashed tearing JAX down mid-compilation (SIGSEGV, exit 139).
   import signal
   env = dict(os.environ, PYTHONUNBUFFERED="1")
+  # As from a terminal: a suite started in the background (`cmd &` in a script) ignores
+  # SIGINT, and Python then leaves it ignored in every child (the run served to the end).
+  restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
   proc = subprocess.Popen([sys.executable, "-m", "paged_jax.cli", "run", "--compilation-cache",
                            "off", "--num-requests", "4"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                          preexec_fn=restore)
   for line in proc.stderr:  # interrupt while it compiles its first device call
     if "compiling 1/" in line:
       break

@@ -104,8 +104,12 @@ def test_tpu_ragged_pages_as_readme_ports_them(dtype):
   cache = scope["cache"]
   assert cache.dtype == jnp.dtype(dtype) and cache.quantized == (dtype != jnp.float32)
   rows = int(cu_q_lens[-1])
+  # Float32 rounding, in another order than JAX's: the quantised V values reach 7 (scaled
+  # integers) where float32's stay near 1, so their sums' rounding is larger (2.5e-6 seen
+  # on an AVX2 CPU; within 2e-6 on others).
+  atol = 2e-6 if dtype == jnp.float32 else 1e-5
   for impl in ("reference", "xla"):
     out = paged_attention(jnp.asarray(q), cache, 0, np.asarray(kv_lens, np.int32), tables,
                           cu_q_lens, num_seqs, impl=impl, **statics)
     assert out.shape == q.shape and not np.asarray(out[rows:]).any()  # padding rows: zeros
-    np.testing.assert_allclose(np.asarray(out[:rows]), np.asarray(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(out[:rows]), np.asarray(want), rtol=2e-6, atol=atol)
