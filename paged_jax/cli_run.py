@@ -57,7 +57,7 @@ def add_run_parser(subparsers) -> None:
                  "draws each request's output length instead (--output-median)")
   p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                  help="end --prompt's completion where its text reaches TEXT, which is not "
-                 "printed (repeatable; default: none)")
+                 "printed (repeatable; a newline in bash: --stop $'\\n'; default: none)")
   p.add_argument("--temperature", type=float, default=0.0,
                  help="sampling temperature of every request (default 0: greedy)")
   p.add_argument("--top-k", type=int, default=0,

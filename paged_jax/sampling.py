@@ -77,8 +77,9 @@ class SamplingParams:
       top-k and top-p (as vLLM's default), so greedy and sampled runs report alike.
     n: completions per prompt (>= 1); n > 1 forks the prompt's KV blocks after its prefill
       and each completion gets its own sampling stream (the fork index is folded in).
-    stop: strings (one str, or a sequence of non-empty ones) that finish the request with
-      "stop" when its generated text reaches one (needs the engine's tokenizer).
+    stop: strings (one str, a sequence of them, or None for none; each non-empty) that
+      finish the request with "stop" when its generated text reaches one (needs the
+      engine's tokenizer).
       ``Output.text`` ends before it; ``Output.token_ids`` ends with the token that
       completed it (tokens the device generated after it in the same call are dropped).
     include_stop_str_in_output: end ``Output.text`` after the stop string instead.
@@ -126,14 +127,17 @@ class SamplingParams:
       raise ValueError(f"logprobs={self.logprobs!r} must be a bool")
     if not _is_int(n) or n < 1:
       raise ValueError(f"{n=} must be an int >= 1")
-    stop_strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+    stop_strings = () if self.stop is None else self.stop
+    if isinstance(stop_strings, str):
+      stop_strings = (stop_strings,)  # "" is refused below: it would stop at once
     if (isinstance(stop_strings, (bytes, abc.Mapping, abc.Set))
         or not isinstance(stop_strings, abc.Iterable)):
       stop_strings = None
     else:
       stop_strings = tuple(stop_strings)
     if stop_strings is None or not all(isinstance(t, str) and t for t in stop_strings):
-      raise ValueError(f"stop={self.stop!r} must be a str or a sequence of non-empty strs")
+      raise ValueError(f"stop={self.stop!r} must be a non-empty str, a sequence of them, or "
+                       "None")
     if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
       raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must "
                        "be a bool")
@@ -146,7 +150,7 @@ class SamplingParams:
     object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
     object.__setattr__(self, "logprobs", bool(self.logprobs))
     object.__setattr__(self, "n", int(n))
-    object.__setattr__(self, "stop", tuple(dict.fromkeys(stop_strings)))
+    object.__setattr__(self, "stop", tuple(dict.fromkeys(str(t) for t in stop_strings)))
     object.__setattr__(self, "include_stop_str_in_output",
                        bool(self.include_stop_str_in_output))
 

@@ -356,7 +356,7 @@ class LLM:
     used for the first time without ``precompile`` is compiled then, timed apart) and less
     the time a stream's consumer held its events; tokens_per_s and requests_per_s divide by
     it. ``requests``: those whose every completion finished (a closed stream's unfinished
-    ones are not counted); ``generated_tokens``: the tokens given out (none past a stop).
+    ones are not counted); ``generated_tokens``: the tokens read (none past a stop string).
     ``kv_utilization``: tokens stored / token slots of the blocks in use, mean over the
     steps that ran a batch (0.0 before any). No reset changes ``compile_s`` (the seconds all
     compilations took, by ``precompile`` or on first use: ``compile_seconds``' sum), nor

@@ -275,7 +275,8 @@ class Scheduler:
         reason = "stop" if stopped[s] else REASONS[int(report["reason_S"][s])]
         events.append(StreamEvent(req.index, f, None, None, reason,
                                   None if text is None else text.finish()))
-        slot_owner[s] = None
+        if not stopped[s]:  # a stopped one is the slot's until its abort (serve)
+          slot_owner[s] = None
         clear[s] = True
     return events, clear, stopped
 
@@ -338,6 +339,8 @@ class Scheduler:
           self._unclean = True
           abort(stopped)
           self._unclean = False
+          for slot in np.flatnonzero(stopped):
+            slot_owner[slot] = None
         if clear.any():  # finished slots back to a free slot's rows
           admit([(s, {}) for s in np.flatnonzero(clear)])
         for event in events:

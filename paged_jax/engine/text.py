@@ -8,9 +8,10 @@ adds, and where the text reaches one of the request's stop strings
 A token's text is read from a short window of the tokens before it: decoded alone, a
 token can lose the space it starts with (SentencePiece) or be part of a character whose
 UTF-8 bytes span several tokens (byte-level BPE, whose partial characters decode as
-U+FFFD). Text ending in U+FFFD waits for the next token. While stop strings are asked for,
-the text that could still be the start of one is held back too, so that a stream never
-shows a part of the stop string it is about to end at. Everything held back comes with the
+U+FFFD). Text ending in U+FFFD waits for the next token (the complete characters before it
+are read for stop strings at once). While stop strings are asked for, the last characters
+that could begin one are held back too, so that a stream never shows a part of the stop
+string it is about to end at. Everything held back comes with the
 completion's last event, and the completion's text is the text of its events joined.
 """
 
@@ -91,8 +92,6 @@ class CompletionText:
                per_token: bool = True):
     self._tokenizer, self._stop, self._include_stop = tokenizer, stop, include_stop
     self._per_token = per_token or bool(stop)
-    # Text that could be the start of a stop string is not shown until it cannot be.
-    self._hold = max(map(len, stop), default=1) - 1 if not include_stop else 0
     self._ids: list[int] = []
     self._window = self._read = 0  # ids[window:read] decoded give the text's last part
     self._text = ""  # the text of ids[:read]
@@ -111,30 +110,44 @@ class CompletionText:
       return ""
     before = self._decode(self._ids[self._window:self._read])
     after = self._decode(self._ids[self._window:])
-    if len(after) <= len(before) or after.endswith(_REPLACEMENT):
-      return ""  # no character complete yet (a partial UTF-8 one, a skipped special id)
+    new = after[len(before):] if len(after) > len(before) else ""
+    whole = new.rstrip(_REPLACEMENT)
     start = len(self._text)
-    self._text += after[len(before):]
-    self._window, self._read = self._read, len(self._ids)
+    if new and whole == new:  # every character of it complete: the window moves on
+      self._text += new
+      self._window, self._read = self._read, len(self._ids)
+      text = self._text
+    else:  # an unfinished character last: the complete ones before it count for stops
+      text = self._text + whole
     if self._stop:
-      end = self._stop_end(start)
+      end = self._stop_end(text, start)
       if end is not None:
         self.stopped = True
-        self._text = self._text[:end]
+        self._text = text[:end]
         return self._take(len(self._text))
-    return self._take(len(self._text) - self._hold)
+    return self._take(len(self._text) - self._held(self._text))
 
-  def _stop_end(self, start: int) -> int | None:
-    """Where the text ends at the first stop string in it that ends past ``start`` (the
+  def _stop_end(self, text: str, start: int) -> int | None:
+    """Where ``text`` ends at the first stop string in it that ends past ``start`` (the
     text before held none): before it, or after it with ``include_stop``; None if none."""
     found = None
     for s in self._stop:
-      at = self._text.find(s, max(start - len(s) + 1, 0))
+      at = text.find(s, max(start - len(s) + 1, 0))
       if at >= 0 and (found is None or at < found[0]):
         found = (at, at + len(s))
     if found is None:
       return None
     return found[1] if self._include_stop else found[0]
+
+  def _held(self, text: str) -> int:
+    """How many of ``text``'s last characters could begin a stop string (not shown yet: the
+    text may end before them); none with ``include_stop``, where they are kept anyway."""
+    if self._include_stop:
+      return 0
+    for k in range(min(len(text), max(map(len, self._stop), default=1) - 1), 0, -1):
+      if any(s.startswith(text[-k:]) for s in self._stop):
+        return k
+    return 0
 
   def _take(self, upto: int) -> str:
     piece = self._text[self._shown:max(upto, self._shown)]
@@ -143,8 +156,10 @@ class CompletionText:
 
   def finish(self) -> str:
     """The completion ended: the text not shown yet. Without a stop string, the text is
-    the decode of every id when that continues what was shown (it does for the tokenizers
-    tested; a tokenizer whose decode of a window differs keeps the window's text)."""
+    the decode of every id when that continues what was shown: it does for valid UTF-8;
+    invalid bytes through a byte-fallback tokenizer can decode otherwise in a window than
+    in the whole, and a stream then keeps the window's text (``generate``, which decodes
+    the whole, can differ there)."""
     if not self.stopped:
       whole = self._decode(self._ids)
       if whole.startswith(self._text[:self._shown]):

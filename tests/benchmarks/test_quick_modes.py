@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -137,3 +138,16 @@ def test_preemption_quick(capsys):
   # the pool is small enough to preempt.
   assert row["preemptions"] > 0 and row["computed"] >= row["useful"] > 0, row
   assert "| long mix | on |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_stream_text_quick(capsys):
+  # Every way's text equals one decode of every id (the benchmark exits otherwise).
+  from benchmarks import stream_text
+  us_per_token = stream_text.main(["--tokens", "300", "--rounds", "1"])
+  if us_per_token is None:  # CI installs the model before the slow tests: there, a failure
+    if os.environ.get("PAGED_JAX_REQUIRE_SMOLLM2") == "1":
+      pytest.fail(capsys.readouterr().out.strip())
+    pytest.skip(capsys.readouterr().out.strip())
+  assert len(us_per_token) == 8 and all(us > 0 for us in us_per_token.values())
+  assert "outside ASCII" in capsys.readouterr().out

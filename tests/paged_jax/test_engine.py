@@ -685,9 +685,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-3), "seed"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"), (dict(n=0), "n"),
     (dict(max_tokens=2.5), "max_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),
-    (dict(stop=("a", "")), r"stop=\('a', ''\) must be a str or a sequence of non-empty"),
+    (dict(stop=("a", "")), r"stop=\('a', ''\) must be a non-empty str, a sequence of "),
     (dict(stop=[7]), r"stop=\[7\] must be"), (dict(stop=b"\n"), r"stop=b'\\n' must be"),
-    (dict(stop={"a"}), "stop="), (dict(stop=None), "stop=None must be"),
+    (dict(stop={"a"}), "stop="), (dict(stop=""), "stop='' must be a non-empty str"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1 must be a bool"),
 ])
 def test_sampling_params_validation(kwargs, field):
@@ -713,6 +713,8 @@ def test_sampling_params_defaults_and_frozen():
   # One stop string or several (a list as a tuple, repeats once); "" would stop at once.
   assert SamplingParams(stop="\n").stop == ("\n",) and p.stop == ()
   assert SamplingParams(stop=["a", "bc", "a"]).stop == ("a", "bc")
+  assert SamplingParams(stop=None).stop == () and SamplingParams(stop=np.array(["x"])).stop == (
+      "x",) and type(SamplingParams(stop=np.array(["x"])).stop[0]) is str
   assert p.include_stop_str_in_output is False
 
 

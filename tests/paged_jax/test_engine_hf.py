@@ -146,9 +146,45 @@ def test_stop_strings_end_the_text_stream_it_and_free_the_blocks(checkpoint):
       allocator.validate(llm.allocator_state)
   # Nothing of the stopped sequences is left behind: the same requests serve as before.
   assert llm.generate(prompts, SamplingParams(**base)) == greedy
-  with pytest.raises(ValueError, match=r"stop=\('', 'x'\) must be a str or a sequence of "
-                                       "non-empty strs"):
+  with pytest.raises(ValueError, match=r"stop=\('', 'x'\) must be a non-empty str, a "
+                                       "sequence of them, or None"):
     SamplingParams(stop=("", "x"))
+
+
+def test_an_error_after_a_stop_in_the_same_report_leaves_no_sequence_behind(checkpoint):
+  # Slot 0 reached its stop string; decoding slot 1's next token then raised (a tokenizer
+  # error, or Ctrl-C, in the host's busiest loop): slot 0 was no longer counted as held,
+  # so its sequence kept its blocks and the next generate stalled ("no progress").
+  path, _ = checkpoint
+  tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+
+  class Failing:  # fails to decode any text holding ``bad``
+    bad = None
+    encode = tok.encode
+
+    def decode(self, ids, **kwargs):
+      if self.bad in ids:
+        raise RuntimeError("decode failed")
+      return tok.decode(ids, **kwargs)
+
+  failing = Failing()
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=2, max_tokens_per_step=16, steps_per_call=8,
+                            max_model_len=192, tokenizer=failing)
+  # Past steps_per_call tokens: slot 0 is still running when its stop is read.
+  params = SamplingParams(max_tokens=20, ignore_eos=True)
+  prompts = [[5, 9, 13], [7, 21, 4, 8]]
+  free = llm.generate(prompts, params)
+  assert free[0].token_ids[0] != free[1].token_ids[0]
+  stops = [SamplingParams(max_tokens=20, ignore_eos=True, stop=s)
+           for s in (free[0].text.split(" ")[0], "w9999")]
+  failing.bad = free[1].token_ids[0]
+  with pytest.raises(RuntimeError, match="decode failed"):
+    llm.generate(prompts, stops)
+  assert llm.stats["num_free_blocks"] == 48
+  allocator.validate(llm.allocator_state)
+  failing.bad = None
+  assert llm.generate(prompts, params) == free
 
 
 def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys):

@@ -24,6 +24,21 @@ def _byte_level() -> tokenizers.Tokenizer:
   return tok
 
 
+class _ByteChunks:
+  """A byte-level tokenizer whose tokens are any byte strings, as BPE merges make them:
+  one token can end a character and start the next ("a" + a lead byte)."""
+
+  def __init__(self):
+    self.chunks: list[bytes] = []
+
+  def ids(self, chunks) -> list[int]:
+    self.chunks += chunks
+    return list(range(len(self.chunks) - len(chunks), len(self.chunks)))
+
+  def decode(self, ids, skip_special_tokens=True) -> str:
+    return b"".join(self.chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+
 _WORDS = ["▁the", "▁cat", "s", "▁sat", "▁on", "at", "▁mat", ".", "▁é", "t", "é"]
 
 
@@ -98,6 +113,27 @@ def test_byte_level_text_and_stop_strings_match_the_decoded_prefixes(include):
   assert "a" + text.finish() == tok.decode(list("a🙂".encode()[:3])) == "a\ufffd"
 
 
+def test_a_stop_string_is_seen_at_the_token_that_completes_it_mid_character():
+  # A token holding the stop string's last character and the first byte of the next
+  # (" \xe2"): the window then ends in U+FFFD; the stop was seen only tokens later (its
+  # token_ids ran past it), or never when the completion ended there.
+  tok = _ByteChunks()
+  rng = np.random.default_rng(2)
+  alphabet = list("ab ,.") + ["é", "中", "🙂", "€"]
+  for trial in range(300):
+    data = "".join(rng.choice(alphabet, rng.integers(1, 20))).encode()
+    cuts = sorted(set(rng.integers(1, len(data), rng.integers(0, len(data))).tolist()))
+    ids = tok.ids([data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])])
+    text = tok.decode(ids)
+    stop = tuple({text[a:a + 2] for a in rng.integers(0, len(text), 2)} - {""}) or ("zz",)
+    for include in (False, True):
+      assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
+          data, ids, stop)
+  ids = tok.ids([b"w1", b"03 \xe2", b"\x82\xac"])  # "w103 €" with the stop "03 "
+  assert _run(tok, ids[:2], ("03 ",), False) == (ids[:2], "w1")
+  assert _run(tok, ids, ("03 ",), True) == (ids[:2], "w103 ")
+
+
 def test_metaspace_text_keeps_its_spaces_and_stops():
   tok = _metaspace()
   rng = np.random.default_rng(1)
@@ -112,10 +148,13 @@ def test_metaspace_text_keeps_its_spaces_and_stops():
   # The first piece decodes without its space, the next ones with theirs.
   text = CompletionText(tok)
   assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["the", " cat", "s"]
-  # Held back while it could begin the stop string, and given with the last event.
+  # Held back while it could begin the stop string ("cat" of "cat."), no longer.
+  text = CompletionText(tok, ("cat.", "xyz"))
+  assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["the", " ", "cats"]
+  assert text.finish() == ""
   text = CompletionText(tok, ("cat.",))
-  assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["", "the ", "c"]
-  assert text.finish() == "ats"
+  assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat")] == ["the", " "]
+  assert text.finish() == "cat"  # the completion ended: what was held back comes last
   with pytest.raises(RuntimeError, match="after its stop string"):
     text = CompletionText(tok, ("the",))
     text.add(0)
