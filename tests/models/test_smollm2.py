@@ -135,3 +135,44 @@ def test_long_prompt_chunked_then_served_from_the_prefix_cache(smollm2):
   # compute), 599 // 16 = 37 blocks = 592 tokens; the first request found nothing.
   assert llm.stats["cached_prompt_tokens"] == 592, llm.stats
   assert llm.stats["num_free_blocks"] == llm.stats["num_blocks"]
+
+
+def test_completion_text_on_the_real_tokenizer(smollm2):
+  """``CompletionText`` on SmolLM2's byte-level BPE (both the ``tokenizers`` and the
+  transformers object): random ids, a third of them tokens that end inside a character,
+  some special; the text is the decode of every id, and a stop string cut from it ends it
+  at the first decoded prefix holding it."""
+  from paged_jax.engine.text import CompletionText
+  _, _, tokenizer = smollm2
+  backend = tokenizer.backend_tokenizer
+  partial = [i for i in range(backend.get_vocab_size()) if "\ufffd" in backend.decode([i])]
+  assert len(partial) > 100  # byte-level BPE: tokens ending (or starting) mid-character
+  rng = np.random.default_rng(0)
+  for trial in range(200):
+    ids = [int(rng.choice(partial)) if rng.random() < 0.3 else int(rng.integers(0, 5000))
+           for _ in range(rng.integers(1, 15))]
+    decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+    whole = decode(ids)
+    stops = [()]
+    if len(whole) > 2:
+      at = int(rng.integers(0, len(whole) - 1))
+      stop = whole[at:at + int(rng.integers(1, 4))]
+      if "\ufffd" not in stop:
+        stops.append((stop,))
+    for tok in (backend, tokenizer):
+      for stop in stops:
+        text, taken, pieces = CompletionText(tok, stop), [], []
+        for t in ids:
+          taken.append(t)
+          pieces.append(text.add(t))
+          if text.stopped:
+            break
+        pieces.append(text.finish())
+        final = "".join(pieces)
+        assert all(final.startswith("".join(pieces[:i])) for i in range(len(pieces)))
+        want = (ids, whole)
+        for k in range(1, len(ids) + 1):
+          if stop and stop[0] in decode(ids[:k]):
+            want = (ids[:k], decode(ids[:k])[:decode(ids[:k]).find(stop[0])])
+            break
+        assert (taken, final) == want, (ids, stop)
