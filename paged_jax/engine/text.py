@@ -11,8 +11,8 @@ UTF-8 bytes span several tokens (byte-level BPE, whose partial characters decode
 U+FFFD). Text ending in U+FFFD waits for the next token (the complete characters before it
 are read for stop strings at once). While stop strings are asked for, the last characters
 that could begin one are held back too, so that a stream never shows a part of the stop
-string it is about to end at. Everything held back comes with the
-completion's last event, and the completion's text is the text of its events joined.
+string it is about to end at. Everything held back comes with the completion's last event,
+and the completion's text is the text of its events joined.
 """
 
 from __future__ import annotations
