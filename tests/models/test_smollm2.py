@@ -141,8 +141,8 @@ def test_completion_text_on_the_real_tokenizer(smollm2):
   """``CompletionText`` on SmolLM2's byte-level BPE (both the ``tokenizers`` and the
   transformers object): random ids, a third of them tokens that end inside a character,
   some special; the text is the decode of every id, and a stop string cut from it ends it
-  at the first decoded prefix holding it."""
-  from paged_jax.engine.text import CompletionText
+  at the first decoded prefix holding it (``tests/paged_jax/test_text.py``'s checks)."""
+  from tests.paged_jax.test_text import _reference, _run
   _, _, tokenizer = smollm2
   backend = tokenizer.backend_tokenizer
   partial = [i for i in range(backend.get_vocab_size()) if "\ufffd" in backend.decode([i])]
@@ -151,8 +151,7 @@ def test_completion_text_on_the_real_tokenizer(smollm2):
   for trial in range(200):
     ids = [int(rng.choice(partial)) if rng.random() < 0.3 else int(rng.integers(0, 5000))
            for _ in range(rng.integers(1, 15))]
-    decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
-    whole = decode(ids)
+    whole = backend.decode(ids, skip_special_tokens=True)
     stops = [()]
     if len(whole) > 2:
       at = int(rng.integers(0, len(whole) - 1))
@@ -161,18 +160,5 @@ def test_completion_text_on_the_real_tokenizer(smollm2):
         stops.append((stop,))
     for tok in (backend, tokenizer):
       for stop in stops:
-        text, taken, pieces = CompletionText(tok, stop), [], []
-        for t in ids:
-          taken.append(t)
-          pieces.append(text.add(t))
-          if text.stopped:
-            break
-        pieces.append(text.finish())
-        final = "".join(pieces)
-        assert all(final.startswith("".join(pieces[:i])) for i in range(len(pieces)))
-        want = (ids, whole)
-        for k in range(1, len(ids) + 1):
-          if stop and stop[0] in decode(ids[:k]):
-            want = (ids[:k], decode(ids[:k])[:decode(ids[:k]).find(stop[0])])
-            break
-        assert (taken, final) == want, (ids, stop)
+        assert _run(tok, ids, stop, False) == _reference(backend, ids, stop, False), (
+            ids, stop)
