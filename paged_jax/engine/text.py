@@ -128,16 +128,18 @@ class CompletionText:
     return self._take(len(self._text) - self._held(self._text))
 
   def _stop_end(self, text: str, start: int) -> int | None:
-    """Where ``text`` ends at the first stop string in it that ends past ``start`` (the
-    text before held none): before it, or after it with ``include_stop``; None if none."""
-    found = None
+    """Where ``text`` ends at the stop string it reaches first past ``start`` (the text
+    before held none): the one ending first, of those the one starting first (whatever
+    their order in ``stop``); before it, or after it with ``include_stop``; None if none."""
+    found = []
     for s in self._stop:
       at = text.find(s, max(start - len(s) + 1, 0))
-      if at >= 0 and (found is None or at < found[0]):
-        found = (at, at + len(s))
-    if found is None:
+      if at >= 0:
+        found.append((at + len(s), at))
+    if not found:
       return None
-    return found[1] if self._include_stop else found[0]
+    end, at = min(found)
+    return end if self._include_stop else at
 
   def _held(self, text: str) -> int:
     """How many of ``text``'s last characters could begin a stop string (not shown yet: the

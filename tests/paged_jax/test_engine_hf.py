@@ -98,9 +98,9 @@ def _stopped(ids, text, stop, include):
   words = text.split(" ")
   for k in range(1, len(ids) + 1):
     prefix = " ".join(words[:k])
-    hits = [(prefix.find(s), prefix.find(s) + len(s)) for s in stop if s in prefix]
+    hits = [(prefix.find(s) + len(s), prefix.find(s)) for s in stop if s in prefix]
     if hits:
-      at, end = min(hits)
+      end, at = min(hits)
       return ids[:k], prefix[:end if include else at], "stop"
   return None
 

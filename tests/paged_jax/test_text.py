@@ -53,12 +53,13 @@ def _metaspace() -> tokenizers.Tokenizer:
 
 def _reference(tok, ids, stop, include):
   """What a completion of ``ids`` gives: the first prefix whose decode holds a stop string
-  ends it there (its first occurrence), else every id and its whole decode."""
+  ends it at the occurrence that ends first (of those, the one starting first), else every
+  id and its whole decode."""
   for k in range(1, len(ids) + 1):
     text = tok.decode(ids[:k], skip_special_tokens=True)
-    hits = [(text.find(s), text.find(s) + len(s)) for s in stop if s in text]
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stop if s in text]
     if hits:
-      at, end = min(hits)
+      end, at = min(hits)
       return ids[:k], text[:end if include else at]
   return ids, tok.decode(ids, skip_special_tokens=True)
 
@@ -125,10 +126,16 @@ def test_a_stop_string_is_seen_at_the_token_that_completes_it_mid_character():
     cuts = sorted(set(rng.integers(1, len(data), rng.integers(0, len(data))).tolist()))
     ids = tok.ids([data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])])
     text = tok.decode(ids)
-    stop = tuple({text[a:a + 2] for a in rng.integers(0, len(text), 2)} - {""}) or ("zz",)
-    for include in (False, True):
-      assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
-          data, ids, stop)
+    stop = tuple(dict.fromkeys(text[a:a + int(rng.integers(1, 3))]
+                               for a in rng.integers(0, len(text), 2))) or ("zz",)
+    for order in (stop, stop[::-1]):  # which is reached first, not which is listed first
+      for include in (False, True):
+        assert _run(tok, ids, order, include) == _reference(tok, ids, order, include), (
+            data, ids, order)
+  # Reached in one token: "c" ends before "abcd" and "bc" with it; "bc" starts first.
+  ids = tok.ids([b"abcd"])
+  for include, want in ((False, "a"), (True, "abc")):
+    assert _run(tok, ids, ("abcd", "c", "bc"), include) == (ids, want)
   ids = tok.ids([b"w1", b"03 \xe2", b"\x82\xac"])  # "w103 €" with the stop "03 "
   assert _run(tok, ids[:2], ("03 ",), False) == (ids[:2], "w1")
   assert _run(tok, ids, ("03 ",), True) == (ids[:2], "w103 ")
