@@ -13,18 +13,52 @@ import pytest
 os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", "off")
 
 # The suite's shapes are tiny, so its time is mostly XLA:CPU compiling, and much of that is
-# LLVM optimising machine code that then runs for microseconds. The tests compile at XLA's
-# backend (LLVM) optimisation level 0: the same HLO, its elementwise math not vectorised,
-# so a result can differ from the default build's in the last bits (measured: exp, tanh and
-# log1p up to 8 float32 ulps apart, relative 1e-6, on 3-4% of elements; a tiny Llama's
-# logits within 1.4e-6), far inside every tolerance here; the suite passes at either level.
-# README's suite took 22% less time (885 s -> 695 s on this 2-core machine). Set before
-# JAX starts its backend; subprocesses the tests start inherit it. README's main job, the
-# CLI and the benchmarks keep XLA's default, and so does a run that sets the option itself
-# (XLA_FLAGS=--xla_backend_optimization_level=3 python -m pytest ...).
-_OPT_FLAG = "--xla_backend_optimization_level"
-if _OPT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_OPT_FLAG}=0").strip()
+# code generation for programs that then run for microseconds. Two settings of XLA_FLAGS cut
+# it; they are set here before JAX starts its backend, and subprocesses the tests start
+# inherit them. README's main job, the CLI and the benchmarks keep XLA's defaults, and so
+# does a run that sets either option itself (XLA_FLAGS="--xla_backend_optimization_level=3
+# --xla_cpu_use_fusion_emitters=true" python -m pytest ...); the suite passes either way.
+# - Backend (LLVM) optimisation level 0: the same HLO, its elementwise math not vectorised,
+#   so a result can differ from the default build's in the last bits (measured: exp, tanh
+#   and log1p up to 8 float32 ulps apart, relative 1e-6, on 3-4% of elements; a tiny
+#   Llama's logits within 1.4e-6), far inside every tolerance here. README's suite: 22%
+#   less time (885 s -> 695 s on an earlier 2-core machine).
+# - XLA:CPU's older loop emitters instead of its MLIR fusion emitters (the default): an
+#   engine's device call compiles in about half the time (12 s -> 6 s for a tiny Llama's
+#   step on this 2-core machine; test_engine.py and test_token_buckets.py took 294 -> 150
+#   CPU-seconds). A flag XLA does not know aborts the process, so it is set only where a
+#   subprocess shows this jaxlib takes it (checked once; the xdist workers inherit it).
+_XLA_TEST_FLAGS = ("--xla_backend_optimization_level=0",
+                   "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_takes(flags: str) -> bool:
+  """Whether a JAX started with XLA_FLAGS=``flags`` comes up (XLA aborts on a flag it does
+  not know)."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  try:
+    done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
+  except subprocess.TimeoutExpired:
+    return False
+  return done.returncode == 0
+
+
+def _add_xla_test_flags() -> None:
+  current = os.environ.get("XLA_FLAGS", "")
+  for flag in _XLA_TEST_FLAGS:
+    name = flag.split("=")[0]
+    if name in current:  # set by the caller, or by the process that started this one
+      continue
+    candidate = f"{current} {flag}".strip()
+    if name == "--xla_backend_optimization_level" or _xla_takes(candidate):
+      current = candidate
+  os.environ["XLA_FLAGS"] = current
+
+
+_add_xla_test_flags()
 
 
 @pytest.fixture(scope="session", autouse=True)
