@@ -86,6 +86,7 @@ def test_admit_cost_quick(capsys):
   assert "chunked ms" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_max_model_len_quick(capsys):
   from benchmarks import max_model_len
   rows = max_model_len.main(["--quick", "--repeats", "1"])  # asserts equal outputs per J
@@ -95,6 +96,7 @@ def test_max_model_len_quick(capsys):
   assert "| prefix cache |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cycled_pool_quick(capsys):
   from benchmarks import cycled_pool
   rows = cycled_pool.main(["--quick", "--repeats", "1"])  # asserts equal states and outputs
@@ -105,6 +107,7 @@ def test_cycled_pool_quick(capsys):
   assert "| cycled / fresh |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_max_seqs_quick(capsys):
   from benchmarks import max_seqs
   rows = max_seqs.main(["--quick", "--repeats", "1"])  # asserts equal outputs

@@ -57,7 +57,8 @@ def test_sharded_engine_gives_back_blocks_behind_the_window(run, name, mesh):
   assert len({tuple(t) for t in base["tokens"]}) == 4
   diff = max(abs(a - b) for x, y in zip(got["logprobs"], base["logprobs"])
              for a, b in zip(x, y))
-  if mesh == "2x1":  # data parallel only: each shard computes what the one device did
-    assert diff == 0.0
-  else:  # psum reorders the head / MLP-column sums only
-    assert diff < 1e-5, diff
+  # 2x2: psum reorders the head / MLP-column sums. 2x1 (data parallel only): each shard
+  # computes what the one device did for its half of the slots, but XLA:CPU's code for a
+  # batch of 2 may round otherwise than for 4 (1.4e-6 apart with its loop emitters, which
+  # the tests use; bit-equal with its fusion emitters).
+  assert diff < 1e-5, diff
