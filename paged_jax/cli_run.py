@@ -3,7 +3,7 @@
 With no arguments it serves ``paged_jax.workload.Workload()`` (64 requests, log-normal prompt
 and output lengths) on an embedded tiny Llama with seeded random weights (no download);
 ``--model DIR`` serves a Hugging Face checkpoint instead, ``--prompt TEXT`` generates from
-text where the checkpoint has a tokenizer. Hook it up with ``add_run_parser(subparsers)``.
+text where the checkpoint has a tokenizer, printing the completion as it streams. Hook it up with ``add_run_parser(subparsers)``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def add_run_parser(subparsers) -> None:
       "from the compilation cache) before serving is timed.")
   p.add_argument("--model", help="Hugging Face checkpoint directory to serve (default: the "
                  "embedded tiny Llama)")
-  p.add_argument("--prompt", help="generate from this text instead of the synthetic workload "
-                 "(needs --model with a tokenizer.json; default: none)")
+  p.add_argument("--prompt", help="generate from this text instead of the synthetic workload, "
+                 "printing the completion as it comes (needs --model with a tokenizer.json; "
+                 "default: none)")
   # The workload's options default to None (Workload's values, filled in by _workload_args)
   # so that --prompt can refuse them when given.
   p.add_argument("--num-requests", type=int, default=None,
@@ -449,15 +450,20 @@ def _run(args) -> int:
       raise ValueError(str(e).replace("prompts[0]", "--prompt", 1)) from None
   compile_s = _precompile(llm, progress)
   if args.prompt is not None:
-    out, = llm.generate([args.prompt], prompt_params)
     print(f"prompt:     {args.prompt}")
-    print(f"completion: {out.text}")
-    if not out.token_ids and out.finish_reason == "stop":
+    print("completion: ", end="", flush=True)
+    generated, finish_reason = 0, None
+    for ev in llm.generate_stream([args.prompt], prompt_params):  # printed as it comes
+      print(ev.text, end="", flush=True)
+      generated += ev.token_id is not None
+      finish_reason = ev.finish_reason or finish_reason
+    print()
+    if not generated and finish_reason == "stop":
       print("            (none: the model's first token was its end of sequence; an instruct "
             "or chat model may expect its chat template around the prompt, which --prompt "
             "does not apply)")
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
-                        f"{out.finish_reason}", compile_s=compile_s, device=device))
+                        f"{finish_reason}", compile_s=compile_s, device=device))
     return 0
   default = Workload()
   max_prompt = min(default.max_prompt_len, llm.max_model_len // 2)

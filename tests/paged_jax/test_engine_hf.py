@@ -187,14 +187,29 @@ def test_an_error_after_a_stop_in_the_same_report_leaves_no_sequence_behind(chec
   assert llm.generate(prompts, params) == free
 
 
-def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys):
-  from paged_jax import cli
+def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch):
+  from paged_jax import LLM, cli
   path, _ = checkpoint
   argv = ["run", "--model", str(path), "--prompt", "w3 w4 w5", "--max-tokens", "6",
           "--max-seqs", "2", "--num-blocks", "48", "--block-size", "4", "--no-progress",
           "--compilation-cache", "off"]
+  # The completion is printed as it streams: as each event is handed out, stdout already
+  # holds every earlier event's text.
+  printed, texts = [], []
+  stream = LLM.generate_stream
+
+  def recording(self, *args, **kwargs):
+    for ev in stream(self, *args, **kwargs):
+      printed.append(capsys.readouterr().out)
+      assert "".join(printed).endswith("completion: " + "".join(texts))
+      texts.append(ev.text)
+      yield ev
+
+  monkeypatch.setattr(LLM, "generate_stream", recording)
   assert cli.main(argv) == 0
-  out = capsys.readouterr().out
+  out = "".join(printed) + capsys.readouterr().out
+  assert len(texts) == 7  # six tokens and the finish
+  monkeypatch.undo()
   words = out.split("completion: ", 1)[1].splitlines()[0].split(" ")
   assert len(words) == 6 and "finish_reason length" in out
   assert cli.main(argv + ["--stop", f" {words[2]} ", "--stop", "w9999"]) == 0
@@ -256,9 +271,9 @@ def test_cli_prompt_answered_at_once_by_eos_says_why_it_may_be(checkpoint, monke
   from paged_jax import cli, engine
   path, _ = checkpoint
 
-  def generate(self, prompts, params=None, **kwargs):
-    return [engine.Output(0, 0, [3, 4], [], "", "stop", None)]
-  monkeypatch.setattr(engine.LLM, "generate", generate)
+  def generate_stream(self, prompts, params=None, **kwargs):
+    return iter([engine.StreamEvent(0, 0, None, finish_reason="stop", text="")])
+  monkeypatch.setattr(engine.LLM, "generate_stream", generate_stream)
   assert cli.main(["run", "--model", str(path), "--prompt", "w3 w4", "--no-progress"]) == 0
   out = capsys.readouterr().out
   assert "completion: \n            (none: the model's first token was its end of " in out
