@@ -3,7 +3,8 @@
 With no arguments it serves ``paged_jax.workload.Workload()`` (64 requests, log-normal prompt
 and output lengths) on an embedded tiny Llama with seeded random weights (no download);
 ``--model DIR`` serves a Hugging Face checkpoint instead, ``--prompt TEXT`` generates from
-text where the checkpoint has a tokenizer, printing the completion as it streams. Hook it up with ``add_run_parser(subparsers)``.
+text where the checkpoint has a tokenizer, printing the completion as it streams. Hook it up
+with ``add_run_parser(subparsers)``.
 """
 
 from __future__ import annotations
