@@ -27,7 +27,8 @@ os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", "off")
 #   engine's device call compiles in about half the time (12 s -> 6 s for a tiny Llama's
 #   step on this 2-core machine; test_engine.py and test_token_buckets.py took 294 -> 150
 #   CPU-seconds). A flag XLA does not know aborts the process, so it is set only where a
-#   subprocess shows this jaxlib takes it (checked once; the xdist workers inherit it).
+#   subprocess shows this jaxlib takes it (~2 s, in the process pytest starts; the xdist
+#   workers inherit the flag, or, where it was refused, check again each).
 _XLA_TEST_FLAGS = ("--xla_backend_optimization_level=0",
                    "--xla_cpu_use_fusion_emitters=false")
 
