@@ -66,6 +66,18 @@ def add_run_parser(subparsers) -> None:
                  help="sample among the k most likely tokens (default 0: all)")
   p.add_argument("--top-p", type=float, default=1.0,
                  help="nucleus sampling mass (default 1.0: all)")
+  p.add_argument("--min-p", type=float, default=0.0,
+                 help="when sampling, drop the tokens less likely than MIN_P times the most "
+                 "likely one (default 0: none)")
+  p.add_argument("--repetition-penalty", type=float, default=1.0,
+                 help="transformers' repetition penalty on the ids of the prompt and the "
+                 "output, greedy too (default 1.0: none)")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="OpenAI's presence penalty on the generated ids, in [-2, 2] "
+                 "(default 0: none)")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="OpenAI's frequency penalty on the generated ids, in [-2, 2] "
+                 "(default 0: none)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
   p.add_argument("--num-blocks", type=int, default=None,
                  help="KV pool size in blocks (default 64 for the tiny model: small enough "
@@ -335,6 +347,15 @@ def _check_args(args) -> None:
     raise ValueError(f"--top-k={args.top_k} must be >= 0 (0: no top-k)")
   if not 0 < args.top_p <= 1:
     raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
+  if not 0 <= args.min_p <= 1:
+    raise ValueError(f"--min-p={args.min_p} must be in [0, 1]")
+  if not (math.isfinite(args.repetition_penalty)
+          and 0 < args.repetition_penalty <= _FLOAT32_MAX):
+    raise ValueError(f"--repetition-penalty={args.repetition_penalty} must be a finite "
+                     "number > 0")
+  for name in ("presence_penalty", "frequency_penalty"):
+    if not -2 <= getattr(args, name) <= 2:
+      raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [-2, 2]")
   check_sigma(args)
 
 
@@ -439,8 +460,9 @@ def _run(args) -> int:
                      "tokenizer.json beside its config.json" if args.model else
                      "--prompt needs --model DIR with a tokenizer.json (the embedded model "
                      "has no tokenizer)")
-  sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed)
+  neutral = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                 presence_penalty=0.0, frequency_penalty=0.0, seed=args.seed)
+  sampling = {name: getattr(args, name) for name in neutral}
   if args.prompt is not None:  # an empty or too long prompt: said before compiling
     prompt_params = SamplingParams(max_tokens=32 if args.max_tokens is None
                                    else args.max_tokens, stop=tuple(args.stop or ()),
@@ -453,18 +475,20 @@ def _run(args) -> int:
   if args.prompt is not None:
     print(f"prompt:     {args.prompt}")
     print("completion: ", end="", flush=True)
-    generated, finish_reason = 0, None
+    generated, finish_reason, stop_reason = 0, None, None
     for ev in llm.generate_stream([args.prompt], prompt_params):  # printed as it comes
       print(ev.text, end="", flush=True)
       generated += ev.token_id is not None
-      finish_reason = ev.finish_reason or finish_reason
+      if ev.token_id is None:  # the completion's end
+        finish_reason, stop_reason = ev.finish_reason, ev.stop_reason
     print()
     if not generated and finish_reason == "stop":
       print("            (none: the model's first token was its end of sequence; an instruct "
             "or chat model may expect its chat template around the prompt, which --prompt "
             "does not apply)")
+    why = "" if stop_reason is None else f" (at {stop_reason!r})"
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
-                        f"{finish_reason}", compile_s=compile_s, device=device))
+                        f"{finish_reason}{why}", compile_s=compile_s, device=device))
     return 0
   default = Workload()
   max_prompt = min(default.max_prompt_len, llm.max_model_len // 2)
@@ -488,7 +512,7 @@ def _run(args) -> int:
                       output_sigma=args.sigma, vocab_size=llm.config.vocab_size,
                       max_prompt_len=max_prompt, max_output_len=max_output, seed=args.seed)
   prompts, params = make_requests(workload)
-  if sampling != dict(temperature=0.0, top_k=0, top_p=1.0, seed=args.seed):
+  if sampling != neutral:
     import dataclasses
     # One seed per request (--seed, --seed + 1, ...): samples of different requests are not
     # drawn from the same random stream.

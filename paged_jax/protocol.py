@@ -165,6 +165,19 @@ def _check_paged_forward(model) -> None:
                      f"{_FORWARD}{extra}")
 
 
+def check_logits(model, logits_SV, vocab_size: int | None) -> None:
+  """``ValueError`` at trace time where the logits ``model.paged_forward`` returned are not
+  floating or not ``[S, V]`` with V = ``vocab_size`` (when given): the engine's sampled
+  ids index the vocabulary."""
+  if vocab_size and logits_SV.shape[-1] != vocab_size:
+    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
+                     f"{tuple(logits_SV.shape)}: [S, V] must have V = config.vocab_size="
+                     f"{vocab_size}")
+  if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
+    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of dtype "
+                     f"{logits_SV.dtype}: they must be a floating dtype")
+
+
 def warn_training_mode(model) -> None:
   """Warns (at the user's line) when ``model`` holds an ``nnx.Dropout`` set to
   ``deterministic=False`` (rate > 0) or an ``nnx.BatchNorm`` set to

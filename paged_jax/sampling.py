@@ -6,15 +6,21 @@ temperature, top-k, top-p and PRNG key; ``request_keys`` derives those keys so t
 request's draws depend only on ``(seed, fork index, request-local token index)``, never on
 the step number or the batch slot (reproducible whatever else is in the batch).
 
+``adjust`` applies what a request's history changes first: repetition, presence and
+frequency penalties, and stop ids barred until ``min_tokens``.
+
 Semantics (per row):
-- ``temperature == 0``: greedy (argmax of the raw logits); top-k / top-p are ignored.
+- the logits are adjusted (``adjust``; nothing changes at the neutral values).
+- ``temperature == 0``: greedy (argmax of the adjusted logits); top-k / top-p / min-p are
+  ignored.
 - otherwise the logits are divided by the temperature, then top-k keeps the k largest
   (``top_k == 0``: all; tokens tied with the k-th largest are kept too), then top-p keeps
   the smallest set of the largest remaining tokens whose probability (renormalised after
-  top-k) reaches ``top_p`` (tokens tied with the last kept value are kept too), and a
-  token is drawn from what is left.
+  top-k) reaches ``top_p`` (tokens tied with the last kept value are kept too), then min-p
+  keeps those at least ``min_p`` times as likely as the most likely one, and a token is
+  drawn from what is left (transformers' order).
 - logprobs: ``log_softmax`` of the UNMODIFIED logits (the model's own distribution, no
-  temperature, top-k or top-p), evaluated at the chosen token.
+  penalty, temperature, top-k, top-p or min-p), evaluated at the chosen token.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["SamplingParams", "sample", "request_keys", "truncate"]
+__all__ = ["SamplingParams", "adjust", "sample", "request_keys", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -83,6 +89,19 @@ class SamplingParams:
       ``Output.text`` ends before it; ``Output.token_ids`` ends with the token that
       completed it (tokens the device generated after it in the same call are dropped).
     include_stop_str_in_output: end ``Output.text`` after the stop string instead.
+    min_p: with temperature > 0, drop the tokens less likely than ``min_p`` times the most
+      likely one (after temperature; kept only if top-k and top-p keep them too), in
+      [0, 1] (0: no limit).
+    repetition_penalty: > 0 (1: none); the logit of every token already in the sequence
+      (prompt or generated) is divided by it where positive and multiplied by it where
+      not, as transformers' ``repetition_penalty`` does; greedy decoding too.
+    presence_penalty: in [-2, 2] (0: none); subtracted from the logit of every token
+      generated so far (OpenAI's definition; the prompt does not count).
+    frequency_penalty: in [-2, 2] (0: none); subtracted from the logit of each token once
+      per time it was generated so far (the prompt does not count).
+    min_tokens: tokens to generate before a stop id (EOS included) or a stop string may end
+      the request, in [0, max_tokens]: until then the stop ids are never drawn, and a stop
+      string counts only where a token from the ``min_tokens``-th on completes it.
   """
 
   max_tokens: int = 16
@@ -96,6 +115,11 @@ class SamplingParams:
   n: int = 1
   stop: tuple[str, ...] = ()
   include_stop_str_in_output: bool = False
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  min_tokens: int = 0
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -141,6 +165,22 @@ class SamplingParams:
     if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
       raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must "
                        "be a bool")
+    if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+      raise ValueError(f"min_p={self.min_p!r} must be a number in [0, 1] (0: no limit)")
+    if (not _is_real(self.repetition_penalty) or not _finite(self.repetition_penalty)
+        or not 0 < self.repetition_penalty <= _FLOAT32_MAX):
+      raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a finite "
+                       "number > 0 (1: none)")
+    for name in ("presence_penalty", "frequency_penalty"):
+      value = getattr(self, name)
+      if not _is_real(value) or not -2 <= value <= 2:
+        raise ValueError(f"{name}={value!r} must be a number in [-2, 2] (0: none)")
+    if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= max_tokens:
+      raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens="
+                       f"{max_tokens}]")
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+      object.__setattr__(self, name, float(getattr(self, name)))
+    object.__setattr__(self, "min_tokens", int(self.min_tokens))
     object.__setattr__(self, "max_tokens", int(max_tokens))
     object.__setattr__(self, "temperature", float(temperature))
     object.__setattr__(self, "top_k", int(top_k))
@@ -165,12 +205,15 @@ class SamplingParams:
     ``GenerationConfig.to_dict()``). Without ``do_sample: true`` decoding is greedy (top-k
     and top-p do nothing then); with it, ``temperature`` (default 1.0; 0 is greedy here),
     ``top_k`` (default 50, transformers' own, also for null; 0 keeps every token) and ``top_p``
-    (default 1.0). ``max_new_tokens`` becomes ``max_tokens``, ``num_return_sequences``
-    ``n`` and ``stop_strings`` ``stop``. ``max_length`` counts the prompt too, so it is not
-    a per-request count: the engine's ``max_model_len`` bounds the whole sequence. EOS ids
-    are the engine's already (``LLM.from_pretrained`` reads them from this file). Settings
-    this sampler does not have (``repetition_penalty``, ``num_beams``, ``min_p`` when
-    sampling, ...) at other than their neutral values are named in a warning, not applied.
+    (default 1.0) and ``min_p`` (default 0). ``repetition_penalty`` applies greedy or not.
+    ``max_new_tokens`` becomes ``max_tokens``, ``min_new_tokens`` ``min_tokens`` (at most
+    ``max_tokens``: transformers stops there first), ``num_return_sequences`` ``n`` and
+    ``stop_strings`` ``stop``. ``max_length`` and ``min_length`` count the prompt too, so
+    they are not per-request counts: the engine's ``max_model_len`` bounds the whole
+    sequence. EOS ids are the engine's already (``LLM.from_pretrained`` reads them from this
+    file). Settings this sampler does not have (``num_beams``, ``no_repeat_ngram_size``,
+    ``typical_p`` when sampling, ...) at other than their neutral values are named in a
+    warning, not applied.
     """
     cfg, where = _generation_config(source)
     get = lambda key, default: default if cfg.get(key) is None else cfg[key]
@@ -180,9 +223,11 @@ class SamplingParams:
     fields = {}
     if do_sample:
       fields.update(temperature=get("temperature", 1.0), top_k=get("top_k", 50),
-                    top_p=get("top_p", 1.0))
-    if cfg.get("max_new_tokens") is not None:
-      fields["max_tokens"] = cfg["max_new_tokens"]
+                    top_p=get("top_p", 1.0), min_p=get("min_p", 0.0))
+    for key, field in (("repetition_penalty", "repetition_penalty"),
+                       ("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+      if cfg.get(key) is not None:
+        fields[field] = cfg[key]
     if cfg.get("num_return_sequences") is not None:
       fields["n"] = cfg["num_return_sequences"]
     if cfg.get("stop_strings") is not None:
@@ -191,6 +236,10 @@ class SamplingParams:
     if unknown:
       raise ValueError(f"overrides {unknown} are not SamplingParams fields (fields: "
                        f"{', '.join(f.name for f in dataclasses.fields(cls))})")
+    if "min_tokens" in fields and "min_tokens" not in overrides:
+      max_tokens = overrides.get("max_tokens", fields.get("max_tokens", cls.max_tokens))
+      if _is_int(fields["min_tokens"]) and _is_int(max_tokens):
+        fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
     unapplied = {**_NOT_APPLIED, **(_NOT_APPLIED_WHEN_SAMPLING if do_sample else {})}
     ignored = [f"{key}={cfg[key]!r}" for key, neutral in unapplied.items()
                if cfg.get(key) not in (None, [], {}) and cfg[key] not in neutral]
@@ -210,14 +259,14 @@ class SamplingParams:
 # generation_config.json settings ``SamplingParams`` has no counterpart for, each with the
 # values that change nothing (anything else is named in ``from_generation_config``'s
 # warning); the sampling-only ones change nothing under greedy decoding either.
-_NOT_APPLIED = {"repetition_penalty": (1, 1.0), "encoder_repetition_penalty": (1, 1.0),
-                "num_beams": (1,), "no_repeat_ngram_size": (0,), "min_new_tokens": (0,),
-                "min_length": (0,), "bad_words_ids": (), "suppress_tokens": (),
+_NOT_APPLIED = {"encoder_repetition_penalty": (1, 1.0), "num_beams": (1,),
+                "no_repeat_ngram_size": (0,), "min_length": (0,), "bad_words_ids": (),
+                "suppress_tokens": (),
                 "begin_suppress_tokens": (), "penalty_alpha": (0, 0.0),
                 "sequence_bias": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
                 "exponential_decay_length_penalty": (), "guidance_scale": (1, 1.0),
                 "dola_layers": ()}
-_NOT_APPLIED_WHEN_SAMPLING = {"min_p": (0, 0.0), "typical_p": (1, 1.0),
+_NOT_APPLIED_WHEN_SAMPLING = {"typical_p": (1, 1.0),
                               "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0),
                               "top_h": ()}
 
@@ -255,12 +304,72 @@ def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> ja
                        index_S.astype(jnp.int32))
 
 
+def adjust(logits_SV: jax.Array, tokens_SJ: jax.Array, len_S: jax.Array,
+           prompt_len_S: jax.Array, *, repetition_penalty_S: jax.Array,
+           presence_penalty_S: jax.Array, frequency_penalty_S: jax.Array,
+           barred_Si: jax.Array, bar_S: jax.Array) -> jax.Array:
+  """f32[S, V]: the logits as a request's history changes them (``SamplingParams``' fields
+  of the same names), per row; jit-able.
+
+  Args:
+    logits_SV: [S, V] raw logits.
+    tokens_SJ: i32[S, J] each row's history: its prompt at ``[0, prompt_len)``, what it
+      generated at ``[prompt_len, len)``; past ``len`` ignored.
+    len_S, prompt_len_S: i32[S].
+    repetition_penalty_S: f32[S] (1: none) over the prompt and the generated tokens:
+      positive logits divided by it, the others multiplied.
+    presence_penalty_S, frequency_penalty_S: f32[S] (0: none) over the generated tokens:
+      ``- presence * (count > 0) - frequency * count``.
+    barred_Si: i32[S, i] ids (negative: none) set to -inf in the rows where ``bar_S`` (the
+      stop ids before ``min_tokens``).
+    bar_S: bool[S].
+
+  The [S, V] counts of the histories are only built in a call where some row asks for a
+  penalty, and the bar only applied where some row is barred (``cond``s): at the neutral
+  values and with no bar, the logits pass as they are.
+  """
+  num_rows, vocab = logits_SV.shape
+  penalized_S = ((repetition_penalty_S != 1) | (presence_penalty_S != 0)
+                 | (frequency_penalty_S != 0))
+  logits_SV = jax.lax.cond(
+      jnp.any(penalized_S),
+      lambda x: _penalized(x, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
+                           presence_penalty_S, frequency_penalty_S),
+      lambda x: x, logits_SV.astype(jnp.float32))
+  barred_Si = jnp.where(bar_S[:, None] & (barred_Si >= 0), barred_Si, vocab)
+  row_Si = jnp.broadcast_to(jnp.arange(num_rows)[:, None], barred_Si.shape)
+  return jax.lax.cond(jnp.any(bar_S),
+                      lambda x: x.at[row_Si, barred_Si].set(-jnp.inf, mode="drop"),
+                      lambda x: x, logits_SV)
+
+
+def _penalized(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
+               presence_penalty_S, frequency_penalty_S):
+  num_rows, vocab = logits_SV.shape
+  position_J = jnp.arange(tokens_SJ.shape[1])
+  seen_SJ = position_J[None, :] < len_S[:, None]
+  generated_SJ = seen_SJ & (position_J[None, :] >= prompt_len_S[:, None])
+  row_SJ = jnp.broadcast_to(jnp.arange(num_rows)[:, None], tokens_SJ.shape)
+  # Positions outside the history index past the vocabulary: their updates are dropped.
+  count_SV = jnp.zeros((num_rows, vocab), jnp.int32).at[
+      row_SJ, jnp.where(generated_SJ, tokens_SJ, vocab)].add(1, mode="drop")
+  seen_SV = jnp.zeros((num_rows, vocab), jnp.bool_).at[
+      row_SJ, jnp.where(seen_SJ, tokens_SJ, vocab)].set(True, mode="drop")
+  penalty_S1 = repetition_penalty_S.astype(jnp.float32)[:, None]
+  logits_SV = jnp.where(seen_SV, jnp.where(logits_SV > 0, logits_SV / penalty_S1,
+                                           logits_SV * penalty_S1), logits_SV)
+  return (logits_SV - frequency_penalty_S.astype(jnp.float32)[:, None] * count_SV
+          - presence_penalty_S.astype(jnp.float32)[:, None] * (count_SV > 0))
+
+
 def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
-             truncates_S: jax.Array) -> jax.Array:
-  """Top-k then top-p: ``scaled_SV`` with everything below each row's smallest kept value
-  at -inf, in the rows where ``truncates_S``; the other rows as they are (a row's draw never
-  depends on another row's top-k or top-p). A top-p of 1 keeps every token (the cumulative
-  mass of a long tail can round to 1 before its last tokens)."""
+             truncates_S: jax.Array, min_p_S: jax.Array | None = None) -> jax.Array:
+  """Top-k, top-p, then min-p: ``scaled_SV`` with every token they drop at -inf, in the
+  rows where ``truncates_S``; the other rows as they are (a row's draw never depends on
+  another row's settings). Top-k and top-p drop everything below the row's smallest kept
+  value; min-p (``min_p_S``, f32[S], default none) every token whose probability is below
+  ``min_p`` times the largest. A top-p of 1 keeps every token (the cumulative mass of a
+  long tail can round to 1 before its last tokens)."""
   vocab = scaled_SV.shape[-1]
   sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
   k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
@@ -271,20 +380,28 @@ def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
   in_p_SV = (before_SV < top_p_S[:, None]) | (top_p_S >= 1)[:, None]
   num_keep_S = jnp.maximum(jnp.sum(in_p_SV & in_k_SV, axis=-1), 1)
   threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
-  kept_SV = (scaled_SV >= threshold_S[:, None]) | ~truncates_S[:, None]
-  return jnp.where(kept_SV, scaled_SV, -jnp.inf)
+  kept_SV = scaled_SV >= threshold_S[:, None]
+  if min_p_S is not None:  # p >= min_p * max p; the scores are shifted so that max p is 1
+    row_max_S = jnp.max(scaled_SV, axis=-1, keepdims=True)
+    ratio_SV = jnp.exp(scaled_SV - jnp.where(jnp.isfinite(row_max_S), row_max_S, 0.0))
+    kept_SV &= ratio_SV >= min_p_S[:, None]
+  return jnp.where(kept_SV | ~truncates_S[:, None], scaled_SV, -jnp.inf)
 
 
 def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
-           top_p_S: jax.Array, key_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+           top_p_S: jax.Array, key_S: jax.Array, *, min_p_S: jax.Array | None = None,
+           raw_logits_SV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """One token per row (module docstring for the semantics); jit-able.
 
   Args:
-    logits_SV: [S, V] raw logits.
+    logits_SV: [S, V] logits to draw from (raw, or ``adjust``-ed).
     temperature_S: f32[S] (0: greedy).
     top_k_S: i32[S] (0: off).
     top_p_S: f32[S] in (0, 1].
     key_S: [S] typed PRNG keys (``request_keys``).
+    min_p_S: f32[S] in [0, 1] (0: off); None: off in every row.
+    raw_logits_SV: [S, V] the model's own logits, whose ``log_softmax`` the log-probs are
+      read from (None: ``logits_SV``).
 
   Returns:
     ``(tokens_S, logprobs_S)``: i32[S] and f32[S], the log-probability of each chosen token
@@ -296,11 +413,15 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
     raise ValueError(f"logits.dtype={logits_SV.dtype} must be a floating dtype")
   num_rows = logits_SV.shape[0]
   for name, x in (("temperature", temperature_S), ("top_k", top_k_S), ("top_p", top_p_S),
-                  ("key", key_S)):
-    if x.shape != (num_rows,):
+                  ("key", key_S), ("min_p", min_p_S)):
+    if x is not None and x.shape != (num_rows,):
       raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_rows}]")
+  if raw_logits_SV is not None and raw_logits_SV.shape != logits_SV.shape:
+    raise ValueError(f"raw_logits.shape={tuple(raw_logits_SV.shape)} must be logits' "
+                     f"{tuple(logits_SV.shape)}")
   logits_SV = logits_SV.astype(jnp.float32)
-  logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)
+  logprobs_SV = jax.nn.log_softmax(
+      logits_SV if raw_logits_SV is None else raw_logits_SV.astype(jnp.float32), axis=-1)
   greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
   hot_S = temperature_S > 0
@@ -312,12 +433,15 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   scaled_SV = shifted_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
 
   truncates_S = hot_S & ((top_k_S > 0) | (top_p_S < 1))
+  if min_p_S is not None:
+    truncates_S |= hot_S & (min_p_S > 0)
 
   def draw():
     # The sort over V only runs when some sampled row truncates its distribution.
     truncating = jnp.any(truncates_S)
-    masked_SV = jax.lax.cond(truncating, lambda x: truncate(x, top_k_S, top_p_S, truncates_S),
-                             lambda x: x, scaled_SV)
+    masked_SV = jax.lax.cond(
+        truncating, lambda x: truncate(x, top_k_S, top_p_S, truncates_S, min_p_S),
+        lambda x: x, scaled_SV)
     return jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
 
   # Random draws (S x V of them) only when some row samples: an all-greedy batch skips them.

@@ -36,16 +36,16 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    this step preempted or held back (it would take the blocks that one waits for); and
    without the prefix cache, a preempted one only once the rest of its history fits too
    (full-attention groups' blocks; with the cache that history comes back mostly as hits,
-   and the wait cost steps). Without these, a sequence admitted for one chunk was the
-   next victim, again and again (recompute of several times the useful work under block
-   pressure). Fresh blocks come from the allocator's free order: never-cached blocks
-   first, then cached ones least recently used first (evicting them).
+   and the wait cost steps): else one admitted for a chunk is the next victim, again and
+   again. Fresh blocks come from the allocator's free order: never-cached blocks first,
+   then cached ones least recently used first (evicting them).
 3. ONE ragged forward of the model (``paged_jax.step.forward_step``: ``allocator.append``,
    slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
    forked (``allocator.fork`` + ``KVCache.copy_blocks``) into the n - 1 waiting slots.
-5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``;
-   key = ``fold_in(fold_in(key(seed), fork index), token index)``), stop checks (EOS unless
+5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``:
+   penalties and ``min_tokens`` from the history, then the draw with key =
+   ``fold_in(fold_in(key(seed), fork index), token index)``), stop checks (EOS unless
    ``ignore_eos``, ``stop_token_ids``: the stop token is not kept; ``max_tokens`` and
    ``max_model_len``: "length"), and ``allocator.release`` of finished sequences.
 """
@@ -63,7 +63,7 @@ from paged_jax import step as step_api
 from paged_jax._promotion import standard_promotion
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, scrub_freed, want_S, zero_blocks)
-from paged_jax.sampling import request_keys, sample
+from paged_jax.sampling import adjust, request_keys, sample
 
 __all__ = ["device_call", "schedule_step"]
 
@@ -206,13 +206,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   tokens_T = step_api.tokens_from_history(st.tokens_SJ, cached_S, q_S, num_tokens)
   logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S,
                                                         kv_groups=kv_groups)
-  if vocab_size and logits_SV.shape[-1] != vocab_size:  # sampled ids index the vocabulary
-    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
-                     f"{tuple(logits_SV.shape)}: [S, V] must have V = config.vocab_size="
-                     f"{vocab_size}")
-  if not jnp.issubdtype(logits_SV.dtype, jnp.floating):
-    raise ValueError(f"{type(model).__name__}.paged_forward returned logits of dtype "
-                     f"{logits_SV.dtype}: they must be a floating dtype")
+  protocol.check_logits(model, logits_SV, vocab_size)
   after_register = True
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
@@ -257,7 +251,13 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   draw_S = done_prefill_S | child_S
   row_S = jnp.where(child_S, parent_S, slot_S)
   keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
-  tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S)
+  raw_SV = logits_SV[row_S]
+  adjusted_SV = adjust(  # penalties; stop ids barred before min_tokens
+      raw_SV, tokens_SJ, len_S, st.prompt_len_S, repetition_penalty_S=st.repetition_penalty_S,
+      presence_penalty_S=st.presence_penalty_S, frequency_penalty_S=st.frequency_penalty_S,
+      barred_Si=st.stop_Si, bar_S=draw_S & (len_S - st.prompt_len_S < st.min_tokens_S))
+  tok_S, lp_S = sample(adjusted_SV, st.temperature_S, st.top_k_S, st.top_p_S, keys_S,
+                       min_p_S=st.min_p_S, raw_logits_SV=raw_SV)
   stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
   col_S = jnp.where(keep_S & after_register, len_S, max_len)
@@ -276,8 +276,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   busy = jnp.any(q_S > 0)
   return dataclasses.replace(
       st, alloc=alloc, cache=cache, tokens_SJ=tokens_SJ, logprobs_SJ=logprobs_SJ, len_S=len_S,
-      status_S=status_S, reason_S=reason_S, fresh_S=st.fresh_S & ~admit_S,
-      waited_S=st.waited_S | lost_S,
+      status_S=status_S, reason_S=reason_S, stop_id_S=jnp.where(stop_S, tok_S, st.stop_id_S),
+      fresh_S=st.fresh_S & ~admit_S, waited_S=st.waited_S | lost_S,
       steps=st.steps + 1,
       preemptions=st.preemptions + jnp.sum(pre_S, dtype=jnp.int32),
       generated=st.generated + jnp.sum(draw_S, dtype=jnp.int32),
@@ -384,7 +384,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
                     max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
-      want_S=want_S(st),
+      stop_id_S=st.stop_id_S, want_S=want_S(st),
       tokens_SK=jnp.take_along_axis(st.tokens_SJ, idx_SK, axis=1),
       logprobs_SK=jnp.take_along_axis(st.logprobs_SJ, idx_SK, axis=1),
       steps=st.steps, preemptions=st.preemptions, generated=st.generated,

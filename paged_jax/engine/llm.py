@@ -338,15 +338,15 @@ class LLM:
         tokens.setdefault(key, []).append(ev.token_id)
         logprobs.setdefault(key, []).append(ev.logprob)
       else:
-        finish[key] = ev.finish_reason
+        finish[key] = ev
     outputs = []
     for req in requests:
       for f in range(req.params.n):
         key = (req.index, f)
         text = "".join(texts[key]) if self.tokenizer is not None else None
-        lps = logprobs.get(key, []) if req.params.logprobs else None
+        lps, end = logprobs.get(key, []) if req.params.logprobs else None, finish[key]
         outputs.append(Output(req.index, f, list(req.prompt), tokens.get(key, []), text,
-                              finish[key], lps))
+                              end.finish_reason, lps, end.stop_reason))
     return outputs
 
   @property

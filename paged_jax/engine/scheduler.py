@@ -47,6 +47,9 @@ class Output:
       max_model_len).
     logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
       else None.
+    stop_reason: what ended a "stop": the stop string (str) or the id of
+      ``SamplingParams.stop_token_ids`` (int) it reached; None at an EOS id that is not
+      one of those, and for "length" (vLLM's meaning).
   Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
   """
 
@@ -57,6 +60,7 @@ class Output:
   text: str | None
   finish_reason: str
   logprobs: list[float] | None = None
+  stop_reason: int | str | None = None
 
   def __hash__(self):  # the lists as tuples: equal outputs hash alike
     return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
@@ -65,10 +69,11 @@ class Output:
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
   """One event of ``generate_stream``: a token (``token_id`` set) or the end of a completion
-  (``token_id`` None, ``finish_reason`` set). ``text``: with a tokenizer, the text the
-  event adds to the completion's (maybe ""; text that could begin a stop string, or a
-  character whose bytes are not all in yet, comes with a later event), so the ``text`` of a
-  completion's events joined is its ``Output.text``; None without a tokenizer."""
+  (``token_id`` None, ``finish_reason`` and ``stop_reason`` set as ``Output``'s). ``text``:
+  with a tokenizer, the text the event adds to the completion's (maybe ""; text that could
+  begin a stop string, or a character whose bytes are not all in yet, comes with a later
+  event), so the ``text`` of a completion's events joined is its ``Output.text``; None
+  without a tokenizer."""
 
   prompt_index: int
   sample_index: int
@@ -76,6 +81,7 @@ class StreamEvent:
   logprob: float | None = None
   finish_reason: str | None = None
   text: str | None = None
+  stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass
@@ -210,7 +216,7 @@ class Scheduler:
                          logprobs=[[] for _ in range(p.n)], texts=[
                              None if self.tokenizer is None else CompletionText(
                                  self.tokenizer, p.stop, p.include_stop_str_in_output,
-                                 per_token=text_per_token)
+                                 per_token=text_per_token, min_tokens=p.min_tokens)
                              for _ in range(p.n)]))
     return out
 
@@ -238,7 +244,10 @@ class Scheduler:
             status_S=RUNNING if f == 0 else FORK_WAIT, arrival_S=req.arrival,
             parent_S=slots[0] % self.slots_per_shard,  # slot within its shard
             fork_S=f, seed_S=req.seed, temperature_S=p.temperature, top_k_S=p.top_k,
-            top_p_S=p.top_p, stop_Si=req.stop, salt_S=self.salts.intern(req.salt, held),
+            top_p_S=p.top_p, min_p_S=p.min_p, repetition_penalty_S=p.repetition_penalty,
+            presence_penalty_S=p.presence_penalty, frequency_penalty_S=p.frequency_penalty,
+            min_tokens_S=p.min_tokens, stop_Si=req.stop,
+            salt_S=self.salts.intern(req.salt, held),
             fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0
     return entries
@@ -273,8 +282,11 @@ class Scheduler:
           break
       if stopped[s] or report["status_S"][s] == DONE:
         reason = "stop" if stopped[s] else REASONS[int(report["reason_S"][s])]
+        stop_id = int(report["stop_id_S"][s])
+        why = (text.stop_string if stopped[s] else stop_id if reason == "stop"
+               and stop_id in req.params.stop_token_ids else None)
         events.append(StreamEvent(req.index, f, None, None, reason,
-                                  None if text is None else text.finish()))
+                                  None if text is None else text.finish(), why))
         if not stopped[s]:  # a stopped one is the slot's until its abort (serve)
           slot_owner[s] = None
         clear[s] = True

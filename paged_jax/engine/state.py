@@ -50,6 +50,7 @@ class EngineState:
   max_len_S: jax.Array  # i32[S] finish with "length" when len reaches it
   status_S: jax.Array  # i32[S] FREE / RUNNING / DONE / FORK_WAIT
   reason_S: jax.Array  # i32[S] 0 none, 1 stop, 2 length
+  stop_id_S: jax.Array  # i32[S] the stop id that finished it (reason 1), else -1
   arrival_S: jax.Array  # i32[S] arrival order (smaller = earlier = higher priority)
   parent_S: jax.Array  # i32[S] slot to fork from (FORK_WAIT slots)
   fork_S: jax.Array  # i32[S] completion index
@@ -57,6 +58,11 @@ class EngineState:
   temperature_S: jax.Array  # f32[S]
   top_k_S: jax.Array  # i32[S]
   top_p_S: jax.Array  # f32[S]
+  min_p_S: jax.Array  # f32[S]
+  repetition_penalty_S: jax.Array  # f32[S]
+  presence_penalty_S: jax.Array  # f32[S]
+  frequency_penalty_S: jax.Array  # f32[S]
+  min_tokens_S: jax.Array  # i32[S]
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
@@ -77,9 +83,12 @@ class EngineState:
 _ROW_LAYOUT = dict(
     tokens_SJ=(np.int32, 0, "J"), logprobs_SJ=(np.float32, 0, "J"), len_S=(np.int32, 0, ""),
     prompt_len_S=(np.int32, 0, ""), max_len_S=(np.int32, 0, ""), status_S=(np.int32, FREE, ""),
-    reason_S=(np.int32, 0, ""), arrival_S=(np.int32, 0, ""), parent_S=(np.int32, 0, ""),
-    fork_S=(np.int32, 0, ""), seed_S=(np.uint32, 0, ""), temperature_S=(np.float32, 0, ""),
-    top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""), stop_Si=(np.int32, -1, "i"),
+    reason_S=(np.int32, 0, ""), stop_id_S=(np.int32, -1, ""), arrival_S=(np.int32, 0, ""),
+    parent_S=(np.int32, 0, ""), fork_S=(np.int32, 0, ""), seed_S=(np.uint32, 0, ""),
+    temperature_S=(np.float32, 0, ""), top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""),
+    min_p_S=(np.float32, 0, ""), repetition_penalty_S=(np.float32, 1, ""),
+    presence_penalty_S=(np.float32, 0, ""), frequency_penalty_S=(np.float32, 0, ""),
+    min_tokens_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""

@@ -86,17 +86,21 @@ class CompletionText:
       (``SamplingParams.include_stop_str_in_output``).
     per_token: give each token's text as it comes (a stream); False (``generate``): only
       what stop strings need, and the whole text at the end (two decodes a token saved).
+    min_tokens: a stop string ends the text only where the ``min_tokens``-th token or a
+      later one completes it (``SamplingParams.min_tokens``).
   """
 
   def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False,
-               per_token: bool = True):
+               per_token: bool = True, min_tokens: int = 0):
     self._tokenizer, self._stop, self._include_stop = tokenizer, stop, include_stop
+    self._min_tokens = min_tokens
     self._per_token = per_token or bool(stop)
     self._ids: list[int] = []
     self._window = self._read = 0  # ids[window:read] decoded give the text's last part
     self._text = ""  # the text of ids[:read]
     self._shown = 0  # characters of it given out
     self.stopped = False  # the text reached a stop string: nothing more is taken
+    self.stop_string: str | None = None  # which one
 
   def _decode(self, ids) -> str:
     return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -119,10 +123,10 @@ class CompletionText:
       text = self._text
     else:  # an unfinished character last: the complete ones before it count for stops
       text = self._text + whole
-    if self._stop:
+    if self._stop and len(self._ids) >= self._min_tokens:
       end = self._stop_end(text, start)
       if end is not None:
-        self.stopped = True
+        self.stopped = True  # (self.stop_string is set)
         self._text = text[:end]
         return self._take(len(self._text))
     return self._take(len(self._text) - self._held(self._text))
@@ -135,10 +139,10 @@ class CompletionText:
     for s in self._stop:
       at = text.find(s, max(start - len(s) + 1, 0))
       if at >= 0:
-        found.append((at + len(s), at))
+        found.append((at + len(s), at, s))
     if not found:
       return None
-    end, at = min(found)
+    end, at, self.stop_string = min(found)
     return end if self._include_stop else at
 
   def _held(self, text: str) -> int:

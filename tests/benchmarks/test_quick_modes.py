@@ -154,3 +154,15 @@ def test_stream_text_quick(capsys):
     pytest.skip(capsys.readouterr().out.strip())
   assert len(us_per_token) == 8 and all(us > 0 for us in us_per_token.values())
   assert "outside ASCII" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_penalty_cost_quick():
+  # One engine, three variants of the same requests: min_tokens on ignored EOS leaves the
+  # tokens as they are (asserted inside), the penalties change some; every rate measured.
+  from benchmarks import penalty_cost
+  rows = penalty_cost.main(["--quick"])
+  assert [row["vocab"] for row in rows] == [128]
+  for row in rows:
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in penalty_cost.VARIANTS), row
+    assert 0 < row["changed"] <= 1, row  # a vocabulary of 128: greedy runs repeat

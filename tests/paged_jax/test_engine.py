@@ -128,10 +128,16 @@ def test_eos_stop_ids_and_max_tokens(llm, dense_greedy):
   stop = free_run[3]
   first = free_run.index(stop)
   out, = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True,
-                                               stop_token_ids=(stop,)))
+                                               stop_token_ids=(stop, 127)))
   assert out.finish_reason == "stop" and list(out.token_ids) == free_run[:first]
+  assert out.stop_reason == stop and type(out.stop_reason) is int  # which stop id
+  # The stream's last event says it too.
+  *_, last = llm.generate_stream([prompt], SamplingParams(max_tokens=10, ignore_eos=True,
+                                                          stop_token_ids=(127, stop)))
+  assert (last.token_id, last.finish_reason, last.stop_reason) == (None, "stop", stop)
   out, = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
   assert out.finish_reason == "length" and list(out.token_ids) == free_run[:4]
+  assert out.stop_reason is None
   # EOS: a prompt whose greedy continuation hits EOS (id 2) stops there unless ignore_eos.
   for seed in range(200):
     prompt = _prompts((4,), seed=100 + seed)[0]
@@ -143,7 +149,10 @@ def test_eos_stop_ids_and_max_tokens(llm, dense_greedy):
   out, ignored = llm.generate([prompt, prompt], [SamplingParams(max_tokens=12),
                                                  SamplingParams(max_tokens=12, ignore_eos=True)])
   assert out.finish_reason == "stop" and list(out.token_ids) == run[:run.index(EOS)]
+  assert out.stop_reason is None  # EOS, not one of the request's stop ids (as vLLM)
   assert ignored.finish_reason == "length" and list(ignored.token_ids) == run
+  out, = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(EOS,)))
+  assert (out.finish_reason, out.stop_reason) == ("stop", EOS)  # asked for by the request
   _check_all_free(llm)
 
 
@@ -181,6 +190,86 @@ def test_top_k_one_equals_greedy(llm):
   top1 = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.5,
                                               top_k=1, seed=3))
   assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+@pytest.fixture(scope="module")
+def dense_adjusted(model):
+  """Greedy over the dense model's raw logits adjusted as ``SamplingParams`` says: the
+  repetition penalty (transformers': logits of prompt and generated ids divided where
+  positive, multiplied where not), then the presence and frequency penalties over the
+  generated ids (OpenAI's), and the stop ids barred before ``min_tokens``; in float64."""
+  fwd = jax.jit(lambda t: model(t)[0].astype(jnp.float32))
+
+  def run(prompt, max_tokens, *, repetition=1.0, presence=0.0, frequency=0.0, min_tokens=0,
+          stop=()):
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+      arr = np.zeros((1, ORACLE_LEN), np.int32)
+      arr[0, :len(seq)] = seq
+      logits = np.asarray(fwd(jnp.asarray(arr))[len(seq) - 1], np.float64)
+      for t in set(seq):
+        logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+      for t in set(out):
+        logits[t] -= presence + frequency * out.count(t)
+      if len(out) < min_tokens:
+        logits[list(stop)] = -np.inf
+      nxt = int(np.argmax(logits))
+      if nxt in stop:
+        break
+      out.append(nxt)
+      seq.append(nxt)
+    return out
+
+  return run
+
+
+def test_penalties_and_min_tokens_match_a_dense_oracle(llm, dense_greedy, dense_adjusted):
+  # Greedy decoding of a tiny random model repeats itself within a few tokens: each penalty
+  # changes the run, and every request is served in one batch beside plain ones (rows that
+  # ask for nothing are as without the others), with chunked prefill and a preemption-free
+  # pool. A prompt of repeated ids gives the repetition penalty prompt ids to act on.
+  prompts = _prompts((5, 17, 9, 3), seed=21)
+  prompts[3] = prompts[3] * 4
+  cases = [dict(), dict(repetition=1.8), dict(presence=1.5), dict(frequency=0.7),
+           dict(repetition=0.6, presence=-0.5, frequency=1.1)]
+  params = {(): SamplingParams(max_tokens=14, ignore_eos=True)}
+  for case in cases[1:]:
+    params[tuple(case.items())] = SamplingParams(
+        max_tokens=14, ignore_eos=True, repetition_penalty=case.get("repetition", 1.0),
+        presence_penalty=case.get("presence", 0.0), frequency_penalty=case.get("frequency", 0.0))
+  batch = [(p, case) for p in prompts for case in cases]
+  outs = llm.generate([p for p, _ in batch], [params[tuple(c.items())] for _, c in batch])
+  runs = {}
+  for (p, case), o in zip(batch, outs):
+    expect = dense_adjusted(p, 14, **case)
+    assert o.token_ids == expect, case
+    runs.setdefault(tuple(p), set()).add(tuple(expect))
+  plain = [dense_greedy(p, 14)[0] for p in prompts]
+  assert all(outs[i * len(cases)].token_ids == plain[i] for i in range(len(prompts)))
+  assert all(len(r) >= 3 for r in runs.values())  # the penalties changed the runs
+  _check_all_free(llm)
+
+
+def test_min_tokens_bars_eos_and_stop_ids_until_then(llm, dense_greedy, dense_adjusted):
+  # A prompt whose greedy run ends at EOS early: min_tokens keeps EOS (and an extra stop id)
+  # from being drawn until that many tokens are out; then the request may stop.
+  for seed in range(300):
+    prompt = _prompts((4,), seed=500 + seed)[0]
+    run, _ = dense_greedy(prompt, 12)
+    if EOS in run[:5]:
+      break
+  else:
+    pytest.skip("no prompt of these seeds reaches EOS early")
+  first_eos = run.index(EOS)
+  stop_id = 127
+  for min_tokens in (first_eos + 1, first_eos + 4, 12):
+    params = SamplingParams(max_tokens=12, min_tokens=min_tokens, stop_token_ids=(stop_id,))
+    out, = llm.generate([prompt], params)
+    expect = dense_adjusted(prompt, 12, min_tokens=min_tokens, stop=(EOS, stop_id))
+    assert out.token_ids == expect and len(expect) >= min_tokens
+    assert out.finish_reason == ("length" if len(expect) == 12 else "stop")
+  out, = llm.generate([prompt], SamplingParams(max_tokens=12))
+  assert out.token_ids == run[:first_eos] and out.finish_reason == "stop"
 
 
 def test_n_completions_through_fork(llm, dense_greedy):
@@ -689,6 +778,14 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(stop=[7]), r"stop=\[7\] must be"), (dict(stop=b"\n"), r"stop=b'\\n' must be"),
     (dict(stop={"a"}), "stop="), (dict(stop=""), "stop='' must be a non-empty str"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1 must be a bool"),
+    (dict(min_p=1.5), r"min_p=1.5 must be a number in \[0, 1\]"), (dict(min_p=-0.1), "min_p"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty=0.0 must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty=inf"),
+    (dict(presence_penalty=2.5), r"presence_penalty=2.5 must be a number in \[-2, 2\]"),
+    (dict(frequency_penalty=-3), r"frequency_penalty=-3 must be a number in \[-2, 2\]"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
+    (dict(min_tokens=17), r"min_tokens=17 must be an int in \[0, max_tokens=16\]"),
+    (dict(min_tokens=-1), "min_tokens=-1"), (dict(min_tokens=1.0), "min_tokens=1.0"),
 ])
 def test_sampling_params_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -716,6 +813,13 @@ def test_sampling_params_defaults_and_frozen():
   assert SamplingParams(stop=None).stop == () and SamplingParams(stop=np.array(["x"])).stop == (
       "x",) and type(SamplingParams(stop=np.array(["x"])).stop[0]) is str
   assert p.include_stop_str_in_output is False
+  # The penalties, min-p and min_tokens default to changing nothing; ints become floats.
+  assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+          p.min_tokens) == (0.0, 1.0, 0.0, 0.0, 0)
+  q = SamplingParams(min_p=1, repetition_penalty=2, presence_penalty=-2, frequency_penalty=2,
+                     min_tokens=np.int64(16))
+  assert (q.min_p, q.repetition_penalty, q.presence_penalty, q.frequency_penalty) == (
+      1.0, 2.0, -2.0, 2.0) and type(q.min_p) is float and type(q.min_tokens) is int
 
 
 def test_engine_options_validation(model, config):
@@ -765,7 +869,8 @@ def test_engine_options_validation(model, config):
   LLM(model, dataclasses.replace(config, max_seq_len=64, eos_token_ids=()), num_blocks=8)
 
 
-def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_greedy):
+def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_greedy,
+                                                           dense_adjusted):
   # 12 blocks of 4 tokens: three sequences of ~26 tokens cannot all stay resident.
   llm = LLM(model, config, block_size=4, num_blocks=12, max_seqs=3, max_tokens_per_step=16,
             steps_per_call=8)
@@ -785,6 +890,20 @@ def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_
   outs = iter(llm.generate(prompts, params))
   for p, sp in zip(prompts, params):
     expect = dense_greedy(p, sp.max_tokens)[0][:llm.max_model_len - len(p)]
+    for f in range(sp.n):
+      o = next(outs)
+      assert (o.sample_index, list(o.token_ids)) == (f, expect)
+  assert llm.stats["preemptions"] > before
+  _check_all_free(llm)
+  # Penalties read the history a preempted sequence keeps (recomputed, not re-sampled) and
+  # a fork's (the prompt): the same mix penalised equals the penalised oracle.
+  penalised = [dataclasses.replace(sp, repetition_penalty=1.6, frequency_penalty=0.4,
+                                   presence_penalty=0.3 * i) for i, sp in enumerate(params)]
+  before = llm.stats["preemptions"]
+  outs = iter(llm.generate(prompts, penalised))
+  for p, sp in zip(prompts, penalised):
+    expect = dense_adjusted(p, min(sp.max_tokens, llm.max_model_len - len(p)), repetition=1.6,
+                            frequency=0.4, presence=sp.presence_penalty)
     for f in range(sp.n):
       o = next(outs)
       assert (o.sample_index, list(o.token_ids)) == (f, expect)
@@ -838,7 +957,8 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   monkeypatch.setattr(LLM, "generate_stream", recording)
   args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
                    "--steps-per-call", "8", "--num-blocks", "16", "--temperature", "0.7",
-                   "--top-p", "0.9", "--output-median", "200")
+                   "--top-p", "0.9", "--output-median", "200", "--min-p", "0.05",
+                   "--repetition-penalty", "1.1", "--frequency-penalty", "0.5")
   with warnings.catch_warnings(record=True) as caught:  # the report's note, no warning
     warnings.simplefilter("always")
     assert args.func(args) == 0
@@ -856,7 +976,9 @@ def test_cli_run_prints_report(capsys, monkeypatch):
   assert "\r" not in captured.err and re.search(r"served 6/6 requests, .* s\n", captured.err)
   assert "device                cpu, attention xla (auto)" in captured.out  # where it ran
   assert "on cpu, attention xla (auto)" in captured.err
-  assert len(seen) == 6 and all((p.temperature, p.top_p) == (0.7, 0.9) for p in seen)
+  assert len(seen) == 6 and all(
+      (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+       p.frequency_penalty) == (0.7, 0.9, 0.05, 1.1, 0.0, 0.5) for p in seen)
   assert [p.seed for p in seen] == [1, 2, 3, 4, 5, 6]  # one stream per request
 
 
@@ -869,6 +991,12 @@ def test_cli_run_prints_report(capsys, monkeypatch):
     (("--temperature", "nan"), r"--temperature=nan must be"),
     (("--temperature", "1e39"), r"--temperature=1e\+39 must be a finite number >= 0 \(at most"),
     (("--top-k", "-1"), r"--top-k=-1 must be >= 0"),
+    (("--min-p", "1.5"), r"--min-p=1.5 must be in \[0, 1\]"),
+    (("--min-p", "nan"), r"--min-p=nan must be"),
+    (("--repetition-penalty", "0"), r"--repetition-penalty=0.0 must be a finite number > 0"),
+    (("--repetition-penalty", "inf"), r"--repetition-penalty=inf must be"),
+    (("--presence-penalty", "3"), r"--presence-penalty=3.0 must be in \[-2, 2\]"),
+    (("--frequency-penalty", "nan"), r"--frequency-penalty=nan must be in"),
     (("--sigma", "-1"), r"--sigma=-1.0 must be a finite number >= 0"),
     (("--num-blocks", "0"), r"--num-blocks=0 must be >= 1"),
     (("--prompt", "hi", "--max-tokens", "0"), r"--max-tokens=0 must be >= 1"),

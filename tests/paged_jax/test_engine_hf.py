@@ -68,6 +68,47 @@ def test_greedy_equals_hf_generate_and_text_prompts(checkpoint):
   assert by_config.tokenizer is not None
 
 
+def test_repetition_penalty_and_min_tokens_equal_hf_generate(checkpoint):
+  # transformers' repetition_penalty (over prompt and generated ids, greedy too) and
+  # min_new_tokens (its end id barred until then), served in one batch beside a plain
+  # request; the end id is a token each greedy run reaches early, so min_tokens moves it.
+  path, hf_model = checkpoint
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=4, max_tokens_per_step=16, steps_per_call=8,
+                            max_model_len=192)
+  rng = np.random.default_rng(4)
+  prompts = [[int(t) for t in rng.integers(3, helpers.VOCAB, n)] for n in (6, 13, 4)]
+  prompts[2] = prompts[2] * 3  # repeated prompt ids for the penalty to act on
+
+  def hf(prompt, **kwargs):
+    with torch.no_grad():
+      return hf_model.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0,
+                               **kwargs)[0, len(prompt):].tolist()
+
+  greedy = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+  for penalty in (1.7, 0.8):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=penalty)
+    outs = llm.generate(prompts + [prompts[0]], [params] * len(prompts) + [
+        SamplingParams(max_tokens=12, ignore_eos=True)])
+    assert outs[-1].token_ids == greedy[0].token_ids
+    for p, o in zip(prompts, outs):
+      want = hf(p, max_new_tokens=12, min_new_tokens=12, eos_token_id=None,
+                repetition_penalty=penalty)
+      assert o.token_ids == want, penalty
+    assert [o.token_ids for o in outs[:3]] != [o.token_ids for o in greedy]
+  for p, g in zip(prompts, greedy):
+    end = g.token_ids[1]  # the second greedy token as the end id
+    for min_tokens in (0, 2, 5):
+      o, = llm.generate([p], SamplingParams(max_tokens=10, ignore_eos=True,
+                                            stop_token_ids=(end,), min_tokens=min_tokens))
+      want = hf(p, max_new_tokens=10, min_new_tokens=min_tokens, eos_token_id=end)
+      stopped = end in want
+      assert o.token_ids == (want[:want.index(end)] if stopped else want), min_tokens
+      assert o.finish_reason == ("stop" if stopped else "length")
+      assert len(o.token_ids) >= min_tokens
+  allocator.validate(llm.allocator_state)
+
+
 def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   # Its encode gives a list (tokenizers' an Encoding with .ids): the same ids either way.
   path, _ = checkpoint
@@ -98,10 +139,10 @@ def _stopped(ids, text, stop, include):
   words = text.split(" ")
   for k in range(1, len(ids) + 1):
     prefix = " ".join(words[:k])
-    hits = [(prefix.find(s) + len(s), prefix.find(s)) for s in stop if s in prefix]
+    hits = [(prefix.find(s) + len(s), prefix.find(s), s) for s in stop if s in prefix]
     if hits:
-      end, at = min(hits)
-      return ids[:k], prefix[:end if include else at], "stop"
+      end, at, s = min(hits)
+      return ids[:k], prefix[:end if include else at], "stop", s
   return None
 
 
@@ -130,12 +171,13 @@ def test_stop_strings_end_the_text_stream_it_and_free_the_blocks(checkpoint):
       outs = llm.generate(prompts, params)
       for o, f in zip(outs, free):
         want = _stopped(f.token_ids, f.text, params[o.prompt_index].stop, include)
-        want = want or (f.token_ids, f.text, f.finish_reason)
-        assert (o.token_ids, o.text, o.finish_reason) == want
+        want = want or (f.token_ids, f.text, f.finish_reason, None)
+        assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == want
         mine = [e for e in events if (e.prompt_index, e.sample_index) ==
                 (o.prompt_index, o.sample_index)]
         assert [e.token_id for e in mine] == o.token_ids + [None]
-        assert mine[-1].finish_reason == o.finish_reason
+        assert (mine[-1].finish_reason, mine[-1].stop_reason) == (o.finish_reason,
+                                                                  o.stop_reason)
         # The stream shows the text as it grows, never a part of a stop string it then
         # ends before.
         pieces = [e.text for e in mine]
@@ -214,7 +256,8 @@ def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch):
   assert len(words) == 6 and "finish_reason length" in out
   assert cli.main(argv + ["--stop", f" {words[2]} ", "--stop", "w9999"]) == 0
   out = capsys.readouterr().out
-  assert f"completion: {' '.join(words[:2])}\n" in out and "finish_reason stop" in out
+  assert f"completion: {' '.join(words[:2])}\n" in out
+  assert f"finish_reason stop (at ' {words[2]} ')" in out  # which stop string
 
 
 def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, checkpoint,

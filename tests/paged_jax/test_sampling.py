@@ -1,4 +1,5 @@
-"""The engine's sampler: greedy, temperature, top-k, top-p, logprobs, per-request keys."""
+"""The engine's sampler: greedy, temperature, top-k, top-p, min-p, penalties, logprobs,
+per-request keys."""
 
 from __future__ import annotations
 
@@ -7,18 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampling import request_keys, sample, truncate
+from paged_jax.sampling import adjust, request_keys, sample, truncate
 
 ROWS = 4000
 
 
-def _draw(logits_V, *, temperature=1.0, top_k=0, top_p=1.0, rows=ROWS, seed=0):
+def _draw(logits_V, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rows=ROWS, seed=0):
   logits_SV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (rows, len(logits_V)))
   keys = request_keys(jnp.full(rows, seed, jnp.uint32), jnp.zeros(rows, jnp.int32),
                       jnp.arange(rows, dtype=jnp.int32))
   full = lambda v, dt: jnp.full(rows, v, dt)
   tokens, lps = jax.jit(sample)(logits_SV, full(temperature, jnp.float32),
-                                full(top_k, jnp.int32), full(top_p, jnp.float32), keys)
+                                full(top_k, jnp.int32), full(top_p, jnp.float32), keys,
+                                min_p_S=full(min_p, jnp.float32))
   return np.asarray(tokens), np.asarray(lps)
 
 
@@ -181,6 +183,13 @@ def _params_from(tmp_path, settings, **overrides):
     ({"do_sample": True, "top_k": 0}, dict(temperature=1.0, top_k=0, top_p=1.0)),
     ({"do_sample": False, "max_new_tokens": 7, "num_return_sequences": 3, "max_length": 99},
      dict(temperature=0.0, max_tokens=7, n=3)),
+    # Qwen2.5-Instruct's: the repetition penalty applies; min-p and min_new_tokens too.
+    ({"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8,
+      "top_k": 20}, dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)),
+    ({"do_sample": True, "min_p": 0.1, "min_new_tokens": 3, "max_new_tokens": 9},
+     dict(temperature=1.0, top_k=50, min_p=0.1, min_tokens=3, max_tokens=9)),
+    # Greedy: min-p means nothing (not applied, not warned of); the repetition penalty does.
+    ({"min_p": 0.1, "repetition_penalty": 1.2}, dict(repetition_penalty=1.2)),
 ])
 def test_sampling_params_from_a_generation_config_as_transformers_resolves_it(
     tmp_path, settings, expect):
@@ -193,7 +202,8 @@ def test_sampling_params_from_a_generation_config_as_transformers_resolves_it(
   assert SamplingParams.from_generation_config(tmp_path / "generation_config.json") == want
   assert SamplingParams.from_generation_config(settings) == want
   assert _params_from(tmp_path, settings, temperature=0.0, seed=3, max_tokens=2) == \
-      dataclasses.replace(want, temperature=0.0, seed=3, max_tokens=2)
+      dataclasses.replace(want, temperature=0.0, seed=3, max_tokens=2,
+                          min_tokens=min(want.min_tokens, 2))  # never past max_tokens
 
 
 def test_transformers_defaults_are_the_ones_from_generation_config_assumes():
@@ -227,17 +237,130 @@ def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ig
   (tmp_path / "generation_config.json").write_text("{")
   with pytest.raises(ValueError, match="not valid JSON"):
     SamplingParams.from_generation_config(tmp_path)
-  with pytest.warns(UserWarning, match=r"repetition_penalty=1\.1, num_beams=4, which"):
+  with pytest.warns(UserWarning, match=r"asks for num_beams=4, no_repeat_ngram_size=3, "
+                   "which"):
     got = _params_from(tmp_path, {"do_sample": True, "repetition_penalty": 1.1,
-                                  "num_beams": 4, "min_p": 0.0, "bad_words_ids": None,
-                                  "suppress_tokens": []})
-  assert got.temperature == 1.0
+                                  "num_beams": 4, "no_repeat_ngram_size": 3,
+                                  "bad_words_ids": None, "suppress_tokens": []})
+  assert got.temperature == 1.0 and got.repetition_penalty == 1.1
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # neutral values warn of nothing, nor sampling's greedy
     _params_from(tmp_path, {"repetition_penalty": 1.0, "num_beams": 1, "typical_p": 1.0,
                             "penalty_alpha": 0.0, "min_p": 0.05, "epsilon_cutoff": 3e-4})
-  with pytest.warns(UserWarning, match=r"asks for min_p=0\.05, which"):
-    got = _params_from(tmp_path, {"do_sample": True, "stop_strings": ["###"], "min_p": 0.05})
+  with pytest.warns(UserWarning, match=r"asks for typical_p=0\.9, which"):
+    got = _params_from(tmp_path, {"do_sample": True, "stop_strings": ["###"],
+                                  "typical_p": 0.9, "min_length": 0})
   assert got.stop == ("###",)  # stop strings are applied now (the text reaching one)
+  # min_new_tokens past max_tokens: the request ends at max_tokens (transformers' generate
+  # too); a min_tokens given past it is refused.
+  assert _params_from(tmp_path, {"min_new_tokens": 20}).min_tokens == 16
+  assert _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32).min_tokens == 20
+  assert _params_from(tmp_path, {"min_new_tokens": 20, "max_new_tokens": 8}).min_tokens == 8
+  with pytest.raises(ValueError, match=r"generation_config.json: min_tokens=-1 must be an "
+                     r"int in \[0, max_tokens=16\]"):
+    _params_from(tmp_path, {"min_new_tokens": -1})
+  with pytest.raises(ValueError, match=r"min_tokens=20 must be an int in \[0, max_tokens=16\]"):
+    _params_from(tmp_path, {}, min_tokens=20)
   assert _params_from(tmp_path, {"stop_strings": "</s>"}).stop == ("</s>",)
+
+
+# --- min-p ---
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+  # PROBS 0.5, 0.3, 0.15, 0.05. min_p 0.5: p >= 0.25 keeps tokens 0 and 1; 0.31: p >= 0.155
+  # still drops 0.15; 0.3: p >= 0.15 keeps token 2 too; 0.05 (0.025) keeps all four; with
+  # top-k 1 only token 0 is left; a row that does not truncate keeps everything.
+  rows = 6
+  scaled_SV = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (rows, 4))
+  got = truncate(scaled_SV, jnp.asarray([0, 0, 0, 0, 1, 0]), jnp.ones(rows),
+                 jnp.asarray([True] * 5 + [False]),
+                 jnp.asarray([0.5, 0.31, 0.3 - 1e-6, 0.05, 0.05, 0.9], jnp.float32))
+  kept = np.isfinite(np.asarray(got))
+  np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0],
+                                       [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]])
+  np.testing.assert_array_equal(np.asarray(got)[kept], np.asarray(scaled_SV)[kept])
+  # Drawn: the kept tokens in proportion to their probabilities (0.5 : 0.3 : 0.15).
+  tokens, lps = _draw(LOGITS, min_p=0.3 - 1e-6)
+  np.testing.assert_allclose(_freq(tokens, 4), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                             atol=0.03)
+  np.testing.assert_allclose(lps, LOGITS[tokens], rtol=1e-5)  # the raw log-probs
+  # The temperature comes first: at 0.5 the ratios square (0.6^2 = 0.36 >= 0.3 keeps token
+  # 1, 0.3^2 = 0.09 drops token 2).
+  tokens, _ = _draw(LOGITS, temperature=0.5, min_p=0.3 - 1e-6)
+  assert set(tokens.tolist()) == {0, 1}
+  tokens, _ = _draw(LOGITS, temperature=0.0, min_p=1.0)  # greedy ignores min-p
+  assert set(tokens.tolist()) == {0}
+
+
+# --- adjust: penalties and min_tokens ---
+
+def _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_S, presence_S,
+                   frequency_S, barred_Si, bar_S):
+  """transformers' repetition penalty over prompt + generated, then OpenAI's presence and
+  frequency penalties over the generated tokens, then the barred ids, in float64."""
+  out = np.array(logits_SV, np.float64)
+  for s in range(len(out)):
+    history, generated = tokens_SJ[s, :len_S[s]], tokens_SJ[s, prompt_len_S[s]:len_S[s]]
+    for t in set(history.tolist()):
+      out[s, t] = out[s, t] / repetition_S[s] if out[s, t] > 0 else out[s, t] * repetition_S[s]
+    for t in set(generated.tolist()):
+      out[s, t] -= presence_S[s] + frequency_S[s] * np.count_nonzero(generated == t)
+    if bar_S[s]:
+      out[s, [t for t in barred_Si[s] if t >= 0]] = -np.inf
+  return out
+
+
+def test_adjust_applies_each_rows_penalties_to_its_own_history_only():
+  rng = np.random.default_rng(7)
+  rows, J, V = 7, 24, 16
+  logits_SV = (rng.normal(size=(rows, V)) * 3).astype(np.float32)
+  logits_SV[:, 0] = 0.0  # a zero logit: divided or multiplied, still 0
+  tokens_SJ = rng.integers(0, V, (rows, J)).astype(np.int32)  # past len: must not count
+  len_S = np.array([0, 5, 24, 10, 12, 7, 9], np.int32)
+  prompt_len_S = np.array([0, 5, 10, 3, 12, 2, 4], np.int32)
+  repetition_S = np.array([1.0, 1.5, 0.7, 2.0, 1.0, 1.3, 1.0], np.float32)
+  presence_S = np.array([0, 0.5, -1, 2, 0, 0, 0], np.float32)
+  frequency_S = np.array([0, 0.25, 1.5, -0.5, 0, 2, 0], np.float32)
+  barred_Si = np.full((rows, 3), -1, np.int32)
+  barred_Si[1], barred_Si[4], barred_Si[6] = [2, 5, -1], [0, 1, 2], [3, 3, 9]
+  bar_S = np.array([False, True, False, True, False, True, True])
+  args = (tokens_SJ, len_S, prompt_len_S)
+  kwargs = dict(repetition_penalty_S=repetition_S, presence_penalty_S=presence_S,
+                frequency_penalty_S=frequency_S, barred_Si=barred_Si, bar_S=bar_S)
+  got = np.asarray(jax.jit(adjust)(logits_SV, *map(jnp.asarray, args),
+                                   **{k: jnp.asarray(v) for k, v in kwargs.items()}))
+  want = _adjust_oracle(logits_SV, *args, repetition_S, presence_S, frequency_S, barred_Si,
+                        bar_S)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # Rows at the neutral values (0: empty history; 4: only a prompt, its bar off) untouched;
+  # row 6 (no penalty, barred ids 3 and 9) changes only there.
+  np.testing.assert_array_equal(got[[0, 4]], logits_SV[[0, 4]])
+  changed = np.flatnonzero(got[6] != logits_SV[6])
+  np.testing.assert_array_equal(changed, [3, 9])
+  assert np.all(np.isneginf(got[6, changed]))
+  # Every row neutral: the logits as they are (the branch that builds no counts).
+  neutral = dict(kwargs, repetition_penalty_S=np.ones(rows, np.float32),
+                 presence_penalty_S=np.zeros(rows, np.float32),
+                 frequency_penalty_S=np.zeros(rows, np.float32), bar_S=np.zeros(rows, bool))
+  np.testing.assert_array_equal(
+      np.asarray(adjust(jnp.asarray(logits_SV), *map(jnp.asarray, args),
+                        **{k: jnp.asarray(v) for k, v in neutral.items()})), logits_SV)
+
+
+def test_sample_draws_from_the_adjusted_logits_and_reports_the_raw_log_probs():
+  raw_SV = jnp.asarray([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+  adjusted_SV = jnp.asarray([[0.5, 1.0, 0.0], [0.0, -jnp.inf, 1.0]])
+  keys = request_keys(jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32),
+                      jnp.zeros(2, jnp.int32))
+  tokens, lps = sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
+                       raw_logits_SV=raw_SV)
+  np.testing.assert_array_equal(np.asarray(tokens), [1, 2])
+  raw_logprobs = np.asarray(jax.nn.log_softmax(raw_SV, axis=-1))
+  np.testing.assert_allclose(np.asarray(lps), raw_logprobs[[0, 1], [1, 2]], rtol=1e-6)
+  with pytest.raises(ValueError, match=r"raw_logits.shape=\(2, 4\) must be logits' \(2, 3\)"):
+    sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
+           raw_logits_SV=jnp.zeros((2, 4)))
+  with pytest.raises(ValueError, match=r"min_p.shape=\(3,\) must be \[S\]=\[2\]"):
+    sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
+           min_p_S=jnp.zeros(3))

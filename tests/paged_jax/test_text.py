@@ -51,23 +51,27 @@ def _metaspace() -> tokenizers.Tokenizer:
   return tok
 
 
-def _reference(tok, ids, stop, include):
+def _reference(tok, ids, stop, include, min_tokens=0):
   """What a completion of ``ids`` gives: the first prefix whose decode holds a stop string
   ends it at the occurrence that ends first (of those, the one starting first), else every
-  id and its whole decode."""
-  for k in range(1, len(ids) + 1):
+  id and its whole decode. With ``min_tokens``, only prefixes of that many ids or more, and
+  only occurrences ending past the whole characters of the prefix one id shorter."""
+  before = tok.decode(ids[:min_tokens - 1], skip_special_tokens=True) if min_tokens > 1 else ""
+  base = len(before.rstrip("\ufffd"))
+  for k in range(max(min_tokens, 1), len(ids) + 1):
     text = tok.decode(ids[:k], skip_special_tokens=True)
-    hits = [(text.find(s) + len(s), text.find(s)) for s in stop if s in text]
+    found = {s: text.find(s, max(base - len(s) + 1, 0)) for s in stop}
+    hits = [(at + len(s), at, s) for s, at in found.items() if at >= 0]
     if hits:
-      end, at = min(hits)
-      return ids[:k], text[:end if include else at]
-  return ids, tok.decode(ids, skip_special_tokens=True)
+      end, at, s = min(hits)
+      return ids[:k], text[:end if include else at], s
+  return ids, tok.decode(ids, skip_special_tokens=True), None
 
 
-def _run(tok, ids, stop, include):
+def _run(tok, ids, stop, include, min_tokens=0):
   """Feed ``ids`` until a stop; checks that what is shown is only ever a prefix of the
   final text (never the start of a stop string that then ends it)."""
-  text = CompletionText(tok, stop, include)
+  text = CompletionText(tok, stop, include, min_tokens=min_tokens)
   taken, pieces = [], []
   for t in ids:
     taken.append(t)
@@ -78,7 +82,7 @@ def _run(tok, ids, stop, include):
   final = "".join(pieces)
   for i in range(len(pieces)):
     assert final.startswith("".join(pieces[:i]))
-  return taken, final
+  return taken, final, text.stop_string
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -98,6 +102,11 @@ def test_byte_level_text_and_stop_strings_match_the_decoded_prefixes(include):
     stop = tuple(dict.fromkeys(s for s in stop if s))
     assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
         words, stop)
+    # min_tokens: a stop string counts only where the min_tokens-th id or a later one
+    # completes it.
+    m = int(rng.integers(2, len(ids) + 2))
+    assert _run(tok, ids, stop, include, m) == _reference(tok, ids, stop, include, m), (
+        words, stop, m)
   # No stop string: the text is the decode of every id, each character once it is whole.
   text = CompletionText(tok)
   assert [text.add(t) for t in "é🙂".encode()] == ["", "é", "", "", "", "🙂"]
@@ -135,10 +144,10 @@ def test_a_stop_string_is_seen_at_the_token_that_completes_it_mid_character():
   # Reached in one token: "c" ends before "abcd" and "bc" with it; "bc" starts first.
   ids = tok.ids([b"abcd"])
   for include, want in ((False, "a"), (True, "abc")):
-    assert _run(tok, ids, ("abcd", "c", "bc"), include) == (ids, want)
+    assert _run(tok, ids, ("abcd", "c", "bc"), include) == (ids, want, "bc")
   ids = tok.ids([b"w1", b"03 \xe2", b"\x82\xac"])  # "w103 €" with the stop "03 "
-  assert _run(tok, ids[:2], ("03 ",), False) == (ids[:2], "w1")
-  assert _run(tok, ids, ("03 ",), True) == (ids[:2], "w103 ")
+  assert _run(tok, ids[:2], ("03 ",), False) == (ids[:2], "w1", "03 ")
+  assert _run(tok, ids, ("03 ",), True) == (ids[:2], "w103 ", "03 ")
 
 
 def test_metaspace_text_keeps_its_spaces_and_stops():
@@ -147,11 +156,14 @@ def test_metaspace_text_keeps_its_spaces_and_stops():
   for trial in range(150):
     ids = [int(t) for t in rng.integers(0, len(_WORDS), rng.integers(1, 12))]
     whole = tok.decode(ids)
-    assert _run(tok, ids, (), False) == (ids, whole)
+    assert _run(tok, ids, (), False) == (ids, whole, None)
     for stop in ((" cat", "t."), ("at",), ("s s", " mat"), (" ",)):
       for include in (False, True):
         assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
             ids, stop)
+        m = trial % 5
+        assert _run(tok, ids, stop, include, m) == _reference(tok, ids, stop, include, m), (
+            ids, stop, m)
   # The first piece decodes without its space, the next ones with theirs.
   text = CompletionText(tok)
   assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat", "s")] == ["the", " cat", "s"]
@@ -162,6 +174,11 @@ def test_metaspace_text_keeps_its_spaces_and_stops():
   text = CompletionText(tok, ("cat.",))
   assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat")] == ["the", " "]
   assert text.finish() == "cat"  # the completion ended: what was held back comes last
+  # min_tokens 3: "the" (token 1) and " cat" (token 2) are too early; the second "cat"
+  # (token 4) ends it.
+  text = CompletionText(tok, ("the", "cat"), min_tokens=3)
+  words = ("▁the", "▁cat", "s", "▁cat", "▁sat")
+  assert "".join(text.add(_WORDS.index(w)) for w in words[:4]) == "the cats " and text.stopped
   with pytest.raises(RuntimeError, match="after its stop string"):
     text = CompletionText(tok, ("the",))
     text.add(0)

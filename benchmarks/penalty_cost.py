@@ -1,0 +1,118 @@
+"""Cost of the repetition / presence / frequency penalties and ``min_tokens``: serving
+tokens/s of one engine with and without them.
+
+The penalties are computed inside the jitted step from the token history the device keeps:
+per step, one scatter of every slot's history (S x max_model_len ids) into [S, V] counts
+and a few passes over the [S, V] logits, behind a ``lax.cond`` that skips them when no row
+asks for a penalty; the ``min_tokens`` bar is one small scatter behind its own ``cond``
+(``paged_jax.sampling.adjust``). The workload: ``--requests`` prompts of random length in
+[32, 256), 32 generated tokens each, greedy, ignore_eos, on a random Llama of 2 layers (H =
+4, K = 2, D = 16) of the table's width E and vocabulary V, impl "xla", block size 16,
+max_seqs 16, max_model_len 1024, 256 tokens per step. E = 64 makes the [S, V] work large
+beside the model's; E = 576 with V = 49152 is SmolLM2-135M's head. One engine serves
+three variants of the same requests (one compiled step): none; every request penalised
+(repetition 1.1, presence 0.5, frequency 0.5); every request with ``min_tokens`` = 32 (a
+bar, no penalty).
+Each figure is the median tokens/s of ``--repeats`` timed ``generate`` calls after a warm-up
+(the compile), the variants alternated so load from other jobs hits each alike.
+
+    python benchmarks/penalty_cost.py          # four (E, V); writes
+                                               # penalty_RESULTS_section.md
+    python benchmarks/penalty_cost.py --quick  # V = 128, few requests; never writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import statistics
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from paged_jax.models import ModelConfig, init_random  # noqa: E402
+from paged_jax.engine import LLM, SamplingParams  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+VARIANTS = {
+    "none": dict(),
+    "penalties": dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    "min_tokens": dict(min_tokens=32),
+}
+
+
+def measure(width: int, vocab: int, requests: int, repeats: int, seed: int = 0) -> dict:
+  config = ModelConfig(model_type="llama", vocab_size=vocab, embed_dim=width, mlp_dim=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       max_seq_len=MAX_MODEL_LEN, eos_token_ids=(2,))
+  model = init_random(config, seed=seed, impl="xla")
+  rng = np.random.default_rng(seed)
+  prompts = [[int(t) for t in rng.integers(3, vocab, int(n))]
+             for n in rng.integers(32, 256, requests)]
+  llm = LLM(model, config, block_size=16, num_blocks=16 * MAX_MODEL_LEN // 16, max_seqs=16,
+            max_tokens_per_step=256, steps_per_call=16)
+  params = {name: SamplingParams(max_tokens=32, ignore_eos=True, **kwargs)
+            for name, kwargs in VARIANTS.items()}
+  outs = {name: [o.token_ids for o in llm.generate(prompts, p)]  # warm-up: compile
+          for name, p in params.items()}
+  assert outs["none"] == outs["min_tokens"], "a bar on ignored EOS changed the outputs"
+  changed = sum(a != b for none, pen in zip(outs["none"], outs["penalties"])
+                for a, b in zip(none, pen))
+  rates = {name: [] for name in params}
+  for _ in range(repeats):
+    for name, p in params.items():
+      llm.reset_stats()
+      llm.generate(prompts, p)
+      rates[name].append(llm.stats["tokens_per_s"])
+  row = {name: statistics.median(r) for name, r in rates.items()}
+  return dict(width=width, vocab=vocab, changed=changed / (32 * requests), **row)
+
+
+def table(rows) -> str:
+  lines = ["| E | V | tokens/s, none | tokens/s, penalties | cost | tokens/s, min_tokens | "
+           "cost | tokens the penalties changed |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    cost = lambda name: f"{100 * (1 - r[name] / r['none']):+.1f}%"
+    lines.append(f"| {r['width']} | {r['vocab']} | {r['none']:.0f} | {r['penalties']:.0f} | "
+                 f"{cost('penalties')} | {r['min_tokens']:.0f} | {cost('min_tokens')} | "
+                 f"{100 * r['changed']:.0f}% |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--requests", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  shapes = ((64, 128),) if args.quick else ((64, 128), (64, 32768), (64, 131072), (576, 49152))
+  repeats = 1 if args.quick else args.repeats
+  requests = 6 if args.quick else args.requests
+  rows = [measure(e, v, requests, repeats) for e, v in shapes]
+  text = table(rows)
+  print(text)
+  if not args.quick:
+    where = (f"{jax.default_backend()} ({platform.processor() or platform.machine()}), "
+             f"jax {jax.__version__}")
+    section = (
+        "## Penalties and min_tokens (`benchmarks/penalty_cost.py`)\n\n"
+        f"`python benchmarks/penalty_cost.py` on {where}: {requests} requests (prompts of "
+        "32-255 tokens, 32 generated, greedy, ignore_eos), random Llama (2 layers) of width "
+        f"E and vocabulary V, max_seqs 16, max_model_len {MAX_MODEL_LEN}, T = 256, one "
+        f"engine, median of {repeats} timed runs per variant. \"penalties\": repetition "
+        "1.1, presence 0.5, frequency 0.5 on every request; \"min_tokens\": 32 on every "
+        "request (EOS barred; ignored anyway, so the tokens equal \"none\"'s). The last "
+        "column: generated tokens (by position) that differ from \"none\"'s.\n\n"
+        + text + "\n")
+    out = pathlib.Path(__file__).with_name("penalty_RESULTS_section.md")
+    out.write_text(section)
+    print(f"wrote {out}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
