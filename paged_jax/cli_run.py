@@ -23,6 +23,7 @@ TINY_LLAMA = dict(model_type="llama", vocab_size=256, embed_dim=128, mlp_dim=256
 """The embedded demo model: 2 layers, width 128, vocab 256, GQA 4:2, head dim 32."""
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the sampler's temperature is a float32
+_FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal (repetition penalty)
 
 
 def add_run_parser(subparsers) -> None:
@@ -350,9 +351,10 @@ def _check_args(args) -> None:
   if not 0 <= args.min_p <= 1:
     raise ValueError(f"--min-p={args.min_p} must be in [0, 1]")
   if not (math.isfinite(args.repetition_penalty)
-          and 0 < args.repetition_penalty <= _FLOAT32_MAX):
+          and _FLOAT32_TINY <= args.repetition_penalty <= _FLOAT32_MAX):
     raise ValueError(f"--repetition-penalty={args.repetition_penalty} must be a finite "
-                     "number > 0")
+                     f"number > 0 (at least {_FLOAT32_TINY:.4g}: the sampler divides in "
+                     "float32)")
   for name in ("presence_penalty", "frequency_penalty"):
     if not -2 <= getattr(args, name) <= 2:
       raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [-2, 2]")

@@ -39,10 +39,11 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["SamplingParams", "adjust", "sample", "request_keys", "truncate"]
+__all__ = ["Adjustments", "SamplingParams", "adjust", "sample", "request_keys", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal
 
 
 def _is_int(x) -> bool:
@@ -94,14 +95,16 @@ class SamplingParams:
       [0, 1] (0: no limit).
     repetition_penalty: > 0 (1: none); the logit of every token already in the sequence
       (prompt or generated) is divided by it where positive and multiplied by it where
-      not, as transformers' ``repetition_penalty`` does; greedy decoding too.
+      not, as transformers' ``repetition_penalty`` does; greedy decoding too. A finite
+      logit stays finite (clipped to float32's range).
     presence_penalty: in [-2, 2] (0: none); subtracted from the logit of every token
       generated so far (OpenAI's definition; the prompt does not count).
     frequency_penalty: in [-2, 2] (0: none); subtracted from the logit of each token once
       per time it was generated so far (the prompt does not count).
-    min_tokens: tokens to generate before a stop id (EOS included) or a stop string may end
-      the request, in [0, max_tokens]: until then the stop ids are never drawn, and a stop
-      string counts only where a token from the ``min_tokens``-th on completes it.
+    min_tokens: tokens to generate before a stop id or a stop string may end the request,
+      in [0, max_tokens]: until then the request's stop ids (``stop_token_ids`` and, unless
+      ``ignore_eos``, the EOS ids) are never drawn, and a stop string counts only where a
+      token from the ``min_tokens``-th on completes it.
   """
 
   max_tokens: int = 16
@@ -168,9 +171,10 @@ class SamplingParams:
     if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
       raise ValueError(f"min_p={self.min_p!r} must be a number in [0, 1] (0: no limit)")
     if (not _is_real(self.repetition_penalty) or not _finite(self.repetition_penalty)
-        or not 0 < self.repetition_penalty <= _FLOAT32_MAX):
+        or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX):
       raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a finite "
-                       "number > 0 (1: none)")
+                       f"number > 0 (1: none; at least {_FLOAT32_TINY:.4g}: the sampler "
+                       "divides in float32)")
     for name in ("presence_penalty", "frequency_penalty"):
       value = getattr(self, name)
       if not _is_real(value) or not -2 <= value <= 2:
@@ -207,8 +211,9 @@ class SamplingParams:
     ``top_k`` (default 50, transformers' own, also for null; 0 keeps every token) and ``top_p``
     (default 1.0) and ``min_p`` (default 0). ``repetition_penalty`` applies greedy or not.
     ``max_new_tokens`` becomes ``max_tokens``, ``min_new_tokens`` ``min_tokens`` (at most
-    ``max_tokens``: transformers stops there first), ``num_return_sequences`` ``n`` and
-    ``stop_strings`` ``stop``. ``max_length`` and ``min_length`` count the prompt too, so
+    ``max_tokens``, with a warning: transformers stops there first; it holds stop strings
+    back too, as vLLM's does, where transformers bars only EOS), ``num_return_sequences``
+    ``n`` and ``stop_strings`` ``stop``. ``max_length`` and ``min_length`` count the prompt too, so
     they are not per-request counts: the engine's ``max_model_len`` bounds the whole
     sequence. EOS ids are the engine's already (``LLM.from_pretrained`` reads them from this
     file). Settings this sampler does not have (``num_beams``, ``no_repeat_ngram_size``,
@@ -224,22 +229,21 @@ class SamplingParams:
     if do_sample:
       fields.update(temperature=get("temperature", 1.0), top_k=get("top_k", 50),
                     top_p=get("top_p", 1.0), min_p=get("min_p", 0.0))
-    for key, field in (("repetition_penalty", "repetition_penalty"),
-                       ("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+    for key, field in (("repetition_penalty", "repetition_penalty"), *_RENAMED):
       if cfg.get(key) is not None:
         fields[field] = cfg[key]
-    if cfg.get("num_return_sequences") is not None:
-      fields["n"] = cfg["num_return_sequences"]
-    if cfg.get("stop_strings") is not None:
-      fields["stop"] = cfg["stop_strings"]
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
       raise ValueError(f"overrides {unknown} are not SamplingParams fields (fields: "
                        f"{', '.join(f.name for f in dataclasses.fields(cls))})")
     if "min_tokens" in fields and "min_tokens" not in overrides:
       max_tokens = overrides.get("max_tokens", fields.get("max_tokens", cls.max_tokens))
-      if _is_int(fields["min_tokens"]) and _is_int(max_tokens):
-        fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
+      if _is_int(fields["min_tokens"]) and _is_int(max_tokens) and (
+          fields["min_tokens"] > max_tokens):
+        warnings.warn(f"{where}: min_new_tokens={fields['min_tokens']} is above max_tokens="
+                      f"{max_tokens}, where the request ends (min_tokens={max_tokens})",
+                      stacklevel=2)
+        fields["min_tokens"] = max_tokens
     unapplied = {**_NOT_APPLIED, **(_NOT_APPLIED_WHEN_SAMPLING if do_sample else {})}
     ignored = [f"{key}={cfg[key]!r}" for key, neutral in unapplied.items()
                if cfg.get(key) not in (None, [], {}) and cfg[key] not in neutral]
@@ -249,12 +253,23 @@ class SamplingParams:
     try:
       return cls(**{**fields, **overrides})
     except ValueError:
-      try:  # a value of the file's (not overridden) is named with the file
-        cls(**{k: v for k, v in fields.items() if k not in overrides})
+      own = {k: v for k, v in fields.items() if k not in overrides}
+      if "max_tokens" not in own and _is_int(own.get("min_tokens")):  # clipped as above
+        own["min_tokens"] = min(own["min_tokens"], cls.max_tokens)
+      try:  # a value of the file's (not overridden) is named with the file, by its key
+        cls(**own)
       except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        message = str(e)
+        for key, field in _RENAMED:
+          if key in cfg and message.startswith(f"{field}="):
+            message = key + message[len(field):]
+        raise ValueError(f"{where}: {message}") from None
       raise
 
+
+# generation_config.json keys whose ``SamplingParams`` field has another name.
+_RENAMED = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
+            ("num_return_sequences", "n"), ("stop_strings", "stop"))
 
 # generation_config.json settings ``SamplingParams`` has no counterpart for, each with the
 # values that change nothing (anything else is named in ``from_generation_config``'s
@@ -304,15 +319,12 @@ def request_keys(seed_S: jax.Array, fork_S: jax.Array, index_S: jax.Array) -> ja
                        index_S.astype(jnp.int32))
 
 
-def adjust(logits_SV: jax.Array, tokens_SJ: jax.Array, len_S: jax.Array,
-           prompt_len_S: jax.Array, *, repetition_penalty_S: jax.Array,
-           presence_penalty_S: jax.Array, frequency_penalty_S: jax.Array,
-           barred_Si: jax.Array, bar_S: jax.Array) -> jax.Array:
-  """f32[S, V]: the logits as a request's history changes them (``SamplingParams``' fields
-  of the same names), per row; jit-able.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Adjustments:
+  """What ``adjust`` reads of each row besides its logits (``sample``'s ``adjustments``).
 
-  Args:
-    logits_SV: [S, V] raw logits.
+  Attributes:
     tokens_SJ: i32[S, J] each row's history: its prompt at ``[0, prompt_len)``, what it
       generated at ``[prompt_len, len)``; past ``len`` ignored.
     len_S, prompt_len_S: i32[S].
@@ -323,24 +335,48 @@ def adjust(logits_SV: jax.Array, tokens_SJ: jax.Array, len_S: jax.Array,
     barred_Si: i32[S, i] ids (negative: none) set to -inf in the rows where ``bar_S`` (the
       stop ids before ``min_tokens``).
     bar_S: bool[S].
-
-  The [S, V] counts of the histories are only built in a call where some row asks for a
-  penalty, and the bar only applied where some row is barred (``cond``s): at the neutral
-  values and with no bar, the logits pass as they are.
+    rows_S: bool[S] the rows whose tokens are drawn, or None (all): ``sample`` builds the
+      [S, V] counts only when one of them asks for a penalty (not for a prefill under way
+      or a finished request).
   """
+
+  tokens_SJ: jax.Array
+  len_S: jax.Array
+  prompt_len_S: jax.Array
+  repetition_penalty_S: jax.Array
+  presence_penalty_S: jax.Array
+  frequency_penalty_S: jax.Array
+  barred_Si: jax.Array
+  bar_S: jax.Array
+  rows_S: jax.Array | None = None
+
+  def penalized_S(self) -> jax.Array:
+    """bool[S]: the rows (of ``rows_S``) whose penalties are not all neutral."""
+    on_S = ((self.repetition_penalty_S != 1) | (self.presence_penalty_S != 0)
+            | (self.frequency_penalty_S != 0))
+    return on_S if self.rows_S is None else on_S & self.rows_S
+
+
+def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
+           penalize: bool = True) -> jax.Array:
+  """f32[S, V]: the logits as each row's history changes them (``SamplingParams``' fields
+  of the same names; ``Adjustments``); jit-able. ``penalize`` (static) False: the bar only,
+  without building the [S, V] counts (every row's penalties neutral)."""
+  a = adjustments
   num_rows, vocab = logits_SV.shape
-  penalized_S = ((repetition_penalty_S != 1) | (presence_penalty_S != 0)
-                 | (frequency_penalty_S != 0))
-  logits_SV = jax.lax.cond(
-      jnp.any(penalized_S),
-      lambda x: _penalized(x, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
-                           presence_penalty_S, frequency_penalty_S),
-      lambda x: x, logits_SV.astype(jnp.float32))
-  barred_Si = jnp.where(bar_S[:, None] & (barred_Si >= 0), barred_Si, vocab)
+  logits_SV = jnp.asarray(logits_SV, jnp.float32)
+  barred_Si = jnp.where(a.bar_S[:, None] & (a.barred_Si >= 0), a.barred_Si, vocab)
   row_Si = jnp.broadcast_to(jnp.arange(num_rows)[:, None], barred_Si.shape)
-  return jax.lax.cond(jnp.any(bar_S),
-                      lambda x: x.at[row_Si, barred_Si].set(-jnp.inf, mode="drop"),
-                      lambda x: x, logits_SV)
+  if penalize:  # a new array: the bar writes into it
+    logits_SV = _penalized(logits_SV, a.tokens_SJ, a.len_S, a.prompt_len_S,
+                           a.repetition_penalty_S, a.presence_penalty_S,
+                           a.frequency_penalty_S)
+    return logits_SV.at[row_Si, barred_Si].set(-jnp.inf, mode="drop")
+  # The caller's logits are read, not written (a scatter into them copies them when the
+  # caller reads them again).
+  barred_SV = jnp.zeros((num_rows, vocab), jnp.bool_).at[row_Si, barred_Si].set(
+      True, mode="drop")
+  return jnp.where(barred_SV, -jnp.inf, logits_SV)
 
 
 def _penalized(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
@@ -356,8 +392,11 @@ def _penalized(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
   seen_SV = jnp.zeros((num_rows, vocab), jnp.bool_).at[
       row_SJ, jnp.where(seen_SJ, tokens_SJ, vocab)].set(True, mode="drop")
   penalty_S1 = repetition_penalty_S.astype(jnp.float32)[:, None]
-  logits_SV = jnp.where(seen_SV, jnp.where(logits_SV > 0, logits_SV / penalty_S1,
-                                           logits_SV * penalty_S1), logits_SV)
+  penalized_SV = jnp.where(logits_SV > 0, logits_SV / penalty_S1, logits_SV * penalty_S1)
+  finite_max = jnp.finfo(jnp.float32).max  # a tiny penalty: no finite logit becomes +-inf
+  penalized_SV = jnp.where(jnp.isfinite(logits_SV),
+                           jnp.clip(penalized_SV, -finite_max, finite_max), logits_SV)
+  logits_SV = jnp.where(seen_SV, penalized_SV, logits_SV)
   return (logits_SV - frequency_penalty_S.astype(jnp.float32)[:, None] * count_SV
           - presence_penalty_S.astype(jnp.float32)[:, None] * (count_SV > 0))
 
@@ -381,31 +420,39 @@ def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
   num_keep_S = jnp.maximum(jnp.sum(in_p_SV & in_k_SV, axis=-1), 1)
   threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
   kept_SV = scaled_SV >= threshold_S[:, None]
-  if min_p_S is not None:  # p >= min_p * max p; the scores are shifted so that max p is 1
-    row_max_S = jnp.max(scaled_SV, axis=-1, keepdims=True)
-    ratio_SV = jnp.exp(scaled_SV - jnp.where(jnp.isfinite(row_max_S), row_max_S, 0.0))
-    kept_SV &= ratio_SV >= min_p_S[:, None]
+  if min_p_S is not None:
+    kept_SV &= _min_p_kept(scaled_SV, min_p_S)
   return jnp.where(kept_SV | ~truncates_S[:, None], scaled_SV, -jnp.inf)
+
+
+def _min_p_kept(scaled_SV: jax.Array, min_p_S: jax.Array) -> jax.Array:
+  """bool[S, V]: p >= min_p * max p (no sort: the ratio to the row's most likely token)."""
+  row_max_S1 = jnp.max(scaled_SV, axis=-1, keepdims=True)
+  ratio_SV = jnp.exp(scaled_SV - jnp.where(jnp.isfinite(row_max_S1), row_max_S1, 0.0))
+  return ratio_SV >= min_p_S[:, None]
 
 
 def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
            top_p_S: jax.Array, key_S: jax.Array, *, min_p_S: jax.Array | None = None,
-           raw_logits_SV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           adjustments: Adjustments | None = None) -> tuple[jax.Array, jax.Array]:
   """One token per row (module docstring for the semantics); jit-able.
 
   Args:
-    logits_SV: [S, V] logits to draw from (raw, or ``adjust``-ed).
+    logits_SV: [S, V] raw logits.
     temperature_S: f32[S] (0: greedy).
     top_k_S: i32[S] (0: off).
     top_p_S: f32[S] in (0, 1].
     key_S: [S] typed PRNG keys (``request_keys``).
     min_p_S: f32[S] in [0, 1] (0: off); None: off in every row.
-    raw_logits_SV: [S, V] the model's own logits, whose ``log_softmax`` the log-probs are
-      read from (None: ``logits_SV``).
+    adjustments: the penalties and bars to ``adjust`` the logits by before the draw; None:
+      none. The [S, V] counts of the penalties are built only when some row (of
+      ``adjustments.rows_S``) asks for one, the bars applied only when some row is barred:
+      a ``switch`` whose three branches each draw, so that no [S, V] array passes through
+      it (XLA copies one that does, at every call).
 
   Returns:
     ``(tokens_S, logprobs_S)``: i32[S] and f32[S], the log-probability of each chosen token
-    under ``log_softmax(logits)``.
+    under ``log_softmax(logits)`` (the raw logits, adjusted or not).
   """
   if logits_SV.ndim != 2:
     raise ValueError(f"logits.shape={tuple(logits_SV.shape)} must be [S, V]")
@@ -416,14 +463,24 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
                   ("key", key_S), ("min_p", min_p_S)):
     if x is not None and x.shape != (num_rows,):
       raise ValueError(f"{name}.shape={tuple(x.shape)} must be [S]=[{num_rows}]")
-  if raw_logits_SV is not None and raw_logits_SV.shape != logits_SV.shape:
-    raise ValueError(f"raw_logits.shape={tuple(raw_logits_SV.shape)} must be logits' "
-                     f"{tuple(logits_SV.shape)}")
   logits_SV = logits_SV.astype(jnp.float32)
-  logprobs_SV = jax.nn.log_softmax(
-      logits_SV if raw_logits_SV is None else raw_logits_SV.astype(jnp.float32), axis=-1)
-  greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+  logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)
+  draw = lambda x: _draw(x, temperature_S, top_k_S, top_p_S, key_S, min_p_S)
+  if adjustments is None:
+    tokens_S = draw(logits_SV)
+  else:
+    which = jnp.where(jnp.any(adjustments.penalized_S()), 2,
+                      jnp.where(jnp.any(adjustments.bar_S), 1, 0))
+    tokens_S = jax.lax.switch(which, [
+        lambda: draw(logits_SV), lambda: draw(adjust(logits_SV, adjustments, penalize=False)),
+        lambda: draw(adjust(logits_SV, adjustments))])
+  logprob_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
+  return tokens_S, logprob_S
 
+
+def _draw(logits_SV, temperature_S, top_k_S, top_p_S, key_S, min_p_S) -> jax.Array:
+  """i32[S]: ``sample``'s tokens from ``logits_SV`` (float32)."""
+  greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
   hot_S = temperature_S > 0
   # Shifted by the row's maximum first (softmax does not change): a tiny temperature then
   # sends the other logits to -inf, not the largest ones to +inf, where the draw would
@@ -433,20 +490,21 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   scaled_SV = shifted_SV / jnp.where(hot_S, temperature_S, 1.0)[:, None]
 
   truncates_S = hot_S & ((top_k_S > 0) | (top_p_S < 1))
-  if min_p_S is not None:
-    truncates_S |= hot_S & (min_p_S > 0)
+  min_p_on_S = hot_S & (min_p_S > 0) if min_p_S is not None else None
 
   def draw():
-    # The sort over V only runs when some sampled row truncates its distribution.
-    truncating = jnp.any(truncates_S)
-    masked_SV = jax.lax.cond(
-        truncating, lambda x: truncate(x, top_k_S, top_p_S, truncates_S, min_p_S),
-        lambda x: x, scaled_SV)
+    # The sort over V only runs when some sampled row asks for top-k or top-p; min-p needs
+    # only each row's largest score (the one token top-k and top-p always keep).
+    masked_SV = jax.lax.cond(jnp.any(truncates_S),
+                             lambda x: truncate(x, top_k_S, top_p_S, truncates_S),
+                             lambda x: x, scaled_SV)
+    if min_p_S is not None:
+      masked_SV = jax.lax.cond(
+          jnp.any(min_p_on_S), lambda x: jnp.where(
+              _min_p_kept(x, min_p_S) | ~min_p_on_S[:, None], x, -jnp.inf),
+          lambda x: x, masked_SV)
     return jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
 
   # Random draws (S x V of them) only when some row samples: an all-greedy batch skips them.
   drawn_S = jax.lax.cond(jnp.any(hot_S), draw, lambda: greedy_S)
-
-  tokens_S = jnp.where(hot_S, drawn_S, greedy_S)
-  logprob_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
-  return tokens_S, logprob_S
+  return jnp.where(hot_S, drawn_S, greedy_S)

@@ -63,7 +63,7 @@ from paged_jax import step as step_api
 from paged_jax._promotion import standard_promotion
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, scrub_freed, want_S, zero_blocks)
-from paged_jax.sampling import adjust, request_keys, sample
+from paged_jax.sampling import Adjustments, request_keys, sample
 
 __all__ = ["device_call", "schedule_step"]
 
@@ -251,13 +251,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   draw_S = done_prefill_S | child_S
   row_S = jnp.where(child_S, parent_S, slot_S)
   keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
-  raw_SV = logits_SV[row_S]
-  adjusted_SV = adjust(  # penalties; stop ids barred before min_tokens
-      raw_SV, tokens_SJ, len_S, st.prompt_len_S, repetition_penalty_S=st.repetition_penalty_S,
-      presence_penalty_S=st.presence_penalty_S, frequency_penalty_S=st.frequency_penalty_S,
-      barred_Si=st.stop_Si, bar_S=draw_S & (len_S - st.prompt_len_S < st.min_tokens_S))
-  tok_S, lp_S = sample(adjusted_SV, st.temperature_S, st.top_k_S, st.top_p_S, keys_S,
-                       min_p_S=st.min_p_S, raw_logits_SV=raw_SV)
+  tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S,
+                       min_p_S=st.min_p_S, adjustments=Adjustments(  # penalties, min_tokens
+                           tokens_SJ, len_S, st.prompt_len_S, st.repetition_penalty_S,
+                           st.presence_penalty_S, st.frequency_penalty_S, st.stop_Si,
+                           draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S))
   stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
   col_S = jnp.where(keep_S & after_register, len_S, max_len)

@@ -48,8 +48,9 @@ class Output:
     logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
       else None.
     stop_reason: what ended a "stop": the stop string (str) or the id of
-      ``SamplingParams.stop_token_ids`` (int) it reached; None at an EOS id that is not
-      one of those, and for "length" (vLLM's meaning).
+      ``SamplingParams.stop_token_ids`` (int) it reached; None at an EOS id of the engine
+      (unless ``ignore_eos``; listed in ``stop_token_ids`` too) and for "length", as vLLM's
+      (which also names a checkpoint's extra EOS ids from its generation config).
   Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
   """
 
@@ -282,9 +283,10 @@ class Scheduler:
           break
       if stopped[s] or report["status_S"][s] == DONE:
         reason = "stop" if stopped[s] else REASONS[int(report["reason_S"][s])]
-        stop_id = int(report["stop_id_S"][s])
+        stop_id, p = int(report["stop_id_S"][s]), req.params
+        eos = stop_id in self.eos and not p.ignore_eos  # vLLM: EOS first, then stop ids
         why = (text.stop_string if stopped[s] else stop_id if reason == "stop"
-               and stop_id in req.params.stop_token_ids else None)
+               and stop_id in p.stop_token_ids and not eos else None)
         events.append(StreamEvent(req.index, f, None, None, reason,
                                   None if text is None else text.finish(), why))
         if not stopped[s]:  # a stopped one is the slot's until its abort (serve)

@@ -158,8 +158,9 @@ def test_stream_text_quick(capsys):
 
 @pytest.mark.slow
 def test_penalty_cost_quick():
-  # One engine, three variants of the same requests: min_tokens on ignored EOS leaves the
-  # tokens as they are (asserted inside), the penalties change some; every rate measured.
+  # One engine, three variants of the same requests: the min_tokens variant gives 32 tokens
+  # without its barred stop id (asserted inside), the penalties change some tokens; every
+  # rate measured.
   from benchmarks import penalty_cost
   rows = penalty_cost.main(["--quick"])
   assert [row["vocab"] for row in rows] == [128]

@@ -151,8 +151,12 @@ def test_eos_stop_ids_and_max_tokens(llm, dense_greedy):
   assert out.finish_reason == "stop" and list(out.token_ids) == run[:run.index(EOS)]
   assert out.stop_reason is None  # EOS, not one of the request's stop ids (as vLLM)
   assert ignored.finish_reason == "length" and list(ignored.token_ids) == run
+  # EOS listed in stop_token_ids too: EOS first (vLLM's rule), unless ignore_eos.
   out, = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(EOS,)))
-  assert (out.finish_reason, out.stop_reason) == ("stop", EOS)  # asked for by the request
+  assert (out.finish_reason, out.stop_reason) == ("stop", None)
+  out, = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(EOS,),
+                                               ignore_eos=True))
+  assert (out.finish_reason, out.stop_reason) == ("stop", EOS)
   _check_all_free(llm)
 
 
@@ -270,6 +274,13 @@ def test_min_tokens_bars_eos_and_stop_ids_until_then(llm, dense_greedy, dense_ad
     assert out.finish_reason == ("length" if len(expect) == 12 else "stop")
   out, = llm.generate([prompt], SamplingParams(max_tokens=12))
   assert out.token_ids == run[:first_eos] and out.finish_reason == "stop"
+  # Sampled completions (forks of one prompt, a low temperature that follows the greedy run
+  # to EOS) are barred alike: each runs past min_tokens, where unbarred ones stop at EOS.
+  hot = dict(max_tokens=12, temperature=0.3, seed=7, n=3)
+  early = llm.generate([prompt], SamplingParams(**hot))
+  assert any(len(o.token_ids) < first_eos + 3 for o in early)
+  outs = llm.generate([prompt], SamplingParams(**hot, min_tokens=first_eos + 3))
+  assert all(len(o.token_ids) >= first_eos + 3 for o in outs)
 
 
 def test_n_completions_through_fork(llm, dense_greedy):

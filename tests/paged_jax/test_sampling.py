@@ -3,12 +3,14 @@ per-request keys."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampling import adjust, request_keys, sample, truncate
+from paged_jax.sampling import Adjustments, adjust, request_keys, sample, truncate
 
 ROWS = 4000
 
@@ -201,9 +203,12 @@ def test_sampling_params_from_a_generation_config_as_transformers_resolves_it(
   # The file's path, the mapping, and overrides (which win).
   assert SamplingParams.from_generation_config(tmp_path / "generation_config.json") == want
   assert SamplingParams.from_generation_config(settings) == want
-  assert _params_from(tmp_path, settings, temperature=0.0, seed=3, max_tokens=2) == \
-      dataclasses.replace(want, temperature=0.0, seed=3, max_tokens=2,
-                          min_tokens=min(want.min_tokens, 2))  # never past max_tokens
+  with warnings.catch_warnings(record=True) as caught:  # min_tokens never past max_tokens
+    warnings.simplefilter("always")
+    assert _params_from(tmp_path, settings, temperature=0.0, seed=3, max_tokens=2) == \
+        dataclasses.replace(want, temperature=0.0, seed=3, max_tokens=2,
+                            min_tokens=min(want.min_tokens, 2))
+  assert len(caught) == (want.min_tokens > 2)
 
 
 def test_transformers_defaults_are_the_ones_from_generation_config_assumes():
@@ -243,7 +248,6 @@ def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ig
                                   "num_beams": 4, "no_repeat_ngram_size": 3,
                                   "bad_words_ids": None, "suppress_tokens": []})
   assert got.temperature == 1.0 and got.repetition_penalty == 1.1
-  import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # neutral values warn of nothing, nor sampling's greedy
     _params_from(tmp_path, {"repetition_penalty": 1.0, "num_beams": 1, "typical_p": 1.0,
@@ -253,13 +257,26 @@ def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ig
                                   "typical_p": 0.9, "min_length": 0})
   assert got.stop == ("###",)  # stop strings are applied now (the text reaching one)
   # min_new_tokens past max_tokens: the request ends at max_tokens (transformers' generate
-  # too); a min_tokens given past it is refused.
-  assert _params_from(tmp_path, {"min_new_tokens": 20}).min_tokens == 16
-  assert _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32).min_tokens == 20
-  assert _params_from(tmp_path, {"min_new_tokens": 20, "max_new_tokens": 8}).min_tokens == 8
-  with pytest.raises(ValueError, match=r"generation_config.json: min_tokens=-1 must be an "
-                     r"int in \[0, max_tokens=16\]"):
+  # too), said in a warning; a min_tokens given past it is refused.
+  with pytest.warns(UserWarning, match=r"min_new_tokens=20 is above max_tokens=16, where "
+                    r"the request ends \(min_tokens=16\)"):
+    assert _params_from(tmp_path, {"min_new_tokens": 20}).min_tokens == 16
+  with pytest.warns(UserWarning, match="min_new_tokens=20 is above max_tokens=8"):
+    assert _params_from(tmp_path, {"min_new_tokens": 20, "max_new_tokens": 8}).min_tokens == 8
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32).min_tokens == 20
+    # A bad override is its own; the file's min_new_tokens, clipped as served, is not blamed.
+    with pytest.raises(ValueError, match="^top_k=-1 must be"):
+      _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32, top_k=-1)
+  # The file's values are named by the file's keys.
+  with pytest.raises(ValueError, match=r"generation_config.json: min_new_tokens=-1 must be "
+                     r"an int in \[0, max_tokens=16\]"):
     _params_from(tmp_path, {"min_new_tokens": -1})
+  with pytest.raises(ValueError, match=r"generation_config.json: num_return_sequences=0 must"):
+    _params_from(tmp_path, {"num_return_sequences": 0})
+  with pytest.raises(ValueError, match=r"generation_config.json: repetition_penalty=0 must"):
+    _params_from(tmp_path, {"repetition_penalty": 0})
   with pytest.raises(ValueError, match=r"min_tokens=20 must be an int in \[0, max_tokens=16\]"):
     _params_from(tmp_path, {}, min_tokens=20)
   assert _params_from(tmp_path, {"stop_strings": "</s>"}).stop == ("</s>",)
@@ -325,42 +342,75 @@ def test_adjust_applies_each_rows_penalties_to_its_own_history_only():
   barred_Si = np.full((rows, 3), -1, np.int32)
   barred_Si[1], barred_Si[4], barred_Si[6] = [2, 5, -1], [0, 1, 2], [3, 3, 9]
   bar_S = np.array([False, True, False, True, False, True, True])
-  args = (tokens_SJ, len_S, prompt_len_S)
-  kwargs = dict(repetition_penalty_S=repetition_S, presence_penalty_S=presence_S,
-                frequency_penalty_S=frequency_S, barred_Si=barred_Si, bar_S=bar_S)
-  got = np.asarray(jax.jit(adjust)(logits_SV, *map(jnp.asarray, args),
-                                   **{k: jnp.asarray(v) for k, v in kwargs.items()}))
-  want = _adjust_oracle(logits_SV, *args, repetition_S, presence_S, frequency_S, barred_Si,
-                        bar_S)
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  fields = (tokens_SJ, len_S, prompt_len_S, repetition_S, presence_S, frequency_S, barred_Si,
+            bar_S)
+  adjustments = Adjustments(*map(jnp.asarray, fields))
+  got = np.asarray(jax.jit(adjust)(logits_SV, adjustments))
+  np.testing.assert_allclose(got, _adjust_oracle(logits_SV, *fields), rtol=1e-6, atol=1e-6)
   # Rows at the neutral values (0: empty history; 4: only a prompt, its bar off) untouched;
   # row 6 (no penalty, barred ids 3 and 9) changes only there.
   np.testing.assert_array_equal(got[[0, 4]], logits_SV[[0, 4]])
   changed = np.flatnonzero(got[6] != logits_SV[6])
   np.testing.assert_array_equal(changed, [3, 9])
   assert np.all(np.isneginf(got[6, changed]))
-  # Every row neutral: the logits as they are (the branch that builds no counts).
-  neutral = dict(kwargs, repetition_penalty_S=np.ones(rows, np.float32),
-                 presence_penalty_S=np.zeros(rows, np.float32),
-                 frequency_penalty_S=np.zeros(rows, np.float32), bar_S=np.zeros(rows, bool))
-  np.testing.assert_array_equal(
-      np.asarray(adjust(jnp.asarray(logits_SV), *map(jnp.asarray, args),
-                        **{k: jnp.asarray(v) for k, v in neutral.items()})), logits_SV)
+  # penalize=False: the bars alone (no counts built).
+  bars_only = _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S, np.ones(rows),
+                             np.zeros(rows), np.zeros(rows), barred_Si, bar_S)
+  np.testing.assert_array_equal(np.asarray(adjust(logits_SV, adjustments, penalize=False)),
+                                bars_only.astype(np.float32))
 
 
-def test_sample_draws_from_the_adjusted_logits_and_reports_the_raw_log_probs():
-  raw_SV = jnp.asarray([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
-  adjusted_SV = jnp.asarray([[0.5, 1.0, 0.0], [0.0, -jnp.inf, 1.0]])
-  keys = request_keys(jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32),
-                      jnp.zeros(2, jnp.int32))
-  tokens, lps = sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
-                       raw_logits_SV=raw_SV)
-  np.testing.assert_array_equal(np.asarray(tokens), [1, 2])
-  raw_logprobs = np.asarray(jax.nn.log_softmax(raw_SV, axis=-1))
-  np.testing.assert_allclose(np.asarray(lps), raw_logprobs[[0, 1], [1, 2]], rtol=1e-6)
-  with pytest.raises(ValueError, match=r"raw_logits.shape=\(2, 4\) must be logits' \(2, 3\)"):
-    sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
-           raw_logits_SV=jnp.zeros((2, 4)))
-  with pytest.raises(ValueError, match=r"min_p.shape=\(3,\) must be \[S\]=\[2\]"):
-    sample(adjusted_SV, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys,
-           min_p_S=jnp.zeros(3))
+def _adjustments(rows, *, history, repetition=1.0, barred=(), bar=False, rows_S=None):
+  """Every row with the same history (all of it generated) and settings."""
+  tokens_SJ = jnp.broadcast_to(jnp.asarray(history, jnp.int32), (rows, len(history)))
+  full = lambda v, dt=jnp.float32: jnp.full(rows, v, dt)
+  barred_Si = jnp.broadcast_to(jnp.asarray(list(barred) or [-1], jnp.int32),
+                               (rows, max(len(barred), 1)))
+  return Adjustments(tokens_SJ, full(len(history), jnp.int32), full(0, jnp.int32),
+                     full(repetition), full(0.0), full(0.0), barred_Si, full(bar, jnp.bool_),
+                     rows_S)
+
+
+def test_sampled_rows_draw_from_the_adjusted_logits_and_report_the_raw_log_probs():
+  # The raw distribution puts 0.9 on token 0; the adjustments bar it (as min_tokens bars a
+  # stop id) or penalise it far below the rest (it is in every row's history): greedy and
+  # at temperature 1 (with top-k, top-p or min-p too, which truncate the adjusted
+  # distribution) it is never drawn, while the log-probs reported stay the raw ones.
+  raw_V = np.log(np.array([0.9, 0.05, 0.03, 0.02]))
+  rows = 2000
+  raw_SV = jnp.broadcast_to(jnp.asarray(raw_V, jnp.float32), (rows, 4))
+  keys = request_keys(jnp.full(rows, 3, jnp.uint32), jnp.zeros(rows, jnp.int32),
+                      jnp.arange(rows, dtype=jnp.int32))
+  full = lambda v, dt=jnp.float32: jnp.full(rows, v, dt)
+  for adjustments in (_adjustments(rows, history=[0, 2], barred=[0], bar=True),
+                      _adjustments(rows, history=[0], repetition=1e4)):
+    for temperature, top_k, top_p, min_p in ((0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0),
+                                             (1.0, 2, 1.0, 0.0), (1.0, 0, 0.6, 0.0),
+                                             (1.0, 0, 1.0, 0.5)):
+      tokens, lps = jax.jit(sample)(raw_SV, full(temperature), full(top_k, jnp.int32),
+                                    full(top_p), keys, min_p_S=full(min_p),
+                                    adjustments=adjustments)
+      tokens = np.asarray(tokens)
+      assert 0 not in tokens, (temperature, top_k, top_p, min_p)
+      assert (len(set(tokens.tolist())) > 1) == (temperature > 0)
+      np.testing.assert_allclose(np.asarray(lps), raw_V[tokens], rtol=1e-5)
+  # A penalty in rows that are not drawing (rows_S) builds nothing and changes nothing.
+  tokens, _ = sample(raw_SV, full(0.0), full(0, jnp.int32), full(1.0), keys,
+                     adjustments=_adjustments(rows, history=[0], repetition=1e4,
+                                              rows_S=jnp.zeros(rows, bool)))
+  assert set(np.asarray(tokens).tolist()) == {0}
+
+
+def test_adjust_keeps_finite_logits_finite():
+  # A repetition penalty of float32's smallest normal divides 100 past float32's range:
+  # clipped to its largest finite value, not +inf (inf - inf made NaN draws); -inf stays.
+  logits_SV = jnp.asarray([[100.0, -1.0, -jnp.inf, 0.5], [2.0, -1.0, -jnp.inf, 0.5]])
+  tiny = np.finfo(np.float32).tiny
+  adjustments = Adjustments(
+      jnp.asarray([[0, 1, 2, 3], [0, 1, 2, 3]], jnp.int32), jnp.asarray([4, 4]),
+      jnp.asarray([4, 4]), jnp.asarray([tiny, 2.0], jnp.float32), jnp.zeros(2),
+      jnp.zeros(2), jnp.full((2, 1), -1, jnp.int32), jnp.zeros(2, bool))
+  got = np.asarray(adjust(logits_SV, adjustments))
+  np.testing.assert_array_equal(got[0], [np.finfo(np.float32).max, -tiny, -np.inf,
+                                         np.float32(0.5) / np.float32(tiny)])
+  np.testing.assert_array_equal(got[1], [1.0, -2.0, -np.inf, 0.25])

@@ -86,7 +86,7 @@ def mesh_of(shape):
 
 def workload():
   """Ragged prompts (some longer than T = 16: chunked prefill), a fork (n = 2), a stop id,
-  greedy with logprobs; 21 completions for 16 slots (continuous batching)."""
+  penalties, greedy with logprobs; 21 completions for 16 slots (continuous batching)."""
   rng = np.random.default_rng(0)
   lengths = (5, 17, 9, 30, 3, 1, 12, 7, 2, 22, 4, 8, 15, 6, 11, 3, 19, 5, 9, 1)
   prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
@@ -94,12 +94,16 @@ def workload():
   params[2] = SamplingParams(max_tokens=10, n=2, logprobs=True, ignore_eos=True)
   params[5] = SamplingParams(max_tokens=12, stop_token_ids=(73,), logprobs=True,
                              ignore_eos=True)
+  # Penalties and min_tokens read each shard's own token history rows.
+  params[7] = SamplingParams(max_tokens=10, repetition_penalty=1.5, presence_penalty=0.3,
+                             frequency_penalty=0.5, min_tokens=4, stop_token_ids=(73,),
+                             logprobs=True, ignore_eos=True)
   return prompts, params
 
 
 def summary(outs):
   return dict(tokens=[list(o.token_ids) for o in outs],
-              reasons=[o.finish_reason for o in outs],
+              reasons=[(o.finish_reason, o.stop_reason) for o in outs],
               logprobs=[list(o.logprobs) for o in outs])
 
 
