@@ -3,18 +3,20 @@ tokens/s of one engine with and without them.
 
 The penalties are computed inside the jitted step from the token history the device keeps:
 per step, one scatter of every slot's history (S x max_model_len ids) into [S, V] counts
-and a few passes over the [S, V] logits, behind a ``lax.cond`` that skips them when no row
-asks for a penalty; the ``min_tokens`` bar (of the stop ids) is one small scatter and a
-pass, in the branch taken when some row is barred (``paged_jax.sampling.sample``). The workload: ``--requests`` prompts of random length in
-[32, 256), 32 generated tokens each, greedy, ignore_eos, on a random Llama of 2 layers (H =
-4, K = 2, D = 16) of the table's width E and vocabulary V, impl "xla", block size 16,
-max_seqs 16, max_model_len 1024, 256 tokens per step. E = 64 makes the [S, V] work large
-beside the model's; E = 576 with V = 49152 is SmolLM2-135M's head. One engine serves
-three variants of the same requests (one compiled step): none; every request penalised
-(repetition 1.1, presence 0.5, frequency 0.5); every request with stop id 2 and
-``min_tokens`` = 32 (barred all along, no penalty).
-Each figure is the median tokens/s of ``--repeats`` timed ``generate`` calls after a warm-up
-(the compile), the variants alternated so load from other jobs hits each alike.
+and a few passes over the [S, V] logits, in the branch of the draw taken only when some
+row asks for a penalty; the ``min_tokens`` bar (of the stop ids) is one small scatter and
+a pass, in the branch taken when some row is barred (``paged_jax.sampling.sample``).
+
+The workload: ``--requests`` prompts of random length in [32, 256), 32 generated tokens
+each, greedy, ignore_eos, on a random Llama of 2 layers (H = 4, K = 2, D = 16) of the
+table's width E and vocabulary V, impl "xla", block size 16, max_seqs 16, max_model_len
+1024, 256 tokens per step. E = 64 makes the [S, V] work large beside the model's; E = 576
+with V = 49152 is SmolLM2-135M's head. One engine serves three variants of the same
+requests (one compiled step): none; every request penalised (repetition 1.1, presence 0.5,
+frequency 0.5); every request with stop id 2 and ``min_tokens`` = 32 (barred all along, no
+penalty). Each figure is the median tokens/s of ``--repeats`` timed ``generate`` calls
+after a warm-up (the compile), the variants alternated so load from other jobs hits each
+alike.
 
     python benchmarks/penalty_cost.py          # four (E, V); writes
                                                # penalty_RESULTS_section.md
