@@ -2,10 +2,11 @@
 tokens/s of one engine with and without them.
 
 The penalties are computed inside the jitted step from the token history the device keeps:
-per step, one scatter of every slot's history (S x max_model_len ids) into [S, V] counts
-and a few passes over the [S, V] logits, in the branch of the draw taken only when some
-row asks for a penalty; the ``min_tokens`` bar (of the stop ids) is one small scatter and
-a pass, in the branch taken when some row is barred (``paged_jax.sampling.sample``).
+per step, two scatters of every slot's history (S x max_model_len ids), into [S, V] counts
+and a mask of the ids seen, and a few passes over the [S, V] logits, in the branch of the
+draw taken only when some row asks for a penalty; the ``min_tokens`` bar (of the stop
+ids) is one small scatter and a pass, in the branch taken when some row is barred
+(``paged_jax.sampling.sample``).
 
 The workload: ``--requests`` prompts of random length in [32, 256), 32 generated tokens
 each, greedy, ignore_eos, on a random Llama of 2 layers (H = 4, K = 2, D = 16) of the

@@ -104,7 +104,8 @@ class SamplingParams:
     min_tokens: tokens to generate before a stop id or a stop string may end the request,
       in [0, max_tokens]: until then the request's stop ids (``stop_token_ids`` and, unless
       ``ignore_eos``, the EOS ids) are never drawn, and a stop string counts only where a
-      token from the ``min_tokens``-th on completes it.
+      token after the first ``min_tokens`` completes it (vLLM's rule: no earlier than a stop
+      id could end the request).
   """
 
   max_tokens: int = 16
@@ -239,7 +240,7 @@ class SamplingParams:
     if "min_tokens" in fields and "min_tokens" not in overrides:
       max_tokens = overrides.get("max_tokens", fields.get("max_tokens", cls.max_tokens))
       if _is_int(fields["min_tokens"]) and _is_int(max_tokens) and (
-          fields["min_tokens"] > max_tokens):
+          fields["min_tokens"] > max_tokens >= 1):  # (max_tokens < 1: refused below)
         warnings.warn(f"{where}: min_new_tokens={fields['min_tokens']} is above max_tokens="
                       f"{max_tokens}, where the request ends (min_tokens={max_tokens})",
                       stacklevel=2)

@@ -86,8 +86,9 @@ class CompletionText:
       (``SamplingParams.include_stop_str_in_output``).
     per_token: give each token's text as it comes (a stream); False (``generate``): only
       what stop strings need, and the whole text at the end (two decodes a token saved).
-    min_tokens: a stop string ends the text only where the ``min_tokens``-th token or a
-      later one completes it (``SamplingParams.min_tokens``).
+    min_tokens: a stop string ends the text only where a token after the first
+      ``min_tokens`` completes it (``SamplingParams.min_tokens``; a stop id is not drawn
+      before then either).
   """
 
   def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False,
@@ -123,7 +124,7 @@ class CompletionText:
       text = self._text
     else:  # an unfinished character last: the complete ones before it count for stops
       text = self._text + whole
-    if self._stop and len(self._ids) >= self._min_tokens:
+    if self._stop and len(self._ids) > self._min_tokens:
       end = self._stop_end(text, start)
       if end is not None:
         self.stopped = True  # (self.stop_string is set)

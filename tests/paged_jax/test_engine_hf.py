@@ -106,6 +106,15 @@ def test_repetition_penalty_and_min_tokens_equal_hf_generate(checkpoint):
       assert o.token_ids == (want[:want.index(end)] if stopped else want), min_tokens
       assert o.finish_reason == ("stop" if stopped else "length")
       assert len(o.token_ids) >= min_tokens
+  # A stop string the first token completes ends the text at once, but not under
+  # min_tokens=1 (as the stop id of that token could not end it there either).
+  first = greedy[0].text.split(" ")[0]
+  base = dict(max_tokens=6, ignore_eos=True, stop=first)
+  at_once, held = llm.generate([prompts[0]] * 2, [SamplingParams(**base),
+                                                  SamplingParams(**base, min_tokens=1)])
+  assert (at_once.token_ids, at_once.text, at_once.stop_reason) == (
+      greedy[0].token_ids[:1], "", first)
+  assert len(held.token_ids) > 1 and held.text.startswith(first)
   allocator.validate(llm.allocator_state)
 
 

@@ -266,6 +266,11 @@ def test_from_generation_config_refuses_what_it_cannot_read_and_names_what_it_ig
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32).min_tokens == 20
+    # A max_tokens refused anyway: its error alone, no warning of a cut never made.
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be an int >= 1"):
+      _params_from(tmp_path, {"max_new_tokens": 0, "min_new_tokens": 5})
+    with pytest.raises(ValueError, match="^max_tokens=0 must be an int >= 1"):
+      _params_from(tmp_path, {"min_new_tokens": 50}, max_tokens=0)
     # A bad override is its own; the file's min_new_tokens, clipped as served, is not blamed.
     with pytest.raises(ValueError, match="^top_k=-1 must be"):
       _params_from(tmp_path, {"min_new_tokens": 20}, max_tokens=32, top_k=-1)

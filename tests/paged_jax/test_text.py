@@ -54,11 +54,11 @@ def _metaspace() -> tokenizers.Tokenizer:
 def _reference(tok, ids, stop, include, min_tokens=0):
   """What a completion of ``ids`` gives: the first prefix whose decode holds a stop string
   ends it at the occurrence that ends first (of those, the one starting first), else every
-  id and its whole decode. With ``min_tokens``, only prefixes of that many ids or more, and
-  only occurrences ending past the whole characters of the prefix one id shorter."""
-  before = tok.decode(ids[:min_tokens - 1], skip_special_tokens=True) if min_tokens > 1 else ""
+  id and its whole decode. With ``min_tokens``, only prefixes longer than that, and only
+  occurrences ending past the whole characters of the first ``min_tokens`` ids' text."""
+  before = tok.decode(ids[:min_tokens], skip_special_tokens=True)
   base = len(before.rstrip("\ufffd"))
-  for k in range(max(min_tokens, 1), len(ids) + 1):
+  for k in range(min_tokens + 1, len(ids) + 1):
     text = tok.decode(ids[:k], skip_special_tokens=True)
     found = {s: text.find(s, max(base - len(s) + 1, 0)) for s in stop}
     hits = [(at + len(s), at, s) for s, at in found.items() if at >= 0]
@@ -102,9 +102,9 @@ def test_byte_level_text_and_stop_strings_match_the_decoded_prefixes(include):
     stop = tuple(dict.fromkeys(s for s in stop if s))
     assert _run(tok, ids, stop, include) == _reference(tok, ids, stop, include), (
         words, stop)
-    # min_tokens: a stop string counts only where the min_tokens-th id or a later one
+    # min_tokens: a stop string counts only where an id after the first min_tokens
     # completes it.
-    m = int(rng.integers(2, len(ids) + 2))
+    m = int(rng.integers(1, len(ids) + 2))
     assert _run(tok, ids, stop, include, m) == _reference(tok, ids, stop, include, m), (
         words, stop, m)
   # No stop string: the text is the decode of every id, each character once it is whole.
@@ -174,11 +174,12 @@ def test_metaspace_text_keeps_its_spaces_and_stops():
   text = CompletionText(tok, ("cat.",))
   assert [text.add(_WORDS.index(w)) for w in ("▁the", "▁cat")] == ["the", " "]
   assert text.finish() == "cat"  # the completion ended: what was held back comes last
-  # min_tokens 3: "the" (token 1) and " cat" (token 2) are too early; the second "cat"
-  # (token 4) ends it.
-  text = CompletionText(tok, ("the", "cat"), min_tokens=3)
+  # min_tokens 3: "the" (token 1), " cat" (token 2) and "cats" (token 3: a stop id could
+  # not end it there either) are too early; the second "cat" (token 4) ends it.
+  text = CompletionText(tok, ("the", "cat", "s"), min_tokens=3)
   words = ("▁the", "▁cat", "s", "▁cat", "▁sat")
-  assert "".join(text.add(_WORDS.index(w)) for w in words[:4]) == "the cats " and text.stopped
+  pieces = [text.add(_WORDS.index(w)) for w in words[:4]]
+  assert "".join(pieces) == "the cats " and (text.stopped, text.stop_string) == (True, "cat")
   with pytest.raises(RuntimeError, match="after its stop string"):
     text = CompletionText(tok, ("the",))
     text.add(0)

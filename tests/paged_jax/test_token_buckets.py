@@ -55,14 +55,15 @@ def test_bucketed_steps_give_the_same_tokens(tiny):
 
 
 def _pool_copies(model, config):
-  """Copy instructions of the pool's shape, or of the token history's and its log-probs'
-  ([S, J]), in the compiled device call of an engine (prefix caching on)."""
+  """Copy instructions of the pool's shape, of the token history's and its log-probs'
+  ([S, J]), or of the logits' ([S, V]: V = J for the built-in models here, 96 for
+  own_model.py's), in the compiled device call of an engine (prefix caching on)."""
   llm = LLM(model, config, block_size=4, num_blocks=97, max_seqs=3, max_tokens_per_step=64,
             steps_per_call=4, scrub_on_release=True, max_traces=1)
   pages = llm._state.cache.k_pages
   shape = lambda x: ",".join(map(str, x.shape))
   big = [f"f32[{shape(pages)}]", f"s32[{shape(llm._state.tokens_SJ)}]",
-         f"f32[{shape(llm._state.logprobs_SJ)}]"]
+         f"f32[{shape(llm._state.logprobs_SJ)}]", f"f32[3,{config.vocab_size}]"]
   hlo = llm._call_for(64).lower(llm._params, llm._state, jnp.int32(0)).compile().as_text()
   assert all(x in hlo for x in big)
   return [line for line in hlo.splitlines() for x in big
@@ -90,7 +91,8 @@ def test_device_call_never_copies_the_pool(tiny, model_kind):
   # step of a loop over layers (1 layer, or layers unrolled as examples/own_model.py runs
   # them) had 6: the fork, which writes the pool, could run before that attention read it.
   # The token history [S, J] was copied twice a step with prefix caching on (every model):
-  # the sampled tokens' write could run before the prefix registration's read.
+  # the sampled tokens' write could run before the prefix registration's read. The logits
+  # [S, V] were copied into a cond that adjusted them (penalties, min_tokens).
   if model_kind == "built-in, 2 layers":
     model, config = tiny
   elif model_kind == "built-in, 1 layer":
