@@ -39,7 +39,8 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["Adjustments", "SamplingParams", "adjust", "sample", "request_keys", "truncate"]
+__all__ = ["Adjustments", "SamplingParams", "adjust", "min_p_filter", "sample", "request_keys",
+           "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -239,12 +240,12 @@ class SamplingParams:
                        f"{', '.join(f.name for f in dataclasses.fields(cls))})")
     if "min_tokens" in fields and "min_tokens" not in overrides:
       max_tokens = overrides.get("max_tokens", fields.get("max_tokens", cls.max_tokens))
-      if _is_int(fields["min_tokens"]) and _is_int(max_tokens) and (
-          fields["min_tokens"] > max_tokens >= 1):  # (max_tokens < 1: refused below)
+      cut = _cut_min_tokens(fields["min_tokens"], max_tokens)
+      if cut != fields["min_tokens"]:
         warnings.warn(f"{where}: min_new_tokens={fields['min_tokens']} is above max_tokens="
                       f"{max_tokens}, where the request ends (min_tokens={max_tokens})",
                       stacklevel=2)
-        fields["min_tokens"] = max_tokens
+        fields["min_tokens"] = cut
     unapplied = {**_NOT_APPLIED, **(_NOT_APPLIED_WHEN_SAMPLING if do_sample else {})}
     ignored = [f"{key}={cfg[key]!r}" for key, neutral in unapplied.items()
                if cfg.get(key) not in (None, [], {}) and cfg[key] not in neutral]
@@ -255,8 +256,8 @@ class SamplingParams:
       return cls(**{**fields, **overrides})
     except ValueError:
       own = {k: v for k, v in fields.items() if k not in overrides}
-      if "max_tokens" not in own and _is_int(own.get("min_tokens")):  # clipped as above
-        own["min_tokens"] = min(own["min_tokens"], cls.max_tokens)
+      if "max_tokens" not in own and "min_tokens" in own:  # cut as above, at the default
+        own["min_tokens"] = _cut_min_tokens(own["min_tokens"], cls.max_tokens)
       try:  # a value of the file's (not overridden) is named with the file, by its key
         cls(**own)
       except ValueError as e:
@@ -266,6 +267,14 @@ class SamplingParams:
             message = key + message[len(field):]
         raise ValueError(f"{where}: {message}") from None
       raise
+
+
+def _cut_min_tokens(min_tokens, max_tokens):
+  """A file's ``min_new_tokens`` cut to a valid ``max_tokens`` (where the request ends, as
+  in transformers); anything else as it is (``SamplingParams`` refuses what is invalid)."""
+  if _is_int(min_tokens) and _is_int(max_tokens) and min_tokens > max_tokens >= 1:
+    return max_tokens
+  return min_tokens
 
 
 # generation_config.json keys whose ``SamplingParams`` field has another name.
@@ -403,13 +412,11 @@ def _penalized(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_penalty_S,
 
 
 def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
-             truncates_S: jax.Array, min_p_S: jax.Array | None = None) -> jax.Array:
-  """Top-k, top-p, then min-p: ``scaled_SV`` with every token they drop at -inf, in the
-  rows where ``truncates_S``; the other rows as they are (a row's draw never depends on
-  another row's settings). Top-k and top-p drop everything below the row's smallest kept
-  value; min-p (``min_p_S``, f32[S], default none) every token whose probability is below
-  ``min_p`` times the largest. A top-p of 1 keeps every token (the cumulative mass of a
-  long tail can round to 1 before its last tokens)."""
+             truncates_S: jax.Array) -> jax.Array:
+  """Top-k then top-p: ``scaled_SV`` with everything below each row's smallest kept value
+  at -inf, in the rows where ``truncates_S``; the other rows as they are (a row's draw never
+  depends on another row's top-k or top-p). A top-p of 1 keeps every token (the cumulative
+  mass of a long tail can round to 1 before its last tokens)."""
   vocab = scaled_SV.shape[-1]
   sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
   k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
@@ -420,17 +427,19 @@ def truncate(scaled_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array,
   in_p_SV = (before_SV < top_p_S[:, None]) | (top_p_S >= 1)[:, None]
   num_keep_S = jnp.maximum(jnp.sum(in_p_SV & in_k_SV, axis=-1), 1)
   threshold_S = jnp.take_along_axis(sorted_SV, (num_keep_S - 1)[:, None], axis=-1)[:, 0]
-  kept_SV = scaled_SV >= threshold_S[:, None]
-  if min_p_S is not None:
-    kept_SV &= _min_p_kept(scaled_SV, min_p_S)
-  return jnp.where(kept_SV | ~truncates_S[:, None], scaled_SV, -jnp.inf)
+  kept_SV = (scaled_SV >= threshold_S[:, None]) | ~truncates_S[:, None]
+  return jnp.where(kept_SV, scaled_SV, -jnp.inf)
 
 
-def _min_p_kept(scaled_SV: jax.Array, min_p_S: jax.Array) -> jax.Array:
-  """bool[S, V]: p >= min_p * max p (no sort: the ratio to the row's most likely token)."""
+def min_p_filter(scaled_SV: jax.Array, min_p_S: jax.Array, filters_S: jax.Array) -> jax.Array:
+  """Min-p: ``scaled_SV`` with every token less likely than ``min_p`` times its row's most
+  likely one at -inf, in the rows where ``filters_S``; the other rows as they are. No sort:
+  the ratio to the row's largest score, which top-k and top-p always keep, so applied after
+  ``truncate`` it drops what it would drop before it."""
   row_max_S1 = jnp.max(scaled_SV, axis=-1, keepdims=True)
   ratio_SV = jnp.exp(scaled_SV - jnp.where(jnp.isfinite(row_max_S1), row_max_S1, 0.0))
-  return ratio_SV >= min_p_S[:, None]
+  kept_SV = (ratio_SV >= min_p_S[:, None]) | ~filters_S[:, None]
+  return jnp.where(kept_SV, scaled_SV, -jnp.inf)
 
 
 def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
@@ -500,10 +509,9 @@ def _draw(logits_SV, temperature_S, top_k_S, top_p_S, key_S, min_p_S) -> jax.Arr
                              lambda x: truncate(x, top_k_S, top_p_S, truncates_S),
                              lambda x: x, scaled_SV)
     if min_p_S is not None:
-      masked_SV = jax.lax.cond(
-          jnp.any(min_p_on_S), lambda x: jnp.where(
-              _min_p_kept(x, min_p_S) | ~min_p_on_S[:, None], x, -jnp.inf),
-          lambda x: x, masked_SV)
+      masked_SV = jax.lax.cond(jnp.any(min_p_on_S),
+                               lambda x: min_p_filter(x, min_p_S, min_p_on_S),
+                               lambda x: x, masked_SV)
     return jax.vmap(jax.random.categorical)(key_S, masked_SV).astype(jnp.int32)
 
   # Random draws (S x V of them) only when some row samples: an all-greedy batch skips them.

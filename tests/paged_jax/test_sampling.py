@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampling import Adjustments, adjust, request_keys, sample, truncate
+from paged_jax.sampling import (Adjustments, adjust, min_p_filter, request_keys, sample,
+                                truncate)
 
 ROWS = 4000
 
@@ -295,9 +296,11 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
   # top-k 1 only token 0 is left; a row that does not truncate keeps everything.
   rows = 6
   scaled_SV = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (rows, 4))
-  got = truncate(scaled_SV, jnp.asarray([0, 0, 0, 0, 1, 0]), jnp.ones(rows),
-                 jnp.asarray([True] * 5 + [False]),
-                 jnp.asarray([0.5, 0.31, 0.3 - 1e-6, 0.05, 0.05, 0.9], jnp.float32))
+  filters_S = jnp.asarray([True] * 5 + [False])
+  got = min_p_filter(truncate(scaled_SV, jnp.asarray([0, 0, 0, 0, 1, 0]), jnp.ones(rows),
+                              filters_S),
+                     jnp.asarray([0.5, 0.31, 0.3 - 1e-6, 0.05, 0.05, 0.9], jnp.float32),
+                     filters_S)
   kept = np.isfinite(np.asarray(got))
   np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0],
                                        [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]])
