@@ -25,7 +25,8 @@ if TYPE_CHECKING:
                          testing)
   from paged_jax.attention import (checked_paged_attention, paged_attention, resolve_impl,
                                    validate_attention_inputs)
-  from paged_jax.engine import LLM, EngineState, Output, StreamEvent, default_token_buckets
+  from paged_jax.engine import (LLM, EngineState, Output, Session, StreamEvent,
+                                default_token_buckets)
   from paged_jax.kv_cache import KVCache
   from paged_jax.kv_groups import KVGroups
   from paged_jax.models import (CheckpointNotFoundError, Decoder, ModelConfig, init_random,
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 _HOME = {
     "paged_jax.attention": ("checked_paged_attention", "paged_attention", "resolve_impl",
                             "validate_attention_inputs"),
-    "paged_jax.engine": ("LLM", "EngineState", "Output", "StreamEvent",
+    "paged_jax.engine": ("LLM", "EngineState", "Output", "Session", "StreamEvent",
                          "default_token_buckets"),
     "paged_jax.kv_cache": ("KVCache",),
     "paged_jax.kv_groups": ("KVGroups",),
@@ -93,6 +94,7 @@ __all__ = [
     "Output",
     "PagedModel",
     "SamplingParams",
+    "Session",
     "StepInputs",
     "Steps",
     "StreamEvent",

@@ -1,8 +1,9 @@
 """The serving engine: continuous batching inside ``jit``, preemption by recompute.
 
-Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``generate_stream``, ``stats``,
-``precompile``; ``SamplingParams`` lives in ``paged_jax.sampling``. The engine serves any
-model of the protocol (``paged_jax.protocol``). Its modules, each readable alone:
+Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``generate_stream``, ``session``
+(``Session``: requests added and aborted while it serves), ``stats``, ``precompile``;
+``SamplingParams`` lives in ``paged_jax.sampling``. The engine serves any model of the
+protocol (``paged_jax.protocol``). Its modules, each readable alone:
 
 - ``state``: ``EngineState``, all device-side state in one pytree, and its small edits;
 - ``device``: one scheduling step (prefix hits, token budget, blocks and preemption, one
@@ -10,6 +11,8 @@ model of the protocol (``paged_jax.protocol``). Its modules, each readable alone
   (a ``while_loop`` of steps);
 - ``calls``: the jitted device calls of one engine and their compilation;
 - ``scheduler``: the host side (requests, slots, token buckets, reading reports);
+- ``session``: serving as requests come and go (``Session``), and ``generate_stream``'s
+  loop on it;
 - ``stream``: ``generate_stream``'s generator, started at its first event;
 - ``text``: prompts to token ids, and each completion's text as it grows (stop strings);
 - ``salts``: the ids of ``cache_salt`` strings;
@@ -22,8 +25,9 @@ from __future__ import annotations
 from paged_jax.engine.device import device_call as _device_call
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.scheduler import Output, StreamEvent, default_token_buckets
+from paged_jax.engine.session import Session
 from paged_jax.engine.state import EngineState
 from paged_jax.sampling import SamplingParams
 
-__all__ = ["LLM", "Output", "SamplingParams", "StreamEvent", "EngineState",
+__all__ = ["LLM", "Output", "SamplingParams", "Session", "StreamEvent", "EngineState",
            "default_token_buckets"]

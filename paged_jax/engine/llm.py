@@ -9,6 +9,8 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 - ``paged_jax.engine.calls``: the jitted device calls, compiled by ``LLM.precompile``;
 - ``paged_jax.engine.scheduler``: host scheduling (requests, slots, token buckets, reports);
 - ``paged_jax.engine.options``: the checks of this class's options;
+- ``paged_jax.engine.session``: serving as requests come and go (``session``), under
+  ``generate_stream`` too;
 - this module: construction and validation, ``generate`` / ``generate_stream``, ``stats``.
 """
 
@@ -32,7 +34,9 @@ from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
 from paged_jax.engine.salts import engine_live_salts
 from paged_jax.kv_groups import KVGroups, layer_windows_of
+from paged_jax.engine import session as session_lib
 from paged_jax.engine.scheduler import Output, Scheduler, StreamEvent, default_token_buckets
+from paged_jax.engine.session import Session
 from paged_jax.engine.stream import Stream
 
 __all__ = ["LLM"]
@@ -298,8 +302,15 @@ class LLM:
     self._scheduler.check_idle()  # at the call, and again at the first event
     scheduler = self._scheduler
     requests = scheduler.requests(prompts, params, cache_salt, text_per_token=text_per_token)
-    return requests, Stream(scheduler.check_idle, lambda: scheduler.serve(
-        requests, run=self._run, admit=self._admit, abort=self._abort))
+    return requests, Stream(scheduler.check_idle, lambda: session_lib.serve(
+        scheduler, requests, run=self._run, admit=self._admit, abort=self._abort))
+
+  def session(self) -> Session:
+    """A ``Session`` (``paged_jax.engine.session``): requests added (``add``) and aborted
+    (``abort``) while the engine serves, one device call per ``step()``, for a server whose
+    requests arrive over time. It holds the engine until ``close()`` (``with llm.session()
+    as session:``); a ``RuntimeError`` while another stream or session is open."""
+    return Session(self._scheduler, run=self._run, admit=self._admit, abort=self._abort)
 
   def generate_stream(self, prompts, params=None, *,
                       cache_salt=None) -> Iterator[StreamEvent]:
@@ -330,33 +341,17 @@ class LLM:
     cache entries are shared only between requests with the same salt (none counts as one
     salt), so tenants that must not share pass different salts."""
     requests, stream = self._serve(prompts, params, cache_salt, text_per_token=False)
-    tokens, logprobs, texts, finish = {}, {}, {}, {}
-    for ev in stream:
-      key = (ev.prompt_index, ev.sample_index)
-      texts.setdefault(key, []).append(ev.text or "")  # all at the end unless stop strings
-      if ev.token_id is not None:
-        tokens.setdefault(key, []).append(ev.token_id)
-        logprobs.setdefault(key, []).append(ev.logprob)
-      else:
-        finish[key] = ev
-    outputs = []
-    for req in requests:
-      for f in range(req.params.n):
-        key = (req.index, f)
-        text = "".join(texts[key]) if self.tokenizer is not None else None
-        lps, end = logprobs.get(key, []) if req.params.logprobs else None, finish[key]
-        outputs.append(Output(req.index, f, list(req.prompt), tokens.get(key, []), text,
-                              end.finish_reason, lps, end.stop_reason))
-    return outputs
+    return session_lib.outputs(requests, stream, with_text=self.tokenizer is not None)
 
   @property
   def stats(self) -> dict[str, Any]:
     """Counters since the engine was built or ``reset_stats``. ``wall_s``: the time spent
-    inside generate / generate_stream, less the compilations they waited for (a device call
-    used for the first time without ``precompile`` is compiled then, timed apart) and less
-    the time a stream's consumer held its events; tokens_per_s and requests_per_s divide by
-    it. ``requests``: those whose every completion finished (a closed stream's unfinished
-    ones are not counted); ``generated_tokens``: the tokens read (none past a stop string).
+    inside generate / generate_stream / ``Session.step``, less the compilations they waited
+    for (a device call used for the first time without ``precompile`` is compiled then,
+    timed apart) and less the time a stream's consumer held its events; tokens_per_s and
+    requests_per_s divide by it. ``requests``: those whose every completion finished (not
+    aborted ones, nor a closed stream's unfinished ones); ``generated_tokens``: the tokens
+    read (none past a stop string).
     ``kv_utilization``: tokens stored / token slots of the blocks in use, mean over the
     steps that ran a batch (0.0 before any). No reset changes ``compile_s`` (the seconds all
     compilations took, by ``precompile`` or on first use: ``compile_seconds``' sum), nor

@@ -15,10 +15,8 @@ Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a r
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from collections import abc
-from typing import Any, Callable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -28,6 +26,8 @@ from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNN
 from paged_jax.engine.text import CompletionText, encode_prompt
 from paged_jax.sampling import SamplingParams
 from paged_jax.sharding import pick_slots
+
+ARRIVAL_LIMIT = 2 ** 31 - 1  # arrival_S is int32
 
 __all__ = ["Output", "Request", "Scheduler", "StreamEvent", "default_token_buckets"]
 
@@ -69,8 +69,9 @@ class Output:
 
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
-  """One event of ``generate_stream``: a token (``token_id`` set) or the end of a completion
-  (``token_id`` None, ``finish_reason`` and ``stop_reason`` set as ``Output``'s). ``text``:
+  """One event of ``generate_stream`` or ``Session.step``: a token (``token_id`` set) or the
+  end of a completion (``token_id`` None, ``finish_reason`` and ``stop_reason`` set as
+  ``Output``'s; ``finish_reason`` "abort" for a request a session aborted). ``text``:
   with a tokenizer, the text the event adds to the completion's (maybe ""; text that could
   begin a stop string, or a character whose bytes are not all in yet, comes with a later
   event), so the ``text`` of a completion's events joined is its ``Output.text``; None
@@ -111,7 +112,7 @@ def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int,
   return tuple(sizes) + (max_tokens_per_step,)
 
 
-def _progress_key(report: dict) -> tuple:
+def progress_key(report: dict) -> tuple:
   """What a device call that makes progress changes: tokens, KV, slots, free blocks."""
   return tuple(np.asarray(report[k]).tobytes()
                for k in ("status_S", "len_S", "want_S", "num_free"))
@@ -139,8 +140,8 @@ class Scheduler:
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
     self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
     self._arrivals, self.salts = 0, SaltIds(live_salts)
-    self._serving = False  # a serve() has started and has not ended (exhausted / closed)
-    self._unclean = False  # a serve's last abort did not finish: slots may still be taken
+    self.serving = False  # a session (or stream) is open: it holds the slots
+    self.unclean = False  # a session's last abort did not finish: slots may still be taken
     self.reset_counters()
 
   def check_idle(self) -> None:
@@ -148,13 +149,22 @@ class Scheduler:
     hold slots and blocks on the device, which a second stream would hand out again
     (wrong tokens, or a stall). A stream is open from its first event until it is
     exhausted or closed."""
-    if self._serving:
+    if self.serving:
       raise RuntimeError(
-          "an earlier generate_stream of this engine is still open (iterated, but neither "
-          "exhausted nor closed), and its sequences hold the engine's slots: call its "
-          ".close() (which drops its unfinished requests) or iterate it to the end first; "
-          "one generate / generate_stream at a time per engine (a generate running in "
-          "another thread is refused too: threads sharing an engine need a lock)")
+          "an earlier generate_stream or session of this engine is still open (a stream "
+          "iterated but neither exhausted nor closed, or a session not closed), and its "
+          "sequences hold the engine's slots: call its .close() (which drops its unfinished "
+          "requests) or iterate the stream to the end first; one generate / "
+          "generate_stream / session at a time per engine (a generate running in another "
+          "thread is refused too: threads sharing an engine need a lock, or one session)")
+
+  def start_arrivals(self) -> None:
+    """Arrival order ranks the sequences in slots only: a session counts from 0."""
+    self._arrivals = 0
+
+  def draw_seed(self) -> int:
+    """A seed for a request without one, from the engine's ``seed``."""
+    return int(self._rng.integers(0, 2 ** 32))
 
   def reset_counters(self) -> None:
     self.counters = dict(host_syncs=0, device_calls=0, wall_s=0.0, tokens=0, requests=0)
@@ -223,16 +233,19 @@ class Scheduler:
 
   # --- one serving loop ---
 
-  def _fill_slots(self, waiting: list[Request], slot_owner, want_S: np.ndarray):
+  def fill_slots(self, waiting: list[Request], slot_owner, want_S: np.ndarray):
     """Admit waiting requests (FCFS) into free slots. Returns the admitted slots' rows,
     ``(slot, values)`` pairs for ``admit`` (``state.row_chunks``); empty when nobody was
     admitted. ``want_S`` (the host's view of the tokens each slot still needs) gets the
     admitted prompts."""
     free = [s for s, o in enumerate(slot_owner) if o is None]
+    if len(free) == len(slot_owner):  # no sequence to rank against: count from 0 again
+      self._arrivals = 0
     entries, held = [], set()  # held: the salt ids given out here, not on the device yet
     # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
-    while waiting and (slots := pick_slots(free, waiting[0].params.n,
-                                           self.slots_per_shard)) is not None:
+    # A session never idle for 2**31 admissions admits no more until its slots empty.
+    while waiting and self._arrivals < ARRIVAL_LIMIT and (slots := pick_slots(
+        free, waiting[0].params.n, self.slots_per_shard)) is not None:
       req = waiting.pop(0)
       req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
       p, n_prompt = req.params, len(req.prompt)
@@ -253,7 +266,7 @@ class Scheduler:
         want_S[s] = n_prompt if f == 0 else 0
     return entries
 
-  def _read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray,
+  def read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray,
                                                             np.ndarray]:
     """The events of one call's report, the slots whose completion finished, and those of
     them whose text reached a stop string (still running on the device: to abort)."""
@@ -312,85 +325,3 @@ class Scheduler:
     """The smallest token bucket holding the tokens one data shard's sequences want."""
     need = int(want_S.reshape(-1, self.slots_per_shard).sum(axis=1).max())
     return next((b for b in self.token_buckets if b >= need), self.token_buckets[-1])
-
-  def serve(self, requests: list[Request], *, run: Callable[[int, int], dict],
-            admit: Callable[[list], Any],
-            abort: Callable[[np.ndarray], Any]) -> Iterator[StreamEvent]:
-    """Serve ``requests``, yielding events after each device call.
-
-    ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
-    ``admit(entries)`` writes slots' host rows (``_fill_slots``) into the device state;
-    ``abort(mask_S)`` drops sequences: those whose text reached a stop string, and what is
-    left in slots when a serve ends (every serve ends with one, maybe of an empty mask).
-    """
-    self.check_idle()  # two streams made before either ran: the second is refused here
-    self._serving = True
-    for req in requests:  # drawn as serving starts: a stream never iterated draws none
-      if req.seed is None:
-        req.seed = int(self._rng.integers(0, 2 ** 32))
-    # Arrival order only ranks the sequences of one serve (every slot is free between
-    # two), so it restarts at 0: the int32 arrival_S never overflows on a long-lived engine.
-    self._arrivals = 0
-    finalizing = sys.is_finalizing  # a local: module globals may be gone when it is needed
-    waiting = list(requests)
-    slot_owner: list = [None] * self.max_seqs
-    want_S = np.zeros(self.max_seqs, np.int64)
-    t0 = time.perf_counter()
-    suspended = 0.0  # seconds the stream spent handed to its consumer: not serving time
-    finished = dict.fromkeys((r.index for r in requests), 0)  # completions done, delivered
-    last, stalled = None, 0
-    try:
-      if self._unclean:  # an interrupt (a second Ctrl-C) cut the last serve's abort short
-        abort(np.ones(self.max_seqs, np.bool_))
-        self._unclean = False
-      while waiting or any(o is not None for o in slot_owner):
-        admitted = self._fill_slots(waiting, slot_owner, want_S)
-        if admitted:
-          admit(admitted)
-        report = run(self.pick_bucket(want_S), self.slots_wanted(waiting))
-        events, clear, stopped = self._read_report(report, slot_owner)
-        if stopped.any():  # at a stop string: dropped (by the finally below if cut short)
-          self._unclean = True
-          abort(stopped)
-          self._unclean = False
-          for slot in np.flatnonzero(stopped):
-            slot_owner[slot] = None
-        if clear.any():  # finished slots back to a free slot's rows
-          admit([(s, {}) for s in np.flatnonzero(clear)])
-        for event in events:
-          if event.token_id is None:
-            finished[event.prompt_index] += 1
-          handed = time.perf_counter()
-          try:
-            yield event
-          finally:  # a close() resumes the stream here with GeneratorExit
-            suspended += time.perf_counter() - handed
-        want_S = np.where(stopped, 0, np.array(report["want_S"], np.int64))
-        # A device call that changed nothing, with nothing admitted before it, leaves the
-        # next call the same state: it would loop for ever. Never expected; a loud error
-        # (the stream's cleanup below frees the slots) instead of a silent hang.
-        now = _progress_key(report)
-        stalled, last = (stalled + 1 if not admitted and now == last else 0), now
-        if stalled >= 2:
-          raise RuntimeError(
-              "paged_jax engine: three device calls in a row made no progress (no token, no "
-              f"prefill, no admission; tokens wanted per slot {want_S.tolist()}, "
-              f"requests waiting {len(waiting)}, free blocks {int(report['num_free'])}): a "
-              "scheduling bug, please report it with the engine's options and the prompts' "
-              "lengths")
-    finally:
-      self._serving = False
-      # At interpreter exit (a stream never closed) the modules, JAX among them, may be
-      # torn down already (their globals None): nothing to free then.
-      if finalizing():
-        return
-      # A stream abandoned (closed) mid-way leaves sequences in slots: drop them. Should
-      # that fail too, the next serve drops every slot first (admit rewrites a slot's rows,
-      # not its blocks: a new request would read what the old one left there as its own).
-      held = np.array([o is not None for o in slot_owner])  # no-op when none are left
-      held |= self._unclean  # the drop of every slot above did not run to its end either
-      self._unclean = True
-      abort(held)
-      self._unclean = False
-      self.counters["wall_s"] += time.perf_counter() - t0 - suspended
-      self.counters["requests"] += sum(finished[r.index] == r.params.n for r in requests)

@@ -1099,6 +1099,7 @@ def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
   # generated, prefilled or admitted) gets three calls, then a RuntimeError naming what
   # each slot wants, and the stream's cleanup aborts the slots it had filled.
   from paged_jax.engine.scheduler import Scheduler
+  from paged_jax.engine.session import serve
   from paged_jax.engine.state import RUNNING
   sched = Scheduler(max_seqs=2, slots_per_shard=2, max_model_len=32, token_buckets=(8,),
                     vocab_size=128, eos=(), limit_note="")
@@ -1108,9 +1109,9 @@ def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
                tokens_SK=np.zeros((2, 4), np.int32), logprobs_SK=np.zeros((2, 4)),
                num_free=np.int32(5))
   calls, admitted, aborted = [], [], []
-  stream = sched.serve(requests, run=lambda bucket, wanted: calls.append(bucket) or stuck,
-                       admit=lambda entries: admitted.append([s for s, _ in entries]),
-                       abort=lambda mask: aborted.append(mask.copy()))
+  stream = serve(sched, requests, run=lambda bucket, wanted: calls.append(bucket) or stuck,
+                 admit=lambda entries: admitted.append([s for s, _ in entries]),
+                 abort=lambda mask: aborted.append(mask.copy()))
   with pytest.raises(RuntimeError, match=r"no progress .*tokens wanted per slot \[3, 2\]"):
     list(stream)
   assert len(calls) == 3 and admitted == [[0, 1]]
