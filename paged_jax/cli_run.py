@@ -1,7 +1,8 @@
 """``paged-jax run``: serve a synthetic workload (or a prompt) and print a serving report.
 
 With no arguments it serves ``paged_jax.workload.Workload()`` (64 requests, log-normal prompt
-and output lengths) on an embedded tiny Llama with seeded random weights (no download);
+and output lengths, all at once or arriving at ``--request-rate`` through a session) on an
+embedded tiny Llama with seeded random weights (no download);
 ``--model DIR`` serves a Hugging Face checkpoint instead, ``--prompt TEXT`` generates from
 text where the checkpoint has a tokenizer, printing the completion as it streams. Hook it up
 with ``add_run_parser(subparsers)``.
@@ -35,7 +36,8 @@ def add_run_parser(subparsers) -> None:
       "checkpoint (--model DIR)",
       description="Continuous-batching serving run. Without --model: a tiny Llama (2 layers, "
       "width 128, vocab 256) with seeded random weights serves a synthetic workload of "
-      "log-normal prompt and output lengths. Every device-call shape is compiled (or loaded "
+      "log-normal prompt and output lengths, all at once or arriving over time "
+      "(--request-rate). Every device-call shape is compiled (or loaded "
       "from the compilation cache) before serving is timed.")
   p.add_argument("--model", help="Hugging Face checkpoint directory to serve (default: the "
                  "embedded tiny Llama)")
@@ -52,6 +54,10 @@ def add_run_parser(subparsers) -> None:
                  help=f"median output length (default {w.output_median})")
   p.add_argument("--sigma", type=float, default=None,
                  help=f"log-normal sigma of both lengths (default {w.prompt_sigma})")
+  p.add_argument("--request-rate", type=float, default=None, metavar="R",
+                 help="requests arrive as a Poisson process at R per second (seeded by "
+                 "--seed) and join the running batch as they come; the report gives each "
+                 "one's wait for its first token (default: all arrive at once)")
   p.add_argument("--seed", type=int, default=0,
                  help="workload, weight and sampling seed (default 0; request i samples "
                  "with seed + i)")
@@ -234,8 +240,9 @@ def describe_device(model) -> str:
 
 def format_report(stats: dict, *, title: str, compile_s: float | None = None,
                   steady_tokens_per_s: float | None = None, notes=(),
-                  device: str | None = None) -> str:
-  """The serving report printed by ``paged-jax run``."""
+                  device: str | None = None, waits: dict | None = None) -> str:
+  """The serving report printed by ``paged-jax run``; ``waits``: ``serve_arrivals``'
+  seconds per request, summarised."""
   from paged_jax.planner import format_bytes
   rows = []
   if device is not None:
@@ -253,6 +260,12 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   if steady_tokens_per_s:
     rows.append(("steady tokens/s", f"{steady_tokens_per_s:.1f} (between 10% and 90% of the "
                  "tokens: no ramp-up, no drain)"))
+  if waits is not None and waits["ttft_s"]:
+    import numpy as np
+    for name, key, what in (("time to first token", "ttft_s", "from each request's arrival"),
+                            ("request latency", "latency_s", "arrival to its last token")):
+      p50, p90, top = np.percentile(waits[key], (50, 90, 100))
+      rows.append((name, f"p50 {p50:.3f} s, p90 {p90:.3f} s, max {top:.3f} s ({what})"))
   free = stats["num_free_blocks"]
   leak = ("all blocks free at the end: no leak" if free == stats["num_blocks"] else
           f"{stats['num_blocks'] - free} blocks still held")
@@ -329,7 +342,7 @@ def _check_args(args) -> None:
   if args.stop is not None and not all(args.stop):
     raise ValueError("--stop='' is empty: a stop string needs one character at least")
   if args.prompt is not None:
-    for name in ("num_requests", "prompt_median", "output_median", "sigma"):
+    for name in ("num_requests", "prompt_median", "output_median", "sigma", "request_rate"):
       if getattr(args, name) is not None:
         raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} applies to the "
                          "synthetic workload only; --prompt serves that one prompt (set "
@@ -359,6 +372,9 @@ def _check_args(args) -> None:
     if not -2 <= getattr(args, name) <= 2:
       raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [-2, 2]")
   check_sigma(args)
+  rate = args.request_rate
+  if rate is not None and not (math.isfinite(rate) and rate > 0):
+    raise ValueError(f"--request-rate={rate} must be a finite number > 0 (requests per second)")
 
 
 def check_counts(args, names) -> None:
@@ -442,7 +458,7 @@ def _run(args) -> int:
   _workload_args(args)
   _say(progress, "paged-jax run: loading JAX and building the engine ...")
   from paged_jax.sampling import SamplingParams
-  from paged_jax.workload import Workload, make_requests
+  from paged_jax.workload import Workload, arrival_times, make_requests, serve_arrivals
   try:
     llm = _engine(args)
   except Exception as e:  # jax's runtime error when the pool (or model) outgrows the device
@@ -512,7 +528,8 @@ def _run(args) -> int:
   workload = Workload(num_requests=args.num_requests, prompt_median=args.prompt_median,
                       prompt_sigma=args.sigma, output_median=args.output_median,
                       output_sigma=args.sigma, vocab_size=llm.config.vocab_size,
-                      max_prompt_len=max_prompt, max_output_len=max_output, seed=args.seed)
+                      max_prompt_len=max_prompt, max_output_len=max_output, seed=args.seed,
+                      request_rate=args.request_rate)
   prompts, params = make_requests(workload)
   if sampling != neutral:
     import dataclasses
@@ -521,19 +538,14 @@ def _run(args) -> int:
     params = [dataclasses.replace(p, **dict(sampling, seed=(args.seed + i) % 2**32))
               for i, p in enumerate(params)]
   llm.reset_stats()
-  _say(progress, f"  serving {count(len(prompts), 'request')} ...")
+  rate = "" if args.request_rate is None else f" arriving at {args.request_rate:g}/s"
+  _say(progress, f"  serving {count(len(prompts), 'request')}{rate} ...")
   bar = _Progress(len(prompts), enabled=progress)
-  done = tokens = 0
-  for ev in llm.generate_stream(prompts, params):
-    if ev.token_id is None:
-      done += 1
-    else:
-      tokens += 1
-    bar.update(done, tokens)
+  waits = serve_arrivals(llm, prompts, params, arrival_times(workload), bar.update)
   bar.close()
-  title = (f"paged-jax run: {count(len(prompts), 'synthetic request')} on {source}, seed "
-           f"{args.seed}")
+  title = (f"paged-jax run: {count(len(prompts), 'synthetic request')}{rate} on {source}, "
+           f"seed {args.seed}")
   print(format_report(llm.stats, title=title, compile_s=compile_s,
                       steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes,
-                      device=device))
+                      device=device, waits=waits))
   return 0

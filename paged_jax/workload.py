@@ -5,20 +5,26 @@ Prompt and output lengths are drawn independently from log-normal distributions,
 and a few are long (sigma 0.8 puts the 95th percentile near 3.7x the median). Prompt tokens
 are uniform over ``[first_token_id, vocab_size)`` (ids below ``first_token_id`` are left to
 special tokens such as BOS/EOS). Every request decodes greedily with ``ignore_eos=True`` so
-its output length is exactly the drawn one. Everything follows from ``seed``.
+its output length is exactly the drawn one. Requests arrive all at once, or as a Poisson
+process at ``request_rate`` per second (``arrival_times``: exponential gaps, the first at
+0, drawn apart from the lengths so a rate changes no length). Everything follows from
+``seed``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import math
+import numbers
+import time
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 if TYPE_CHECKING:  # imported in make_requests: the CLI builds its parser without JAX
   from paged_jax.sampling import SamplingParams
 
-__all__ = ["Workload", "make_requests"]
+__all__ = ["Workload", "arrival_times", "make_requests", "serve_arrivals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Workload:
     vocab_size: prompt ids are drawn below it.
     first_token_id: prompt ids are drawn at or above it.
     seed: the numpy seed of every draw.
+    request_rate: mean arrivals per second (a Poisson process), or None: all at once.
   """
 
   num_requests: int = 64
@@ -44,6 +51,7 @@ class Workload:
   vocab_size: int = 256
   first_token_id: int = 3
   seed: int = 0
+  request_rate: float | None = None
 
   def __post_init__(self):
     for name in ("num_requests", "prompt_median", "max_prompt_len", "output_median",
@@ -54,6 +62,11 @@ class Workload:
     for name in ("prompt_sigma", "output_sigma"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+    rate = self.request_rate
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real)
+                             or not (math.isfinite(rate) and rate > 0)):
+      raise ValueError(f"request_rate={rate!r} must be a finite number > 0 (requests per "
+                       "second), or None (all at once)")
     if not 0 <= self.first_token_id < self.vocab_size:
       raise ValueError(f"first_token_id={self.first_token_id} must be in [0, vocab_size="
                        f"{self.vocab_size})")
@@ -77,3 +90,51 @@ def make_requests(workload: Workload) -> tuple[list[list[int]], list[SamplingPar
              for n in prompt_lens]
   params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in output_lens]
   return prompts, params
+
+
+def arrival_times(workload: Workload) -> np.ndarray:
+  """Seconds from the start at which each request arrives, non-decreasing, the first at 0:
+  all 0 without a ``request_rate``, else a Poisson process's (exponential gaps)."""
+  w = workload
+  if w.request_rate is None:
+    return np.zeros(w.num_requests)
+  gaps = np.random.default_rng([w.seed, 1]).exponential(1.0 / w.request_rate, w.num_requests)
+  return np.concatenate([[0.0], np.cumsum(gaps[1:])])
+
+
+def serve_arrivals(llm, prompts, params, arrivals_s,
+                   progress: Callable[[int, int], None] | None = None) -> dict:
+  """Serve ``prompts`` on ``llm`` (an ``LLM``), each added to one session (``LLM.session``)
+  once the wall clock passes its arrival (``arrivals_s``, seconds from the call,
+  non-decreasing), so it joins the batch already running. ``progress(requests done, tokens
+  so far)`` after each device call. Returns, per request in order, ``ttft_s``: seconds from
+  its arrival to its first token (to its end, for one that generated none) and
+  ``latency_s``: to its end."""
+  arrivals_s = np.asarray(arrivals_s, np.float64)
+  n = len(prompts)
+  first, last, tokens, added = [None] * n, [None] * n, 0, 0
+  t0 = time.perf_counter()
+  with llm.session() as session:
+    while added < n or session.num_unfinished:
+      now = time.perf_counter() - t0
+      if not session.num_unfinished and arrivals_s[added] > now:  # idle until the next one
+        time.sleep(arrivals_s[added] - now)
+        now = time.perf_counter() - t0
+      end = max(int(np.searchsorted(arrivals_s, now, side="right")), added)
+      if end > added:
+        session.add(prompts[added:end], params[added:end])
+        added = end
+      events = session.step()
+      now = time.perf_counter() - t0
+      for ev in events:
+        i = ev.prompt_index
+        if first[i] is None:
+          first[i] = now
+        if ev.token_id is None:
+          last[i] = now
+        else:
+          tokens += 1
+      if progress is not None:
+        progress(sum(t is not None for t in last), tokens)
+  return dict(ttft_s=[f - a for f, a in zip(first, arrivals_s)],
+              latency_s=[t - a for t, a in zip(last, arrivals_s)])

@@ -191,6 +191,27 @@ def test_run_int8_pool_end_to_end(capsys):
   assert int(generated.split()[-1]) >= 4, generated
 
 
+def test_run_with_arrivals_reports_each_requests_wait(capsys):
+  # `paged-jax run --request-rate R`: the workload's requests arrive over time (a Poisson
+  # process) and join the running batch through a session; the report gives the waits for
+  # the first token and the latencies, and every block is back.
+  code = cli.main(["run", "--request-rate", "400", "--num-requests", "6",
+                   "--prompt-median", "8", "--output-median", "4", "--num-blocks", "64",
+                   "--max-seqs", "4", "--max-tokens-per-step", "32", "--steps-per-call", "4",
+                   "--compilation-cache", "off", "--no-progress"])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert out.startswith("paged-jax run: 6 synthetic requests arriving at 400/s on "), out
+  rows = {line.split("  ")[1].strip(): line for line in out.splitlines()[1:]}
+  assert rows["requests"].split()[-1] == "6" and "no leak" in out
+  ttft = re.search(r"p50 ([\d.]+) s, p90 ([\d.]+) s, max ([\d.]+) s \(from each request's "
+                   r"arrival\)", rows["time to first token"])
+  latency = re.search(r"p50 ([\d.]+) s, p90 ([\d.]+) s, max ([\d.]+) s \(arrival to",
+                      rows["request latency"])
+  assert ttft and latency, out
+  assert 0 <= float(ttft[1]) <= float(ttft[2]) <= float(ttft[3]) <= float(latency[3])
+
+
 def test_cli_parses_without_importing_jax():
   # `paged-jax run` says what it is doing before JAX loads (~2 s): nothing up to argument
   # parsing imports JAX, and `import paged_jax` stays light until a name is used.
@@ -246,7 +267,11 @@ def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
      "workload only; --prompt serves that one prompt"),
     (["--prompt", "hi", "--sigma", "0.5"], "--sigma=0.5 applies to the synthetic workload"),
     (["--stop", "."], "--stop='.' applies to --prompt only"),
-    (["--prompt", "hi", "--stop", ".", "--stop", ""], "--stop='' is empty")])
+    (["--prompt", "hi", "--stop", ".", "--stop", ""], "--stop='' is empty"),
+    (["--request-rate", "0"], "--request-rate=0.0 must be a finite number > 0"),
+    (["--request-rate", "inf"], "--request-rate=inf must be a finite number > 0"),
+    (["--prompt", "hi", "--request-rate", "5"], "--request-rate=5.0 applies to the "
+     "synthetic workload only")])
 def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):
   with pytest.raises(SystemExit) as exc:
     cli.main(["run", *argv, "--no-progress"])

@@ -1,11 +1,14 @@
-"""The synthetic workload: deterministic, bounded, long-tailed."""
+"""The synthetic workload: deterministic, bounded, long-tailed; its arrivals."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 
-from paged_jax.workload import Workload, make_requests
+from paged_jax.engine.scheduler import StreamEvent
+from paged_jax.workload import Workload, arrival_times, make_requests, serve_arrivals
 
 
 def test_deterministic_bounded_and_long_tailed():
@@ -32,3 +35,66 @@ def test_deterministic_bounded_and_long_tailed():
 def test_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
     Workload(**kwargs)
+
+
+def test_arrivals_are_a_seeded_poisson_process_that_changes_no_length():
+  w = Workload(num_requests=4000, seed=5, request_rate=20.0)
+  times = arrival_times(w)
+  assert times[0] == 0 and np.all(np.diff(times) >= 0) and len(times) == 4000
+  assert np.array_equal(times, arrival_times(w))
+  assert not np.array_equal(times, arrival_times(Workload(num_requests=4000, seed=6,
+                                                          request_rate=20.0)))
+  gaps = np.diff(times)
+  assert 0.95 / 20 < gaps.mean() < 1.05 / 20  # the rate
+  assert 0.9 < gaps.std() / gaps.mean() < 1.1  # exponential: its std is its mean
+  assert make_requests(w) == make_requests(Workload(num_requests=4000, seed=5))
+  assert not arrival_times(Workload(num_requests=3)).any()  # no rate: all at once
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_request_rate_must_be_a_positive_finite_number(rate):
+  with pytest.raises(ValueError, match="request_rate=.* must be a finite number > 0"):
+    Workload(request_rate=rate)
+
+
+class _FakeSession:
+  """A session that ends each request one step after it was added, with one token."""
+
+  def __init__(self, clock):
+    self.clock, self.added, self.live = clock, [], []
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    pass
+
+  @property
+  def num_unfinished(self):
+    return len(self.live)
+
+  def add(self, prompts, params):
+    ids = list(range(len(self.added), len(self.added) + len(prompts)))
+    self.added += [(i, self.clock()) for i in ids]
+    self.live += ids
+    return ids
+
+  def step(self):
+    events = [e for i in self.live for e in (StreamEvent(i, 0, 7), StreamEvent(i, 0, None))]
+    self.live = []
+    return events
+
+
+def test_serve_arrivals_adds_each_request_once_it_has_arrived():
+  # Requests join no earlier than their arrival; the wait is counted from the arrival.
+  t0 = time.perf_counter()
+  session = _FakeSession(lambda: time.perf_counter() - t0)
+  llm = type("FakeLLM", (), {"session": lambda self: session})()
+  arrivals = [0.0, 0.0, 0.05, 0.12]
+  progress = []
+  waits = serve_arrivals(llm, [[1]] * 4, [None] * 4, arrivals,
+                         progress=lambda done, tokens: progress.append((done, tokens)))
+  assert [i for i, _ in session.added] == [0, 1, 2, 3]
+  assert all(t >= a for (_, t), a in zip(session.added, arrivals))
+  assert all(0 <= f <= last < 0.05 for f, last in zip(waits["ttft_s"], waits["latency_s"]))
+  assert progress[-1] == (4, 4)
