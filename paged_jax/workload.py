@@ -108,11 +108,12 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
   once the wall clock passes its arrival (``arrivals_s``, seconds from the call,
   non-decreasing), so it joins the batch already running. ``progress(requests done, tokens
   so far)`` after each device call. Returns, per request in order, ``ttft_s``: seconds from
-  its arrival to its first token (to its end, for one that generated none) and
-  ``latency_s``: to its end."""
+  its arrival to its first token (to its end, for one that generated none), ``latency_s``:
+  to its end, and ``token_ids``: what it generated (its completions' in turn, n > 1)."""
   arrivals_s = np.asarray(arrivals_s, np.float64)
   n = len(prompts)
   first, last, tokens, added = [None] * n, [None] * n, 0, 0
+  token_ids = [[] for _ in range(n)]
   t0 = time.perf_counter()
   with llm.session() as session:
     while added < n or session.num_unfinished:
@@ -134,7 +135,8 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
           last[i] = now
         else:
           tokens += 1
+          token_ids[i].append(ev.token_id)
       if progress is not None:
         progress(sum(t is not None for t in last), tokens)
   return dict(ttft_s=[f - a for f, a in zip(first, arrivals_s)],
-              latency_s=[t - a for t, a in zip(last, arrivals_s)])
+              latency_s=[t - a for t, a in zip(last, arrivals_s)], token_ids=token_ids)

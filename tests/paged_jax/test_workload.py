@@ -97,4 +97,4 @@ def test_serve_arrivals_adds_each_request_once_it_has_arrived():
   assert [i for i, _ in session.added] == [0, 1, 2, 3]
   assert all(t >= a for (_, t), a in zip(session.added, arrivals))
   assert all(0 <= f <= last < 0.05 for f, last in zip(waits["ttft_s"], waits["latency_s"]))
-  assert progress[-1] == (4, 4)
+  assert progress[-1] == (4, 4) and waits["token_ids"] == [[7]] * 4

@@ -1,0 +1,185 @@
+"""A small HTTP server over ``LLM.session()``: each request joins the batch already running.
+
+    python examples/http_server.py --port 8000                # the embedded tiny model
+    python examples/http_server.py --port 8000 --model DIR    # a checkpoint (text prompts)
+    curl -N localhost:8000/generate -d '{"prompt": [5, 6, 7], "max_tokens": 8}'
+
+``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
+tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...).
+The answer streams one JSON line per event as the engine decides it: ``{"token_id": 17,
+"text": ...}`` per token, then ``{"finish_reason": "length", ...}``. A bad request is a 400
+with the engine's ``ValueError`` message. A client that goes away mid-answer has its request
+aborted: its slot and blocks are freed at the next step.
+
+One thread (``EngineLoop``) steps the session while any request is unfinished; the
+server's handler threads add requests and read their events from a queue each. Standard
+library only besides paged_jax: it shows the session's use, it is not a production server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import queue
+import threading
+
+from paged_jax import LLM, SamplingParams
+
+
+class EngineLoop:
+  """Steps ``llm``'s session in a thread of its own; ``submit`` / ``abort`` from any thread."""
+
+  def __init__(self, llm: LLM):
+    self.session = llm.session()
+    self.aborted: list[int] = []  # ids aborted because their client went away
+    self.error: BaseException | None = None
+    self._queues: dict[int, queue.Queue] = {}
+    self._lock = threading.Lock()  # a request's queue is registered before its first event
+    self._wake, self._stop = threading.Event(), False
+    self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+    self._thread.start()
+
+  def submit(self, prompt, params: SamplingParams) -> tuple[int, queue.Queue]:
+    """Add one request; its events arrive on the queue returned, None after its last (or
+    after an error of the loop, in ``error``). A bad request raises ``ValueError``."""
+    events: queue.Queue = queue.Queue()
+    with self._lock:
+      if self.error is not None or self._stop:
+        raise RuntimeError("the engine loop has stopped")
+      request_id, = self.session.add([prompt], params)
+      self._queues[request_id] = events
+    self._wake.set()
+    return request_id, events
+
+  def abort(self, request_id: int) -> None:
+    self.aborted.append(request_id)
+    self.session.abort(request_id)
+    self._wake.set()
+
+  def _run(self) -> None:
+    try:
+      while not self._stop:
+        if not self.session.num_unfinished:
+          self._wake.wait(0.05)  # a submit sets it: no step while nothing is asked
+          self._wake.clear()
+          continue
+        events = self.session.step()
+        with self._lock:
+          for ev in events:
+            events_queue = self._queues.get(ev.prompt_index)
+            if events_queue is None:
+              continue
+            events_queue.put(ev)
+            if ev.token_id is None:  # n = 1 here: the request's last event
+              events_queue.put(None)
+              del self._queues[ev.prompt_index]
+    except BaseException as e:  # the session is closed: every waiting handler is told
+      self.error = e
+    with self._lock:
+      for events_queue in self._queues.values():
+        events_queue.put(None)
+      self._queues.clear()
+
+  def close(self) -> None:
+    self._stop = True
+    self._wake.set()
+    self._thread.join()
+    self.session.close()
+
+
+def make_handler(loop: EngineLoop):
+  fields = set(SamplingParams.__dataclass_fields__)
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes: a stream
+
+    def log_message(self, *args):  # quiet: one line per request is noise here
+      pass
+
+    def _refuse(self, code: int, message: str) -> None:
+      body = json.dumps({"error": message}).encode() + b"\n"
+      self.send_response(code)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def do_POST(self):
+      if self.path != "/generate":
+        return self._refuse(404, f"no {self.path}: POST /generate")
+      try:
+        try:
+          body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        except json.JSONDecodeError as e:
+          raise ValueError(f"the body is not JSON ({e})") from None
+        if not isinstance(body, dict) or "prompt" not in body:
+          raise ValueError("the body must be a JSON object with a 'prompt'")
+        unknown = sorted(set(body) - fields - {"prompt"})
+        if unknown:
+          raise ValueError(f"unknown fields {unknown}: 'prompt' and SamplingParams' fields "
+                           f"{sorted(fields)}")
+        params = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()
+                  if k != "prompt"}
+        request_id, events = loop.submit(body["prompt"], SamplingParams(**params))
+      except ValueError as e:  # a bad JSON body or request: the engine's own message
+        return self._refuse(400, str(e))
+      except RuntimeError as e:
+        return self._refuse(503, str(e))
+      self.send_response(200)
+      self.send_header("Content-Type", "application/x-ndjson")
+      self.end_headers()
+      try:
+        while (ev := events.get()) is not None:
+          line = ({"token_id": ev.token_id, "text": ev.text} if ev.token_id is not None else
+                  {"finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason,
+                   "text": ev.text})
+          self.wfile.write(json.dumps(line).encode() + b"\n")
+          self.wfile.flush()
+        if loop.error is not None:
+          self.wfile.write(json.dumps({"error": repr(loop.error)}).encode() + b"\n")
+      except (BrokenPipeError, ConnectionResetError):  # the client went away
+        loop.abort(request_id)
+
+  return Handler
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000):
+  """The server (not yet serving: call ``serve_forever``) and its engine loop."""
+  loop = EngineLoop(llm)
+  server = http.server.ThreadingHTTPServer((host, port), make_handler(loop))
+  server.daemon_threads = True
+  return server, loop
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny "
+                      "Llama of `paged-jax run`, random weights, token-id prompts only)")
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--port", type=int, default=8000)
+  parser.add_argument("--max-seqs", type=int, default=16)
+  args = parser.parse_args(argv)
+  if args.model:
+    llm = LLM.from_pretrained(args.model, max_seqs=args.max_seqs)
+  else:
+    from paged_jax import ModelConfig, init_random
+    config = ModelConfig(model_type="llama", vocab_size=256, embed_dim=128, mlp_dim=256,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         max_seq_len=512, eos_token_ids=(2,))
+    llm = LLM(init_random(config, seed=0), config, num_blocks=256, max_seqs=args.max_seqs)
+  print("compiling ...", flush=True)
+  llm.precompile()
+  server, loop = serve(llm, args.host, args.port)
+  print(f"serving on http://{args.host}:{server.server_address[1]}/generate", flush=True)
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.server_close()
+    loop.close()
+
+
+if __name__ == "__main__":
+  main()

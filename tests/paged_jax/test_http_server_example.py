@@ -1,0 +1,109 @@
+"""``examples/http_server.py``: a session behind real sockets and threads. Concurrent clients
+get what ``generate`` gives them, a bad request is a 400 naming the field, and a client
+that hangs up mid-answer has its request aborted and its blocks freed."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from paged_jax import LLM, ModelConfig, SamplingParams, allocator, init_random
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def example():
+  spec = importlib.util.spec_from_file_location(
+      "http_server_example", os.path.join(ROOT, "examples", "http_server.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def llm():
+  config = ModelConfig(model_type="llama", vocab_size=128, embed_dim=64, mlp_dim=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       max_seq_len=128, eos_token_ids=(2,))
+  return LLM(init_random(config, seed=0, impl="xla"), config, block_size=4, num_blocks=64,
+             max_seqs=3, max_tokens_per_step=16, steps_per_call=4)
+
+
+def _post(port: int, body: dict) -> tuple[int, list[dict]]:
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+  conn.request("POST", "/generate", json.dumps(body))
+  response = conn.getresponse()
+  lines = [json.loads(line) for line in response.read().splitlines()]
+  conn.close()
+  return response.status, lines
+
+
+def _wait_until(condition, timeout_s=60.0):
+  end = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < end, "timed out"
+    time.sleep(0.01)
+
+
+def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, llm):
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(3, 128, n)] for n in (5, 14, 9, 20, 3)]
+  bodies = [dict(prompt=p, max_tokens=4 + i, temperature=0.7 * (i % 2), seed=i,
+                 ignore_eos=True) for i, p in enumerate(prompts)]
+  expected = [o.token_ids for o in llm.generate(
+      prompts, [SamplingParams(**{k: v for k, v in b.items() if k != "prompt"})
+                for b in bodies])]
+  server, loop = example.serve(llm, port=0)
+  port = server.server_address[1]
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    results = [None] * len(bodies)
+
+    def client(i):
+      results[i] = _post(port, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    for (status, lines), want in zip(results, expected):
+      assert status == 200
+      assert [line["token_id"] for line in lines[:-1]] == want
+      assert lines[-1]["finish_reason"] == "length"
+
+    status, lines = _post(port, dict(prompt=[], max_tokens=3))
+    assert status == 400 and "prompts[0]" in lines[0]["error"]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/generate", "{prompt")
+    response = conn.getresponse()
+    assert response.status == 400 and b"the body is not JSON" in response.read()
+    conn.close()
+    status, lines = _post(port, dict(prompt=[5], max_tokenz=3))
+    assert status == 400 and "unknown fields ['max_tokenz']" in lines[0]["error"]
+
+    # A client reads one line of a long answer and hangs up: its request is aborted.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/generate", json.dumps(dict(prompt=prompts[1], max_tokens=100,
+                                                      ignore_eos=True)))
+    response = conn.getresponse()
+    assert "token_id" in json.loads(response.readline())
+    conn.close()
+    response.close()
+    _wait_until(lambda: loop.aborted and not loop.session.num_unfinished)
+    assert len(loop.aborted) == 1
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()
+  assert loop.error is None
+  allocator.validate(llm.allocator_state)
+  assert llm.stats["num_free_blocks"] == llm.stats["num_blocks"]
