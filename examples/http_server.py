@@ -6,8 +6,9 @@
 
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
 tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...).
-The answer streams one JSON line per event as the engine decides it: ``{"token_id": 17,
-"text": ...}`` per token, then ``{"finish_reason": "length", ...}``. A bad request is a 400
+The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
+"token_id": 17, "text": ...}`` per token, then ``{"index": 0, "finish_reason": "length",
+...}`` (``index``: the completion, 0 .. n-1 with ``n``). A bad request is a 400
 with the engine's ``ValueError`` message. A client that goes away mid-answer has its request
 aborted: its slot and blocks are freed at the next step.
 
@@ -35,6 +36,7 @@ class EngineLoop:
     self.aborted: list[int] = []  # ids aborted because their client went away
     self.error: BaseException | None = None
     self._queues: dict[int, queue.Queue] = {}
+    self._left: dict[int, int] = {}  # completions not yet ended, by request id
     self._lock = threading.Lock()  # a request's queue is registered before its first event
     self._wake, self._stop = threading.Event(), False
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -48,7 +50,7 @@ class EngineLoop:
       if self.error is not None or self._stop:
         raise RuntimeError("the engine loop has stopped")
       request_id, = self.session.add([prompt], params)
-      self._queues[request_id] = events
+      self._queues[request_id], self._left[request_id] = events, params.n
     self._wake.set()
     return request_id, events
 
@@ -71,9 +73,11 @@ class EngineLoop:
             if events_queue is None:
               continue
             events_queue.put(ev)
-            if ev.token_id is None:  # n = 1 here: the request's last event
-              events_queue.put(None)
-              del self._queues[ev.prompt_index]
+            if ev.token_id is None:
+              self._left[ev.prompt_index] -= 1
+              if not self._left[ev.prompt_index]:  # its last completion ended
+                events_queue.put(None)
+                del self._queues[ev.prompt_index], self._left[ev.prompt_index]
     except BaseException as e:  # the session is closed: every waiting handler is told
       self.error = e
     with self._lock:
@@ -131,9 +135,10 @@ def make_handler(loop: EngineLoop):
       self.end_headers()
       try:
         while (ev := events.get()) is not None:
-          line = ({"token_id": ev.token_id, "text": ev.text} if ev.token_id is not None else
-                  {"finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason,
-                   "text": ev.text})
+          line = ({"index": ev.sample_index, "token_id": ev.token_id, "text": ev.text}
+                  if ev.token_id is not None else
+                  {"index": ev.sample_index, "finish_reason": ev.finish_reason,
+                   "stop_reason": ev.stop_reason, "text": ev.text})
           self.wfile.write(json.dumps(line).encode() + b"\n")
           self.wfile.flush()
         if loop.error is not None:

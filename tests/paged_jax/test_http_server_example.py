@@ -61,6 +61,9 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
   expected = [o.token_ids for o in llm.generate(
       prompts, [SamplingParams(**{k: v for k, v in b.items() if k != "prompt"})
                 for b in bodies])]
+  llm_outputs_n2 = [o.token_ids for o in llm.generate(
+      [prompts[0]], SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=9,
+                                   ignore_eos=True))]
   server, loop = example.serve(llm, port=0)
   port = server.server_address[1]
   threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -79,6 +82,15 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
       assert status == 200
       assert [line["token_id"] for line in lines[:-1]] == want
       assert lines[-1]["finish_reason"] == "length"
+
+    # n = 2: both completions, interleaved as they come, the answer ends after the second.
+    status, lines = _post(port, dict(prompt=prompts[0], max_tokens=3, n=2, temperature=1.0,
+                                     seed=9, ignore_eos=True))
+    want = llm_outputs_n2
+    got = [[line["token_id"] for line in lines if line["index"] == f and "token_id" in line]
+           for f in (0, 1)]
+    assert status == 200 and got == want
+    assert [line["finish_reason"] for line in lines if "finish_reason" in line] == ["length"] * 2
 
     status, lines = _post(port, dict(prompt=[], max_tokens=3))
     assert status == 400 and "prompts[0]" in lines[0]["error"]
