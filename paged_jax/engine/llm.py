@@ -319,7 +319,7 @@ class LLM:
     requests are validated (``ValueError`` naming the request) before this returns; seeds of
     unseeded requests are drawn when it starts. Closing the generator early drops the
     unfinished requests (their blocks are released). One ``generate`` / ``generate_stream``
-    at a time per engine: a stream iterated but neither exhausted nor closed holds the
+    / ``session`` at a time per engine: a stream iterated but neither exhausted nor closed holds the
     engine's slots, and starting another is a ``RuntimeError`` until it is (``break`` out of
     ``for ev in llm.generate_stream(...)`` closes it; a stream kept in a variable needs
     ``.close()``); a stream so refused at its first event can be iterated again later.
