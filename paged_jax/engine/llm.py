@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -189,6 +190,9 @@ class LLM:
         limit_note=limit, live_salts=engine_live_salts(self),
         tokenizer=tokenizer, seed=seed)
     self._state = self._init_state()
+    # One thread at a time reads or replaces the device state: a session's step, or stats
+    # read from a server's other thread (which waits for the device call under way).
+    self._state_lock = threading.RLock()
 
   @classmethod
   def from_pretrained(cls, path, *, dtype=None, impl: str = "auto", **kwargs) -> "LLM":
@@ -203,17 +207,8 @@ class LLM:
                                     else mesh_sharding.load_placement(mesh))
     tokenizer = kwargs.pop("tokenizer", None)
     tok_path = os.path.join(checkpoint_dir(path), "tokenizer.json")  # beside the weights
-    if tokenizer is None and os.path.isfile(tok_path):
-      try:
-        import tokenizers
-      except ImportError:  # optional dependency
-        tokenizers = None
-      if tokenizers is not None:
-        try:
-          tokenizer = tokenizers.Tokenizer.from_file(tok_path)
-        except Exception as e:  # the library raises a bare Exception on a bad file
-          raise ValueError(f"{tok_path} is not a tokenizer the tokenizers library reads "
-                           f"({e}); replace it, or remove it to serve token ids only") from None
+    if tokenizer is None and os.path.isfile(tok_path):  # tokenizers is optional
+      tokenizer = options.load_tokenizer(tok_path)
     return cls(model, config, tokenizer=tokenizer, **kwargs)
 
   # --- state and compilation ---
@@ -235,7 +230,8 @@ class LLM:
     (``what`` e.g. "step T=32"). Returns the seconds each took, also kept in
     ``compile_seconds`` (and their sum in ``stats["compile_s"]``). Calls compiled before
     (by serving, or by another engine of the same model structure and sizes) take ~0 s."""
-    return self._device.precompile(self._params, self._state, progress)
+    with self._state_lock:
+      return self._device.precompile(self._params, self._state, progress)
 
   @property
   def compile_seconds(self) -> dict[str, float]:
@@ -266,33 +262,37 @@ class LLM:
   def allocator_state(self) -> allocator.AllocatorState:
     """The allocator state now (for ``allocator.validate``); with a mesh, every leaf has
     a leading data-shard axis (validate ``tree_map(lambda x: x[i], ...)`` per shard)."""
-    self._abort(np.zeros(self._scheduler.max_seqs, np.bool_))  # rebuilds a lost state
-    return self._state.alloc
+    with self._state_lock:
+      self._abort(np.zeros(self._scheduler.max_seqs, np.bool_))  # rebuilds a lost state
+      return self._state.alloc
 
   # --- serving ---
 
   def _run(self, bucket: int, slots_wanted: int) -> dict:
-    self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
-    self._bucket = bucket
-    # Explicit host -> device puts: a caller's jax.transfer_guard("disallow") holds.
-    wanted = jax.device_put(np.int32(slots_wanted))
-    self._state, report = self._call(self._params, self._state, wanted)
-    return jax.device_get(report)  # the one device -> host transfer of this call
+    with self._state_lock:
+      self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
+      self._bucket = bucket
+      # Explicit host -> device puts: a caller's jax.transfer_guard("disallow") holds.
+      wanted = jax.device_put(np.int32(slots_wanted))
+      self._state, report = self._call(self._params, self._state, wanted)
+      return jax.device_get(report)  # the one device -> host transfer of this call
 
   def _admit(self, entries: list) -> None:
-    self._device.ensure_compiled("admit", self._params, self._state)
-    for chunk in self._device.admit_chunks(self._state, entries):
-      self._state = self._device.admit(self._state, *self._to_device(*chunk))
+    with self._state_lock:
+      self._device.ensure_compiled("admit", self._params, self._state)
+      for chunk in self._device.admit_chunks(self._state, entries):
+        self._state = self._device.admit(self._state, *self._to_device(*chunk))
 
   def _abort(self, mask_S: np.ndarray) -> None:
     """Drop ``mask_S``'s sequences (every serve ends here). A state lost to an interrupt
     (a call took the donated state; its result never came back) is rebuilt empty: the
     sequences go anyway, the prefix cache with them; the interrupt propagates as it was."""
-    if state_lib.lost(self._state):
-      self._state = self._init_state()
-    elif mask_S.any():
-      self._device.ensure_compiled("abort", self._params, self._state)
-      self._state = self._device.abort(self._state, *self._to_device(mask_S))
+    with self._state_lock:
+      if state_lib.lost(self._state):
+        self._state = self._init_state()
+      elif mask_S.any():
+        self._device.ensure_compiled("abort", self._params, self._state)
+        self._state = self._device.abort(self._state, *self._to_device(mask_S))
 
   def _to_device(self, *host):
     # A mesh's calls place host rows on their shards themselves.
@@ -366,11 +366,12 @@ class LLM:
     wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
     # The pool now (read on demand, outside the serving loop), not since a reset.
     # On the host (numpy): an eager jnp reduction here compiled on the first stats read.
-    alloc = self.allocator_state
     fetch = jax.device_get if self._plan is None else self._plan.fetch
-    host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
-                               depth_N=fetch(alloc.depth_N))
-    free, cached = int(np.sum(fetch(alloc.num_free))), int(np.sum(allocator.cached_N(host)))
+    with self._state_lock:  # no device call replaces the arrays while they are read
+      alloc = self.allocator_state
+      host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
+                                 depth_N=fetch(alloc.depth_N), num_free=fetch(alloc.num_free))
+    free, cached = int(np.sum(host.num_free)), int(np.sum(allocator.cached_N(host)))
     prompt_tokens = r.get("prompt_tokens", 0)
     cached_tokens = r.get("cached_prompt_tokens", 0)
     return dict(

@@ -71,6 +71,20 @@ def check_tokenizer(tokenizer) -> None:
                      "decode(ids))")
 
 
+def load_tokenizer(path: str):
+  """The ``tokenizers.Tokenizer`` of a checkpoint's ``tokenizer.json``, or None when the
+  optional ``tokenizers`` package is missing; a file it cannot read is a ``ValueError``."""
+  try:
+    import tokenizers
+  except ImportError:
+    return None
+  try:
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # the library raises a bare Exception on a bad file
+    raise ValueError(f"{path} is not a tokenizer the tokenizers library reads ({e}); "
+                     "replace it, or remove it to serve token ids only") from None
+
+
 def check_budget(kv_budget_bytes, block_bytes: int, what: str) -> None:
   """``kv_budget_bytes``: an int holding one block at least (``what`` says of which
   shape)."""

@@ -15,6 +15,7 @@ Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a r
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import abc
 from typing import Sequence
 
@@ -140,15 +141,16 @@ class Scheduler:
     self.vocab_size, self.eos, self.limit_note = vocab_size, eos, limit_note
     self.tokenizer, self._rng = tokenizer, np.random.default_rng(seed)
     self._arrivals, self.salts = 0, SaltIds(live_salts)
-    self.serving = False  # a session (or stream) is open: it holds the slots
+    self.serving = False  # a session (or stream) is open: it holds the slots (``claim``)
+    self._claim_lock = threading.Lock()
     self.unclean = False  # a session's last abort did not finish: slots may still be taken
     self.reset_counters()
 
   def check_idle(self) -> None:
-    """Refuses to start serving while an earlier stream is open: its sequences still
-    hold slots and blocks on the device, which a second stream would hand out again
+    """Refuses to start serving while an earlier stream or session is open: its sequences
+    still hold slots and blocks on the device, which a second one would hand out again
     (wrong tokens, or a stall). A stream is open from its first event until it is
-    exhausted or closed."""
+    exhausted or closed; a session from ``LLM.session()`` until its ``close()``."""
     if self.serving:
       raise RuntimeError(
           "an earlier generate_stream or session of this engine is still open (a stream "
@@ -158,9 +160,13 @@ class Scheduler:
           "generate_stream / session at a time per engine (a generate running in another "
           "thread is refused too: threads sharing an engine need a lock, or one session)")
 
-  def start_arrivals(self) -> None:
-    """Arrival order ranks the sequences in slots only: a session counts from 0."""
-    self._arrivals = 0
+  def claim(self) -> None:
+    """``check_idle``, then the engine is the caller's until ``serving`` is cleared: one
+    check-and-set, so two threads never both get it. Arrivals count from 0 (they rank
+    the sequences in slots only)."""
+    with self._claim_lock:
+      self.check_idle()
+      self.serving, self._arrivals = True, 0
 
   def draw_seed(self) -> int:
     """A seed for a request without one, from the engine's ``seed``."""
@@ -180,8 +186,9 @@ class Scheduler:
   def requests(self, prompts, params, cache_salt=None, *,
                text_per_token: bool = True) -> list[Request]:
     """Validate a ``generate`` call's arguments (``ValueError`` naming the request). Draws
-    nothing: unseeded requests get their seeds when served (``serve``), salts their ids
-    when admitted, so a refused call, or a stream never iterated, changes nothing.
+    nothing: unseeded requests get their seeds when queued in a session (a stream's at its
+    first event), salts their ids when admitted, so a refused call, or a stream never
+    iterated, changes nothing.
     ``text_per_token``: each token event carries its text (else only the last event)."""
     if getattr(prompts, "ndim", None) == 2:  # a [B, T] array (NumPy or JAX): B prompts
       prompts = list(np.asarray(prompts))

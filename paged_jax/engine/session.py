@@ -4,9 +4,11 @@ loop built on it.
 A session holds the engine (its slots, its pool) from ``LLM.session()`` until ``close()``.
 ``add`` validates requests and queues them; ``abort`` marks requests to drop; ``step`` makes
 one device call with what is queued (admitting waiting requests into free slots as they
-free, continuous batching) and returns its events. ``add``, ``abort`` and
-``num_unfinished`` may be called from any thread (a lock guards the queues); ``step`` and
-``close`` from one thread at a time. Every device call is made by ``step`` or ``close``.
+free, continuous batching) and returns its events. ``add``, ``abort``, ``num_unfinished``
+and ``close`` may be called from any thread (a lock guards the queues; ``close`` waits for
+a step under way), ``step`` from one at a time (a second is refused); ``LLM.stats`` too
+(it waits for the device call under way). Every device call is made by ``step`` or
+``close``.
 
 A request's id is the ``prompt_index`` of its events: 0, 1, ... in the order ``add`` took
 them over the session's life. A session keeps no finished request: its memory is that of
@@ -34,9 +36,10 @@ class Session:
 
   def __init__(self, scheduler: Scheduler, *, run: Callable[[int, int], dict],
                admit: Callable[[list], Any], abort: Callable[[np.ndarray], Any]):
-    scheduler.check_idle()
+    scheduler.claim()  # the engine is this session's until close()
     self._s, self._run, self._admit, self._abort = scheduler, run, admit, abort
     self._lock = threading.Lock()
+    self._stepping = threading.Lock()  # held by the step under way
     self._incoming: list[Request] = []  # added, not yet seen by step
     self._aborting: list[int] = []  # ids to drop at the next step
     self._unfinished: dict[int, Request] = {}  # by id: incoming, waiting or in a slot
@@ -48,14 +51,11 @@ class Session:
     self._last, self._stalled, self._closed = None, 0, False
     # Kept: at interpreter exit module globals (sys, numpy, JAX) may be gone when it is needed.
     self._finalizing = sys.is_finalizing
-    # Arrival order only ranks the sequences in slots, so a session counts from 0.
-    scheduler.start_arrivals()
-    scheduler.serving = True
     if scheduler.unclean:  # an interrupt (a second Ctrl-C) cut the last abort short
       try:
         abort(np.ones(scheduler.max_seqs, np.bool_))
       except BaseException:
-        scheduler.serving = False
+        self._closed, scheduler.serving = True, False
         raise
       scheduler.unclean = False
 
@@ -77,8 +77,8 @@ class Session:
 
   def _check_open(self) -> None:
     if self._closed:
-      raise RuntimeError("this session is closed (its requests were dropped); open a new "
-                         "one with llm.session()")
+      raise RuntimeError("this session is closed (its unfinished requests were dropped); "
+                         "open a new one with llm.session()")
 
   def add(self, prompts, params=None, *, cache_salt=None) -> list[int]:
     """Queue ``prompts`` (as ``generate`` takes them: a list, one ``SamplingParams`` or one
@@ -109,6 +109,9 @@ class Session:
     which frees their slots and blocks and returns, for each completion not yet finished,
     an event with ``finish_reason`` "abort". An id already finished or aborted is ignored;
     one ``add`` never returned is a ``ValueError``."""
+    self._check_open()
+    if isinstance(request_ids, np.ndarray):  # 0-d: one id
+      request_ids = request_ids.tolist()
     ids = [request_ids] if isinstance(request_ids, (int, np.integer)) else request_ids
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
       raise ValueError(f"request_ids={request_ids!r} must be an id or a list of ids")
@@ -116,18 +119,24 @@ class Session:
     for i in ids:
       if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) \
           or not 0 <= i < self._next_id:
+        given = f"ints 0 .. {self._next_id - 1}" if self._next_id else "none yet"
         raise ValueError(f"request_ids holds {i!r}, not an id this session's add returned "
-                         f"(ints 0 .. {self._next_id - 1})")
+                         f"({given})")
     with self._lock:
+      self._check_open()
       self._aborting.extend(int(i) for i in ids)
 
   def step(self) -> list[StreamEvent]:
-    """Admit what waits into free slots, make one device call (``steps_per_call`` engine
-    steps, ending early when enough slots free for the waiting requests) and return its
-    events, as ``generate_stream`` yields them; the aborted requests' "abort" events come
-    first. With nothing unfinished it returns [] at once. An error here closes the session
-    (its requests are dropped) and propagates."""
+    """Admit what waits into free slots, make one device call (up to ``steps_per_call``
+    engine steps; it ends early as any call does: nothing left running, enough slots free
+    for the waiting requests, or a token bucket that fits better) and return its events,
+    as ``generate_stream`` yields them; the aborted requests' "abort" events come first.
+    With nothing unfinished it returns [] at once. An error here closes the session (its
+    requests are dropped) and propagates. One thread at a time: a second is refused."""
     self._check_open()
+    if not self._stepping.acquire(blocking=False):
+      raise RuntimeError("a step of this session is running in another thread: one thread "
+                         "steps a session (others may add and abort)")
     t0 = time.perf_counter()
     try:
       with self._lock:
@@ -149,10 +158,11 @@ class Session:
           self._done.pop(i, None)
       return dropped + events
     except BaseException:
-      self.close()
+      self._close()
       raise
     finally:
       self._s.counters["wall_s"] += time.perf_counter() - t0
+      self._stepping.release()
 
   def _drop(self, ids: list[int]) -> list[StreamEvent]:
     """Drop the requests ``ids`` (``abort``): their events, their slots freed."""
@@ -215,7 +225,11 @@ class Session:
 
   def close(self) -> None:
     """Drop every unfinished request (their slots and blocks freed) and give the engine
-    back. A second close does nothing."""
+    back, once a step under way in another thread has ended. A second close does nothing."""
+    with self._stepping:
+      self._close()
+
+  def _close(self) -> None:
     with self._lock:
       if self._closed:
         return
@@ -224,19 +238,21 @@ class Session:
       self._unfinished.clear()
       self._done.clear()
     s = self._s
-    s.serving = False
-    # At interpreter exit (a stream never closed) the modules, JAX among them, may be torn
-    # down already: nothing to free then. Else drop what is left in slots; should that fail
-    # too, the next session drops every slot first (admit rewrites a slot's rows, not its
-    # blocks: a new request would read what the old one left there as its own).
-    if self._finalizing():
-      return
-    self._waiting = []
-    held_S = np.array([o is not None for o in self._owner]) | s.unclean
-    s.unclean = True
-    self._abort(held_S)  # no-op when none are left
-    s.unclean = False
-    self._owner = [None] * s.max_seqs
+    try:
+      # At interpreter exit (a stream never closed) the modules, JAX among them, may be torn
+      # down already: nothing to free then. Else drop what is left in slots; should that
+      # fail too, the next session drops every slot first (admit rewrites a slot's rows,
+      # not its blocks: a new request would read what the old one left there as its own).
+      if self._finalizing():
+        return
+      self._waiting = []
+      held_S = np.array([o is not None for o in self._owner]) | s.unclean
+      s.unclean = True
+      self._abort(held_S)  # no-op when none are left
+      s.unclean = False
+      self._owner = [None] * s.max_seqs
+    finally:  # the engine is free for the next user once its slots are
+      s.serving = False
 
 
 def serve(scheduler: Scheduler, requests: list[Request], *, run: Callable[[int, int], dict],

@@ -8,7 +8,9 @@ came. Every test ends with the pool free and valid.
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -122,6 +124,7 @@ def test_abort_drops_waiting_and_running_requests_and_frees_their_blocks(llm):
       session.abort([True])
     with pytest.raises(ValueError, match="request_ids='1' must be an id or a list"):
       session.abort("1")
+    session.abort(np.array(0))  # a 0-d array is one id (finished: ignored)
   assert {k: v for k, v in got.items() if k[0] in (0, 2)} == {
       (0, 0): expected[(0, 0)], (2, 0): expected[(1, 0)]}
   assert got[(3, 0)] == [[], "abort"]  # never admitted
@@ -262,4 +265,127 @@ def test_a_session_never_idle_stops_admitting_before_arrivals_overflow(llm, monk
   assert arrivals.count(0) >= 2  # counted from 0 again
   monkeypatch.undo()
   assert got == _expected(llm, prompts, params)
+  _check_all_free(llm)
+
+
+def test_stats_read_from_another_thread_while_a_session_steps(llm):
+  # A server's /stats handler reads llm.stats while its loop steps. The read took the
+  # state a device call had just been handed (donated) for a lost one and rebuilt it
+  # empty: every running request was dropped. It now waits for the call under way.
+  prompts = _prompts((6, 11, 4, 9, 14, 7), seed=8)
+  params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=1)
+  expected = _expected(llm, prompts, params)
+  got, stop, errors = {}, threading.Event(), []
+
+  def monitor():
+    while not stop.is_set():
+      try:
+        stats = llm.stats
+        assert 0 <= stats["num_free_blocks"] <= stats["num_blocks"]
+      except Exception as e:  # noqa: BLE001 - reported below
+        errors.append(e)
+        return
+
+  old_interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-5)  # switch threads often: the race showed in most runs
+  thread = threading.Thread(target=monitor)
+  try:
+    thread.start()
+    with llm.session() as session:
+      session.add(prompts, params)
+      while session.num_unfinished:
+        _collect(session.step(), got)
+  finally:
+    stop.set()
+    thread.join()
+    sys.setswitchinterval(old_interval)
+  assert not errors, errors
+  assert got == expected
+  _check_all_free(llm)
+
+
+def test_two_threads_opening_sessions_at_once_get_one(llm, monkeypatch):
+  # The check that no session is open and the claim were two steps: two threads could
+  # both pass the check. A slow check shows it: exactly one thread gets the engine.
+  sched = llm._scheduler
+  real_check = sched.check_idle
+
+  def slow_check():
+    real_check()
+    time.sleep(0.05)
+
+  monkeypatch.setattr(sched, "check_idle", slow_check)
+  opened, refused = [], []
+
+  def open_one():
+    try:
+      opened.append(llm.session())
+    except RuntimeError as e:
+      refused.append(str(e))
+
+  threads = [threading.Thread(target=open_one) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(opened) == 1 and len(refused) == 1 and "still open" in refused[0]
+  opened[0].close()
+  monkeypatch.undo()
+  _check_all_free(llm)
+
+
+def test_the_engine_is_free_again_only_once_a_close_has_freed_the_slots(llm, monkeypatch):
+  # close() gave the engine back before dropping its sequences: a session opened by
+  # another thread meanwhile shared the device state with that drop.
+  in_abort, release = threading.Event(), threading.Event()
+  real_abort = llm._abort
+
+  def slow_abort(mask_S):
+    if mask_S.any():
+      in_abort.set()
+      release.wait(10)
+    real_abort(mask_S)
+
+  monkeypatch.setattr(llm, "_abort", slow_abort)
+  session = llm.session()
+  session.add(_prompts((9,), seed=9), SamplingParams(max_tokens=30, ignore_eos=True))
+  session.step()
+  closer = threading.Thread(target=session.close)
+  closer.start()
+  assert in_abort.wait(10)
+  with pytest.raises(RuntimeError, match="still open"):
+    llm.session()
+  release.set()
+  closer.join()
+  monkeypatch.undo()
+  llm.session().close()  # free now
+  _check_all_free(llm)
+
+
+def test_one_thread_steps_and_close_from_another_waits_for_its_step(llm, monkeypatch):
+  real_run, entered, release = llm._run, threading.Event(), threading.Event()
+
+  def slow_run(bucket, wanted):
+    entered.set()
+    release.wait(10)
+    return real_run(bucket, wanted)
+
+  monkeypatch.setattr(llm, "_run", slow_run)
+  session = llm.session()
+  session.add(_prompts((7,), seed=10), SamplingParams(max_tokens=30, ignore_eos=True))
+  stepper = threading.Thread(target=session.step)
+  stepper.start()
+  assert entered.wait(10)
+  with pytest.raises(RuntimeError, match="running in another thread"):
+    session.step()
+  closer = threading.Thread(target=session.close)
+  closer.start()
+  time.sleep(0.05)
+  assert closer.is_alive()  # waits for the step under way
+  release.set()
+  stepper.join()
+  closer.join()
+  with pytest.raises(RuntimeError, match="this session is closed"):
+    session.abort(0)
+  monkeypatch.undo()
   _check_all_free(llm)
