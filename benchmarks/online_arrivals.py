@@ -133,11 +133,15 @@ def main(argv=None) -> list[dict]:
   text = table(rows)
   print(text)
   if not args.quick:
+    command_args = "".join(f" --{name} {value}" for name, value in (
+        ("requests", args.requests), ("repeats", args.repeats))
+        if value != parser.get_default(name))
     where = (f"{jax.default_backend()} ({platform.processor() or platform.machine()}), "
              f"jax {jax.__version__}")
     section = (
         "## Requests arriving over time: sessions (`benchmarks/online_arrivals.py`)\n\n"
-        f"`python benchmarks/online_arrivals.py` on {where}: {requests} requests per draw "
+        f"`python benchmarks/online_arrivals.py{command_args}` on {where}: {requests} "
+        "requests per draw "
         "(prompts of 16-127 tokens, 16-63 generated, greedy, ignore_eos), Poisson arrivals "
         f"at load x the engine's capacity ({capacity:.1f} requests/s serving them all at "
         "once), random Llama of 2 layers (E 128, V 256), max_seqs 8, T = 128, 8 steps per "

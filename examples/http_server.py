@@ -7,8 +7,9 @@
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
 tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
-"token_id": 17, "text": ...}`` per token, then ``{"index": 0, "finish_reason": "length",
-...}`` (``index``: the completion, 0 .. n-1 with ``n``). A bad request is a 400
+"token_id": 17, "text": ..., "logprob": ...}`` per token, then ``{"index": 0,
+"finish_reason": "length", ...}`` (``index``: the completion, 0 .. n-1 with ``n``); an
+answer cut short (the server stopping) ends with an ``{"error": ...}`` line. A bad request is a 400
 with the engine's ``ValueError`` message. A client that goes away mid-answer has its request
 aborted: its slot and blocks are freed at the next step.
 
@@ -27,13 +28,15 @@ import threading
 
 from paged_jax import LLM, SamplingParams
 
+MAX_BODY_BYTES = 1 << 20
+
 
 class EngineLoop:
   """Steps ``llm``'s session in a thread of its own; ``submit`` / ``abort`` from any thread."""
 
   def __init__(self, llm: LLM):
     self.session = llm.session()
-    self.aborted: list[int] = []  # ids aborted because their client went away
+    self.aborted = 0  # requests aborted because their client went away
     self.error: BaseException | None = None
     self._queues: dict[int, queue.Queue] = {}
     self._left: dict[int, int] = {}  # completions not yet ended, by request id
@@ -55,8 +58,11 @@ class EngineLoop:
     return request_id, events
 
   def abort(self, request_id: int) -> None:
-    self.aborted.append(request_id)
-    self.session.abort(request_id)
+    try:
+      self.session.abort(request_id)
+    except RuntimeError:  # the session is closed: nothing left to drop
+      return
+    self.aborted += 1
     self._wake.set()
 
   def _run(self) -> None:
@@ -97,6 +103,7 @@ def make_handler(loop: EngineLoop):
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the body ends when the connection closes: a stream
+    timeout = 60  # seconds a client may stall (sending its body, or reading the answer)
 
     def log_message(self, *args):  # quiet: one line per request is noise here
       pass
@@ -112,11 +119,15 @@ def make_handler(loop: EngineLoop):
     def do_POST(self):
       if self.path != "/generate":
         return self._refuse(404, f"no {self.path}: POST /generate")
+      length = self.headers.get("Content-Length", "")
+      if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        return self._refuse(400, f"Content-Length={length!r} must be a byte count up to "
+                            f"{MAX_BODY_BYTES}")
       try:
         try:
-          body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        except json.JSONDecodeError as e:
-          raise ValueError(f"the body is not JSON ({e})") from None
+          body = json.loads(self.rfile.read(int(length)))
+        except (json.JSONDecodeError, RecursionError) as e:
+          raise ValueError(f"the body is not JSON we read ({e})") from None
         if not isinstance(body, dict) or "prompt" not in body:
           raise ValueError("the body must be a JSON object with a 'prompt'")
         unknown = sorted(set(body) - fields - {"prompt"})
@@ -130,20 +141,25 @@ def make_handler(loop: EngineLoop):
         return self._refuse(400, str(e))
       except RuntimeError as e:
         return self._refuse(503, str(e))
-      self.send_response(200)
-      self.send_header("Content-Type", "application/x-ndjson")
-      self.end_headers()
       try:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()
+        ended = 0
         while (ev := events.get()) is not None:
-          line = ({"index": ev.sample_index, "token_id": ev.token_id, "text": ev.text}
-                  if ev.token_id is not None else
-                  {"index": ev.sample_index, "finish_reason": ev.finish_reason,
-                   "stop_reason": ev.stop_reason, "text": ev.text})
+          if ev.token_id is not None:
+            line = {"index": ev.sample_index, "token_id": ev.token_id, "text": ev.text,
+                    "logprob": ev.logprob}
+          else:
+            ended += 1
+            line = {"index": ev.sample_index, "finish_reason": ev.finish_reason,
+                    "stop_reason": ev.stop_reason, "text": ev.text}
           self.wfile.write(json.dumps(line).encode() + b"\n")
           self.wfile.flush()
-        if loop.error is not None:
-          self.wfile.write(json.dumps({"error": repr(loop.error)}).encode() + b"\n")
-      except (BrokenPipeError, ConnectionResetError):  # the client went away
+        if ended < params.get("n", 1):  # the loop stopped first: say so, not a silent end
+          why = "the server is shutting down" if loop.error is None else repr(loop.error)
+          self.wfile.write(json.dumps({"error": why}).encode() + b"\n")
+      except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away
         loop.abort(request_id)
 
   return Handler

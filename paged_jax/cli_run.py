@@ -116,6 +116,8 @@ def add_run_parser(subparsers) -> None:
   p.set_defaults(func=_run)
 
 
+_MAX_ARRIVAL_SPAN_S = 86400  # --num-requests / --request-rate: a run's expected arrivals span
+
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -240,9 +242,11 @@ def describe_device(model) -> str:
 
 def format_report(stats: dict, *, title: str, compile_s: float | None = None,
                   steady_tokens_per_s: float | None = None, notes=(),
-                  device: str | None = None, waits: dict | None = None) -> str:
+                  device: str | None = None, waits: dict | None = None,
+                  busy_s: float | None = None) -> str:
   """The serving report printed by ``paged-jax run``; ``waits``: ``serve_arrivals``'
-  seconds per request, summarised."""
+  seconds per request, summarised; ``busy_s``: the engine's time in device calls, when the
+  serving time (``stats["wall_s"]``) also holds waits for arrivals."""
   from paged_jax.planner import format_bytes
   rows = []
   if device is not None:
@@ -254,7 +258,10 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   rows += [
       ("requests", f"{stats['requests']}"),
       ("generated tokens", f"{stats['generated_tokens']}"),
-      ("serving time", f"{stats['wall_s']:.2f} s"),
+      ("serving time", f"{stats['wall_s']:.2f} s" + ("" if busy_s is None else
+                                                      " (first arrival to last token)")),
+      *([] if busy_s is None else [("engine busy", f"{busy_s:.2f} s ({_share(busy_s, stats)} "
+                                    "of the serving time; the rest waited for arrivals)")]),
       ("tokens/s", f"{stats['tokens_per_s']:.1f} (generated tokens / serving time)"),
   ]
   if steady_tokens_per_s:
@@ -289,6 +296,10 @@ def format_report(stats: dict, *, title: str, compile_s: float | None = None,
   rows += [("note", n) for n in notes]
   width = max(len(k) for k, _ in rows)
   return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _share(seconds: float, stats) -> str:
+  return f"{seconds / max(stats['wall_s'], 1e-9):.0%}"
 
 
 def _kv_groups_rows(stats) -> list:
@@ -344,9 +355,9 @@ def _check_args(args) -> None:
   if args.prompt is not None:
     for name in ("num_requests", "prompt_median", "output_median", "sigma", "request_rate"):
       if getattr(args, name) is not None:
+        hint = "" if name == "request_rate" else " (set --max-tokens for its length)"
         raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} applies to the "
-                         "synthetic workload only; --prompt serves that one prompt (set "
-                         "--max-tokens for its length)")
+                         f"synthetic workload only; --prompt serves that one prompt{hint}")
   check_counts(args, ("num_requests", "prompt_median", "output_median", "block_size",
                       "max_seqs", "max_tokens_per_step", "steps_per_call", "num_blocks",
                       "max_tokens"))
@@ -375,6 +386,13 @@ def _check_args(args) -> None:
   rate = args.request_rate
   if rate is not None and not (math.isfinite(rate) and rate > 0):
     raise ValueError(f"--request-rate={rate} must be a finite number > 0 (requests per second)")
+  if rate is not None:
+    from paged_jax.workload import Workload
+    n = Workload().num_requests if args.num_requests is None else args.num_requests
+    if n / rate > _MAX_ARRIVAL_SPAN_S:
+      raise ValueError(f"--request-rate={rate:g}: {n} requests would take about {n / rate:.3g} "
+                       f"s to arrive, more than a day ({_MAX_ARRIVAL_SPAN_S} s): raise the "
+                       "rate or lower --num-requests")
 
 
 def check_counts(args, names) -> None:
@@ -539,13 +557,20 @@ def _run(args) -> int:
               for i, p in enumerate(params)]
   llm.reset_stats()
   rate = "" if args.request_rate is None else f" arriving at {args.request_rate:g}/s"
-  _say(progress, f"  serving {count(len(prompts), 'request')}{rate} ...")
+  arrivals_s = arrival_times(workload)
+  over = f" (the last at {arrivals_s[-1]:.1f} s)" if rate else ""
+  _say(progress, f"  serving {count(len(prompts), 'request')}{rate}{over} ...")
   bar = _Progress(len(prompts), enabled=progress)
-  waits = serve_arrivals(llm, prompts, params, arrival_times(workload), bar.update)
+  waits = serve_arrivals(llm, prompts, params, arrivals_s, bar.update)
   bar.close()
   title = (f"paged-jax run: {count(len(prompts), 'synthetic request')}{rate} on {source}, "
            f"seed {args.seed}")
-  print(format_report(llm.stats, title=title, compile_s=compile_s,
+  stats, busy_s = llm.stats, None
+  if rate:  # the clock runs from the first arrival to the last token, waits included
+    busy_s, span_s = stats["wall_s"], waits["span_s"]
+    stats = dict(stats, wall_s=span_s, tokens_per_s=stats["generated_tokens"] / span_s,
+                 requests_per_s=stats["requests"] / span_s)
+  print(format_report(stats, title=title, compile_s=compile_s,
                       steady_tokens_per_s=bar.steady_tokens_per_s(), notes=notes,
-                      device=device, waits=waits))
+                      device=device, waits=waits, busy_s=busy_s))
   return 0

@@ -107,13 +107,20 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
   """Serve ``prompts`` on ``llm`` (an ``LLM``), each added to one session (``LLM.session``)
   once the wall clock passes its arrival (``arrivals_s``, seconds from the call,
   non-decreasing), so it joins the batch already running. ``progress(requests done, tokens
-  so far)`` after each device call. Returns, per request in order, ``ttft_s``: seconds from
-  its arrival to its first token (to its end, for one that generated none), ``latency_s``:
-  to its end, and ``token_ids``: what it generated (its completions' in turn, n > 1)."""
+  so far)`` after each device call; a request is done when its n completions are. Every
+  request is checked first (``LLM.check_requests``: a ``ValueError`` naming it). Returns,
+  per request in order, ``ttft_s``: seconds from its arrival to its first token (to its end,
+  for one that generated none), ``latency_s``: to its end, ``token_ids``: what it generated
+  (its completions' in turn, n > 1); and ``span_s``: the call's start to its last event."""
   arrivals_s = np.asarray(arrivals_s, np.float64)
   n = len(prompts)
+  if arrivals_s.shape != (n,) or np.any(np.diff(arrivals_s) < 0):
+    raise ValueError(f"arrivals_s (shape {arrivals_s.shape}) must be {n} non-decreasing "
+                     "times, one per prompt")
+  llm.check_requests(prompts, params)
+  ends = [0] * n  # completions ended, per request
   first, last, tokens, added = [None] * n, [None] * n, 0, 0
-  token_ids = [[] for _ in range(n)]
+  token_ids = [{} for _ in range(n)]  # per request: completion -> its ids
   t0 = time.perf_counter()
   with llm.session() as session:
     while added < n or session.num_unfinished:
@@ -132,11 +139,14 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
         if first[i] is None:
           first[i] = now
         if ev.token_id is None:
-          last[i] = now
+          last[i], ends[i] = now, ends[i] + 1
         else:
           tokens += 1
-          token_ids[i].append(ev.token_id)
+          token_ids[i].setdefault(ev.sample_index, []).append(ev.token_id)
       if progress is not None:
-        progress(sum(t is not None for t in last), tokens)
+        progress(sum(e == p.n for e, p in zip(ends, params)), tokens)
   return dict(ttft_s=[f - a for f, a in zip(first, arrivals_s)],
-              latency_s=[t - a for t, a in zip(last, arrivals_s)], token_ids=token_ids)
+              latency_s=[t - a for t, a in zip(last, arrivals_s)],
+              token_ids=[[t for f in sorted(ids) for t in ids[f]] for ids in token_ids],
+              span_s=max(last, default=0.0))
+

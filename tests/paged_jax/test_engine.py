@@ -957,15 +957,15 @@ def _run_args(*argv):
 def test_cli_run_prints_report(capsys, monkeypatch):
   # A pool of 16 blocks (256 tokens) shrinks the default workload (prompts up to 192
   # tokens): the report says so. The sampling options apply to the synthetic requests.
-  from paged_jax import LLM
+  from paged_jax import Session
   seen = []
-  serve = LLM.generate_stream
+  add = Session.add
 
   def recording(self, prompts, params=None, **kwargs):
     seen.extend(params)
-    return serve(self, prompts, params, **kwargs)
+    return add(self, prompts, params, **kwargs)
 
-  monkeypatch.setattr(LLM, "generate_stream", recording)
+  monkeypatch.setattr(Session, "add", recording)
   args = _run_args("--num-requests", "6", "--seed", "1", "--max-seqs", "4",
                    "--steps-per-call", "8", "--num-blocks", "16", "--temperature", "0.7",
                    "--top-p", "0.9", "--output-median", "200", "--min-p", "0.05",

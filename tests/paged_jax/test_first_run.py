@@ -210,6 +210,15 @@ def test_run_with_arrivals_reports_each_requests_wait(capsys):
                       rows["request latency"])
   assert ttft and latency, out
   assert 0 <= float(ttft[1]) <= float(ttft[2]) <= float(ttft[3]) <= float(latency[3])
+  # The serving time runs from the first arrival to the last token, waits for arrivals
+  # included (the engine's own time is its busy row); the rates divide by it.
+  serving = float(re.search(r"serving time +([\d.]+) s \(first arrival to last token\)",
+                            rows["serving time"])[1])
+  busy = float(re.search(r"engine busy +([\d.]+) s \(", rows["engine busy"])[1])
+  generated = int(rows["generated tokens"].split()[-1])
+  assert float(latency[3]) <= serving + 0.01 and busy <= serving + 0.01
+  tokens_per_s = float(re.search(r"tokens/s +([\d.]+)", rows["tokens/s"])[1])
+  assert tokens_per_s == pytest.approx(generated / serving, rel=0.05)
 
 
 def test_cli_parses_without_importing_jax():
@@ -270,6 +279,8 @@ def test_run_kv_budget_groups_a_hybrid_checkpoint(tmp_path, capsys):
     (["--prompt", "hi", "--stop", ".", "--stop", ""], "--stop='' is empty"),
     (["--request-rate", "0"], "--request-rate=0.0 must be a finite number > 0"),
     (["--request-rate", "inf"], "--request-rate=inf must be a finite number > 0"),
+    (["--request-rate", "1e-9"], "64 requests would take about 6.4e+10 s to arrive, more "
+     "than a day"),
     (["--prompt", "hi", "--request-rate", "5"], "--request-rate=5.0 applies to the "
      "synthetic workload only")])
 def test_run_kv_budget_is_checked_before_jax_loads(argv, match, capsys):

@@ -1,6 +1,7 @@
 """``examples/http_server.py``: a session behind real sockets and threads. Concurrent clients
-get what ``generate`` gives them, a bad request is a 400 naming the field, and a client
-that hangs up mid-answer has its request aborted and its blocks freed."""
+get what ``generate`` gives them, a bad request is a 400 naming the field, a client that
+hangs up mid-answer has its request aborted and its blocks freed, and an answer cut short
+by the server's stop says so."""
 
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
     response = conn.getresponse()
     assert response.status == 400 and b"the body is not JSON" in response.read()
     conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.putrequest("POST", "/generate")
+    conn.putheader("Content-Length", "-1")  # read to the end: a client could hold it open
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 400 and b"Content-Length='-1'" in response.read()
+    conn.close()
     status, lines = _post(port, dict(prompt=[5], max_tokenz=3))
     assert status == 400 and "unknown fields ['max_tokenz']" in lines[0]["error"]
 
@@ -111,7 +119,23 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
     conn.close()
     response.close()
     _wait_until(lambda: loop.aborted and not loop.session.num_unfinished)
-    assert len(loop.aborted) == 1
+    assert loop.aborted == 1
+
+    # The server stops while an answer streams: the answer ends with an error line.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/generate", json.dumps(dict(prompt=prompts[1], max_tokens=110,
+                                                      ignore_eos=True)))
+    response = conn.getresponse()
+    assert "token_id" in json.loads(response.readline())
+    with loop._lock:  # the loop delivers one more step at most before it sees the stop
+      closer = threading.Thread(target=loop.close)
+      closer.start()
+      time.sleep(0.05)
+    closer.join()
+    rest = [json.loads(line) for line in response.read().splitlines()]
+    conn.close()
+    assert rest[-1] == {"error": "the server is shutting down"}
+    assert not any("finish_reason" in line for line in rest)
   finally:
     server.shutdown()
     server.server_close()

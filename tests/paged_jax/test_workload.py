@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from paged_jax.engine.scheduler import StreamEvent
+from paged_jax.sampling import SamplingParams
 from paged_jax.workload import Workload, arrival_times, make_requests, serve_arrivals
 
 
@@ -80,7 +81,13 @@ class _FakeSession:
     return ids
 
   def step(self):
-    events = [e for i in self.live for e in (StreamEvent(i, 0, 7), StreamEvent(i, 0, None))]
+    # Request 3 has two completions, their tokens interleaved as a batch delivers them.
+    events = []
+    for i in self.live:
+      forks = (0, 1) if i == 3 else (0,)
+      events += [StreamEvent(i, f, 7 + f) for f in forks] + [StreamEvent(i, f, 9 + f)
+                                                            for f in forks]
+      events += [StreamEvent(i, f, None) for f in forks]
     self.live = []
     return events
 
@@ -89,12 +96,22 @@ def test_serve_arrivals_adds_each_request_once_it_has_arrived():
   # Requests join no earlier than their arrival; the wait is counted from the arrival.
   t0 = time.perf_counter()
   session = _FakeSession(lambda: time.perf_counter() - t0)
-  llm = type("FakeLLM", (), {"session": lambda self: session})()
+  checked = []
+  llm = type("FakeLLM", (), {"session": lambda self: session,
+                             "check_requests": lambda self, *a: checked.append(a)})()
   arrivals = [0.0, 0.0, 0.05, 0.12]
   progress = []
-  waits = serve_arrivals(llm, [[1]] * 4, [None] * 4, arrivals,
+  params = [SamplingParams(max_tokens=2)] * 3 + [SamplingParams(max_tokens=2, n=2)]
+  with pytest.raises(ValueError, match="must be 4 non-decreasing times"):
+    serve_arrivals(llm, [[1]] * 4, params, [0.0, 0.1, 0.05, 0.2])
+  with pytest.raises(ValueError, match="must be 4 non-decreasing times"):
+    serve_arrivals(llm, [[1]] * 4, params, [0.0, 0.1])
+  waits = serve_arrivals(llm, [[1]] * 4, params, arrivals,
                          progress=lambda done, tokens: progress.append((done, tokens)))
+  assert len(checked) == 1  # every request checked before serving
   assert [i for i, _ in session.added] == [0, 1, 2, 3]
   assert all(t >= a for (_, t), a in zip(session.added, arrivals))
   assert all(0 <= f <= last < 0.05 for f, last in zip(waits["ttft_s"], waits["latency_s"]))
-  assert progress[-1] == (4, 4) and waits["token_ids"] == [[7]] * 4
+  assert progress[-1] == (4, 10)
+  assert waits["token_ids"] == [[7, 9]] * 3 + [[7, 9, 8, 10]]  # completion 0's, then 1's
+  assert waits["span_s"] >= arrivals[-1]
