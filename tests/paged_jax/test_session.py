@@ -389,3 +389,30 @@ def test_one_thread_steps_and_close_from_another_waits_for_its_step(llm, monkeyp
     session.abort(0)
   monkeypatch.undo()
   _check_all_free(llm)
+
+
+def test_a_request_is_unfinished_until_its_last_completion_ends(llm):
+  # n = 2 with stop ids: completion 0 stops after 1 token, completion 1 after 26 (seed 7):
+  # their ends come many steps apart. The request stays unfinished (num_unfinished, its
+  # later events delivered) until the second, and stats count it once, then.
+  prompt = [int(t) for t in np.random.default_rng(11).integers(3, 128, 8)]
+  params = SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=7,
+                          stop_token_ids=tuple(range(3, 13)))
+  expected = _expected(llm, [prompt], params)
+  assert [len(t) for t, _ in expected.values()] == [1, 26]  # the premise
+  llm.reset_stats()
+  got, ends_at = {}, {}
+  with llm.session() as session:
+    session.add([prompt], params)
+    step = 0
+    while session.num_unfinished:
+      for ev in session.step():
+        if ev.token_id is None:
+          ends_at[ev.sample_index] = step
+        _collect([ev], got)
+      step += 1
+      if 0 in ends_at and 1 not in ends_at:
+        assert session.num_unfinished == 1 and llm.stats["requests"] == 0
+  assert got == expected and ends_at[0] < ends_at[1]
+  assert llm.stats["requests"] == 1
+  _check_all_free(llm)
