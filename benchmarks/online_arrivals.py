@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from paged_jax.models import ModelConfig, init_random  # noqa: E402
 from paged_jax.engine import LLM, SamplingParams  # noqa: E402
-from paged_jax.workload import Workload, arrival_times, serve_arrivals  # noqa: E402
+from paged_jax.workload import Waits, Workload, arrival_times, serve_arrivals  # noqa: E402
 
 
 def make_engine(seed: int = 0) -> LLM:
@@ -60,21 +60,14 @@ def serve_waves(llm: LLM, prompts, params, arrivals_s) -> dict:
   """Waves of ``generate_stream``: each serves the requests arrived when it starts; the
   result as ``serve_arrivals``'."""
   n, start, t0 = len(prompts), 0, time.perf_counter()
-  first, last, token_ids = [None] * n, [None] * n, [[] for _ in range(n)]
+  waits = Waits(params)
   while start < n:
     time.sleep(max(0.0, arrivals_s[start] - (time.perf_counter() - t0)))
     end = int(np.searchsorted(arrivals_s, time.perf_counter() - t0, side="right"))
     for ev in llm.generate_stream(prompts[start:end], params[start:end]):
-      i, now = start + ev.prompt_index, time.perf_counter() - t0
-      if first[i] is None:
-        first[i] = now
-      if ev.token_id is None:
-        last[i] = now
-      else:
-        token_ids[i].append(ev.token_id)
+      waits.record(start + ev.prompt_index, ev, time.perf_counter() - t0)
     start = end
-  return dict(ttft_s=[f - a for f, a in zip(first, arrivals_s)],
-              latency_s=[t - a for t, a in zip(last, arrivals_s)], token_ids=token_ids)
+  return waits.result(arrivals_s)
 
 
 def measure(llm: LLM, load: float, requests: int, repeats: int, capacity: float) -> dict:

@@ -384,9 +384,10 @@ def _check_args(args) -> None:
       raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [-2, 2]")
   check_sigma(args)
   rate = args.request_rate
-  if rate is not None and not (math.isfinite(rate) and rate > 0):
-    raise ValueError(f"--request-rate={rate} must be a finite number > 0 (requests per second)")
   if rate is not None:
+    if not (math.isfinite(rate) and rate > 0):
+      raise ValueError(f"--request-rate={rate} must be a finite number > 0 (requests per "
+                       "second)")
     from paged_jax.workload import Workload
     n = Workload().num_requests if args.num_requests is None else args.num_requests
     if n / rate > _MAX_ARRIVAL_SPAN_S:
@@ -556,9 +557,10 @@ def _run(args) -> int:
     params = [dataclasses.replace(p, **dict(sampling, seed=(args.seed + i) % 2**32))
               for i, p in enumerate(params)]
   llm.reset_stats()
-  rate = "" if args.request_rate is None else f" arriving at {args.request_rate:g}/s"
+  arriving = args.request_rate is not None
+  rate = f" arriving at {args.request_rate:g}/s" if arriving else ""
   arrivals_s = arrival_times(workload)
-  over = f" (the last at {arrivals_s[-1]:.1f} s)" if rate else ""
+  over = f" (the last at {arrivals_s[-1]:.1f} s)" if arriving else ""
   _say(progress, f"  serving {count(len(prompts), 'request')}{rate}{over} ...")
   bar = _Progress(len(prompts), enabled=progress)
   waits = serve_arrivals(llm, prompts, params, arrivals_s, bar.update)
@@ -566,7 +568,7 @@ def _run(args) -> int:
   title = (f"paged-jax run: {count(len(prompts), 'synthetic request')}{rate} on {source}, "
            f"seed {args.seed}")
   stats, busy_s = llm.stats, None
-  if rate:  # the clock runs from the first arrival to the last token, waits included
+  if arriving:  # the clock runs from the first arrival to the last token, waits included
     busy_s, span_s = stats["wall_s"], waits["span_s"]
     stats = dict(stats, wall_s=span_s, tokens_per_s=stats["generated_tokens"] / span_s,
                  requests_per_s=stats["requests"] / span_s)

@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:  # imported in make_requests: the CLI builds its parser without JAX
   from paged_jax.sampling import SamplingParams
 
-__all__ = ["Workload", "arrival_times", "make_requests", "serve_arrivals"]
+__all__ = ["Waits", "Workload", "arrival_times", "make_requests", "serve_arrivals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +102,53 @@ def arrival_times(workload: Workload) -> np.ndarray:
   return np.concatenate([[0.0], np.cumsum(gaps[1:])])
 
 
+class Waits:
+  """Per-request timings of one serving run, from its events: ``record(i, event, now)``
+  with ``now`` in seconds from the run's start, then ``result(arrivals_s)``."""
+
+  def __init__(self, params):
+    n = len(params)
+    self.first, self.last, self.ends = [None] * n, [None] * n, [0] * n
+    self.token_ids = [{} for _ in range(n)]  # per request: completion -> its ids
+    self._n = [p.n for p in params]
+    self.done = self.tokens = 0  # requests whose every completion ended; tokens
+
+  def record(self, i: int, event, now: float) -> None:
+    if self.first[i] is None:
+      self.first[i] = now
+    if event.token_id is None:
+      self.last[i], self.ends[i] = now, self.ends[i] + 1
+      self.done += self.ends[i] == self._n[i]
+    else:
+      self.tokens += 1
+      self.token_ids[i].setdefault(event.sample_index, []).append(event.token_id)
+
+  def result(self, arrivals_s) -> dict:
+    """``ttft_s``: seconds from each request's arrival to its first token (to its end, for
+    one that generated none), ``latency_s``: to its end, ``token_ids``: what it generated
+    (its completions' in turn, n > 1); ``span_s``: the run's start to its last event."""
+    return dict(ttft_s=[f - a for f, a in zip(self.first, arrivals_s)],
+                latency_s=[t - a for t, a in zip(self.last, arrivals_s)],
+                token_ids=[[t for f in sorted(ids) for t in ids[f]] for ids in self.token_ids],
+                span_s=max(self.last, default=0.0))
+
+
 def serve_arrivals(llm, prompts, params, arrivals_s,
                    progress: Callable[[int, int], None] | None = None) -> dict:
   """Serve ``prompts`` on ``llm`` (an ``LLM``), each added to one session (``LLM.session``)
   once the wall clock passes its arrival (``arrivals_s``, seconds from the call,
   non-decreasing), so it joins the batch already running. ``progress(requests done, tokens
   so far)`` after each device call; a request is done when its n completions are. Every
-  request is checked first (``LLM.check_requests``: a ``ValueError`` naming it). Returns,
-  per request in order, ``ttft_s``: seconds from its arrival to its first token (to its end,
-  for one that generated none), ``latency_s``: to its end, ``token_ids``: what it generated
-  (its completions' in turn, n > 1); and ``span_s``: the call's start to its last event."""
+  request is checked first (``LLM.check_requests``: a ``ValueError`` naming it). Returns
+  ``Waits.result``: per request in order, the seconds to its first token and to its end
+  from its arrival and what it generated; the run's span."""
   arrivals_s = np.asarray(arrivals_s, np.float64)
   n = len(prompts)
   if arrivals_s.shape != (n,) or np.any(np.diff(arrivals_s) < 0):
     raise ValueError(f"arrivals_s (shape {arrivals_s.shape}) must be {n} non-decreasing "
                      "times, one per prompt")
   llm.check_requests(prompts, params)
-  ends = [0] * n  # completions ended, per request
-  first, last, tokens, added = [None] * n, [None] * n, 0, 0
-  token_ids = [{} for _ in range(n)]  # per request: completion -> its ids
+  waits, added = Waits(params), 0
   t0 = time.perf_counter()
   with llm.session() as session:
     while added < n or session.num_unfinished:
@@ -135,18 +163,7 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
       events = session.step()
       now = time.perf_counter() - t0
       for ev in events:
-        i = ev.prompt_index
-        if first[i] is None:
-          first[i] = now
-        if ev.token_id is None:
-          last[i], ends[i] = now, ends[i] + 1
-        else:
-          tokens += 1
-          token_ids[i].setdefault(ev.sample_index, []).append(ev.token_id)
+        waits.record(ev.prompt_index, ev, now)
       if progress is not None:
-        progress(sum(e == p.n for e, p in zip(ends, params)), tokens)
-  return dict(ttft_s=[f - a for f, a in zip(first, arrivals_s)],
-              latency_s=[t - a for t, a in zip(last, arrivals_s)],
-              token_ids=[[t for f in sorted(ids) for t in ids[f]] for ids in token_ids],
-              span_s=max(last, default=0.0))
-
+        progress(waits.done, waits.tokens)
+  return waits.result(arrivals_s)

@@ -162,11 +162,10 @@ class Scheduler:
 
   def claim(self) -> None:
     """``check_idle``, then the engine is the caller's until ``serving`` is cleared: one
-    check-and-set, so two threads never both get it. Arrivals count from 0 (they rank
-    the sequences in slots only)."""
+    check-and-set, so two threads never both get it."""
     with self._claim_lock:
       self.check_idle()
-      self.serving, self._arrivals = True, 0
+      self.serving = True
 
   def draw_seed(self) -> int:
     """A seed for a request without one, from the engine's ``seed``."""
@@ -246,7 +245,9 @@ class Scheduler:
     admitted. ``want_S`` (the host's view of the tokens each slot still needs) gets the
     admitted prompts."""
     free = [s for s, o in enumerate(slot_owner) if o is None]
-    if len(free) == len(slot_owner):  # no sequence to rank against: count from 0 again
+    # Arrivals rank the sequences in slots only: with none (a new session among them) they
+    # count from 0 again.
+    if len(free) == len(slot_owner):
       self._arrivals = 0
     entries, held = [], set()  # held: the salt ids given out here, not on the device yet
     # Slots of one request lie in one data shard, the emptiest (one shard: the first n).
@@ -274,7 +275,7 @@ class Scheduler:
     return entries
 
   def read_report(self, report: dict, slot_owner) -> tuple[list[StreamEvent], np.ndarray,
-                                                            np.ndarray]:
+                                                           np.ndarray]:
     """The events of one call's report, the slots whose completion finished, and those of
     them whose text reached a stop string (still running on the device: to abort)."""
     for counter in ("host_syncs", "device_calls"):

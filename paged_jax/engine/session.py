@@ -43,7 +43,6 @@ class Session:
     self._incoming: list[Request] = []  # added, not yet seen by step
     self._aborting: list[int] = []  # ids to drop at the next step
     self._unfinished: dict[int, Request] = {}  # by id: incoming, waiting or in a slot
-    self._done: dict[int, int] = {}  # completions finished, by unfinished request id
     self._next_id = 0
     self._waiting: list[Request] = []  # in arrival order, waiting for slots
     self._owner: list = [None] * scheduler.max_seqs  # (request, completion) per slot
@@ -99,7 +98,6 @@ class Session:
       if req.seed is None:
         req.seed = self._s.draw_seed()
       self._unfinished[req.index] = req
-      self._done[req.index] = 0
     self._incoming.extend(requests)
     self._next_id += len(requests)
     return list(range(first, self._next_id))
@@ -145,17 +143,14 @@ class Session:
       self._waiting.extend(incoming)
       dropped = self._drop(aborting)
       events = self._call() if self._waiting or any(self._owner) else []
-      finished = []
-      for ev in events:
-        if ev.token_id is None:
-          self._done[ev.prompt_index] += 1
-          if self._done[ev.prompt_index] == self._unfinished[ev.prompt_index].params.n:
-            finished.append(ev.prompt_index)
+      # A request is done once none of its completions holds a slot (each holds one from
+      # its admission to its end).
+      owned = {o[0].index for o in self._owner if o is not None}
+      finished = {ev.prompt_index for ev in events if ev.token_id is None} - owned
       self._s.counters["requests"] += len(finished)
       with self._lock:
-        for i in finished + [ev.prompt_index for ev in dropped]:
-          self._unfinished.pop(i, None)
-          self._done.pop(i, None)
+        for i in finished | {ev.prompt_index for ev in dropped}:
+          del self._unfinished[i]
       return dropped + events
     except BaseException:
       self._close()
@@ -236,7 +231,6 @@ class Session:
       self._closed = True
       self._incoming, self._aborting = [], []
       self._unfinished.clear()
-      self._done.clear()
     s = self._s
     try:
       # At interpreter exit (a stream never closed) the modules, JAX among them, may be torn
