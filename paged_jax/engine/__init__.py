@@ -8,7 +8,8 @@ protocol (``paged_jax.protocol``). Its modules, each readable alone:
 - ``state``: ``EngineState``, all device-side state in one pytree, and its small edits;
 - ``device``: one scheduling step (prefix hits, token budget, blocks and preemption, one
   ragged forward through ``paged_jax.step``, forks, sampling, stops) and the device call
-  (a ``while_loop`` of steps);
+  (a ``while_loop`` of steps); ``prefix_wait``: which new sequences wait a step for a
+  block another is filling;
 - ``calls``: the jitted device calls of one engine and their compilation;
 - ``scheduler``: the host side (requests, slots, token buckets, reading reports);
 - ``session``: serving as requests come and go (``Session``), and ``generate_stream``'s

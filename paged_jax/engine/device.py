@@ -14,7 +14,8 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    ``cache_salt``. A preempted sequence re-admitted later hits its own cached blocks, so
    recompute is cheap while they survive. A new sequence whose next block one ahead of it
    in step 1's order is about to fill (same tokens after the same blocks) waits a step and
-   attaches it then, rather than computing a copy (``_waits_for_fill``); once at most.
+   attaches it then, rather than computing a copy (``prefix_wait.waits_for_fill``); once
+   at most.
 1. Token budget (the bucket's T): every running sequence wants its uncached tokens
    (``len - seq_len``: 1 for a decode, the rest of the prompt for a prefill). Decode rows
    come first, then prefills under way (sequences holding KV), then new sequences, each by
@@ -61,6 +62,7 @@ from paged_jax import allocator
 from paged_jax import protocol
 from paged_jax import step as step_api
 from paged_jax._promotion import standard_promotion
+from paged_jax.engine.prefix_wait import waits_for_fill
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, scrub_freed, want_S, zero_blocks)
 from paged_jax.sampling import Adjustments, request_keys, sample
@@ -118,8 +120,8 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
     rank_S = jnp.zeros(num_slots, jnp.int32).at[order_S].set(slot_S)
     wait_S = jax.lax.cond(
         jnp.any(empty_S),
-        lambda: _waits_for_fill(alloc, st.tokens_SJ, st.salt_S, hit_SP, hit_S, base_S,
-                                st.len_S, empty_S, rank_S),
+        lambda: waits_for_fill(alloc, st.tokens_SJ, st.salt_S, hit_SP, hit_S, base_S,
+                               st.len_S, empty_S, rank_S),
         lambda: jnp.zeros(num_slots, jnp.bool_))
     # Once at most (counted when it cost the sequence budget): prompts that each extend
     # the one before (turns of a conversation) would otherwise run one a step, each
@@ -295,36 +297,6 @@ def _budget_S(want_S, order_S, num_tokens: int):
   want_o = want_S[order_S]
   q_o = jnp.clip(num_tokens - (jnp.cumsum(want_o) - want_o), 0, want_o)
   return jnp.zeros_like(want_S).at[order_S].set(q_o)
-
-
-def _waits_for_fill(alloc, tokens_SJ, salt_S, hit_SP, hit_S, base_S, len_S, empty_S, rank_S):
-  """bool[S]: the new sequences (``empty_S``) that sit out this step because one ahead of
-  them in its order (``rank_S``) will fill the block their hit stops at: it wants tokens,
-  holds (or is about to attach) the same block one level up (the same salt at level 0),
-  has the same Z tokens at that level and has not computed them yet. Blocks are registered
-  after the forward, so the two would otherwise compute and hold a copy each; next step the
-  block is registered and the waiting one attaches it. Only a level the waiting sequence
-  may hit (not its last token's) counts. The first in the order never waits."""
-  num_slots, max_len = tokens_SJ.shape
-  z = alloc.block_size
-  anchor = alloc.windows.index(None)  # the group prefix hits follow (a full one)
-  tables_SP = alloc.block_tables if alloc.block_tables.ndim == 2 else alloc.block_tables[anchor]
-  hits_SP = hit_SP if hit_SP.ndim == 2 else hit_SP[anchor]
-  end_S = (hit_S + 1) * z  # the tokens through the level each sequence computes first
-  up_S = jnp.maximum(hit_S - 1, 0)  # the level above it, where its hit ends
-  held_SP = jnp.where((alloc.seq_lens > 0)[:, None], tables_SP, hits_SP)
-  # [a, b]: what sequence a holds at b's level above, against b's hit there.
-  same_parent_SS = jnp.where(hit_S[None, :] == 0, salt_S[:, None] == salt_S[None, :],
-                             held_SP[:, up_S] == hits_SP[jnp.arange(num_slots), up_S][None, :])
-  cols_SZ = jnp.clip(hit_S[:, None] * z + jnp.arange(z)[None, :], 0, max_len - 1)
-  same_block_SS = jnp.all(tokens_SJ[:, cols_SZ]
-                          == jnp.take_along_axis(tokens_SJ, cols_SZ, axis=1)[None], axis=-1)
-  fills_SS = (base_S[:, None] < end_S[None, :]) & (len_S[:, None] >= end_S[None, :])
-  # Ahead in the order: wanting tokens (who wants none sorts last), and a new sequence
-  # always wants its last token at least.
-  ahead_SS = rank_S[:, None] < rank_S[None, :]
-  may_hit_S = empty_S & (end_S <= len_S - 1)
-  return may_hit_S & jnp.any(ahead_SS & fills_SS & same_parent_SS & same_block_SS, axis=0)
 
 
 def _computed_after(x_SV: jax.Array) -> jax.Array:
