@@ -7,7 +7,8 @@
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
 tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
-"token_id": 17, "text": ..., "logprob": ...}`` per token, then ``{"index": 0,
+"token_id": 17, "text": ..., "logprob": ...}`` per token (with ``"top_logprobs": [[id,
+logprob], ...]`` when asked), then ``{"index": 0,
 "finish_reason": "length", ...}`` (``index``: the completion, 0 .. n-1 with ``n``); an
 answer cut short (the server stopping) ends with an ``{"error": ...}`` line. A bad request is a 400
 with the engine's ``ValueError`` message. A client that goes away mid-answer has its request
@@ -150,6 +151,8 @@ def make_handler(loop: EngineLoop):
           if ev.token_id is not None:
             line = {"index": ev.sample_index, "token_id": ev.token_id, "text": ev.text,
                     "logprob": ev.logprob}
+            if ev.top_logprobs is not None:  # [id, logprob] pairs, most likely first
+              line["top_logprobs"] = [list(pair) for pair in ev.top_logprobs.items()]
           else:
             ended += 1
             line = {"index": ev.sample_index, "finish_reason": ev.finish_reason,

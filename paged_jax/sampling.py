@@ -39,10 +39,12 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["Adjustments", "SamplingParams", "adjust", "min_p_filter", "sample", "request_keys",
-           "truncate"]
+__all__ = ["Adjustments", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust", "min_p_filter",
+           "sample", "request_keys", "top_logprobs", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
+MAX_TOP_LOGPROBS = 20
+"""The most ``SamplingParams.top_logprobs`` (OpenAI's limit; the engine's fixed width)."""
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal
 
@@ -107,6 +109,12 @@ class SamplingParams:
       ``ignore_eos``, the EOS ids) are never drawn, and a stop string counts only where a
       token after the first ``min_tokens`` completes it (vLLM's rule: no earlier than a stop
       id could end the request).
+    top_logprobs: with ``logprobs``, also report the ``top_logprobs`` most likely tokens at
+      each generated position with their log-probabilities (``Output.top_logprobs``: a
+      ``{token_id: logprob}`` dict per generated token, most likely first, ties by smaller
+      id), under the same distribution as ``logprobs`` (so the chosen token is among them
+      whenever it was the most likely, as greedy's always is); an int in [0,
+      ``MAX_TOP_LOGPROBS`` = 20] (0: none), OpenAI's ``top_logprobs``.
   """
 
   max_tokens: int = 16
@@ -125,6 +133,7 @@ class SamplingParams:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   min_tokens: int = 0
+  top_logprobs: int = 0
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -184,6 +193,13 @@ class SamplingParams:
     if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= max_tokens:
       raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens="
                        f"{max_tokens}]")
+    if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, "
+                       f"{MAX_TOP_LOGPROBS}] (0: none)")
+    if self.top_logprobs and not self.logprobs:
+      raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as OpenAI's "
+                       "API asks)")
+    object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       object.__setattr__(self, name, float(getattr(self, name)))
     object.__setattr__(self, "min_tokens", int(self.min_tokens))
@@ -486,6 +502,18 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
         lambda: draw(adjust(logits_SV, adjustments))])
   logprob_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
   return tokens_S, logprob_S
+
+
+def top_logprobs(logits_SV: jax.Array, width: int = MAX_TOP_LOGPROBS
+                 ) -> tuple[jax.Array, jax.Array]:
+  """The ``width`` likeliest tokens of each row under ``log_softmax(logits)`` (``sample``'s
+  logprobs): ``(ids_Sv, logprobs_Sv)``, i32 and f32 ``[S, width]``, most likely first (ties:
+  the smaller id first); past the vocabulary, id -1 and log-prob -inf."""
+  logprobs_SV = jax.nn.log_softmax(logits_SV.astype(jnp.float32), axis=-1)
+  logprobs_Sv, ids_Sv = jax.lax.top_k(logprobs_SV, min(width, logprobs_SV.shape[-1]))
+  pad = ((0, 0), (0, width - ids_Sv.shape[-1]))
+  return (jnp.pad(ids_Sv.astype(jnp.int32), pad, constant_values=-1),
+          jnp.pad(logprobs_Sv, pad, constant_values=-jnp.inf))
 
 
 def _draw(logits_SV, temperature_S, top_k_S, top_p_S, key_S, min_p_S) -> jax.Array:

@@ -65,7 +65,7 @@ from paged_jax._promotion import standard_promotion
 from paged_jax.engine.prefix_wait import waits_for_fill
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, scrub_freed, want_S, zero_blocks)
-from paged_jax.sampling import Adjustments, request_keys, sample
+from paged_jax.sampling import Adjustments, request_keys, sample, top_logprobs
 
 __all__ = ["device_call", "schedule_step"]
 
@@ -258,6 +258,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
                            tokens_SJ, len_S, st.prompt_len_S, st.repetition_penalty_S,
                            st.presence_penalty_S, st.frequency_penalty_S, st.stop_Si,
                            draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S))
+  # The likeliest tokens too, in the steps where a slot that draws asks for them.
+  top_ids_Sv, top_logprobs_Sv = jax.lax.cond(
+      jnp.any(draw_S & (st.top_n_S > 0)),
+      lambda: top_logprobs(logits_SV[row_S], st.top_ids_Sv.shape[-1]),
+      lambda: (st.top_ids_Sv, st.top_logprobs_Sv))
   stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
   col_S = jnp.where(keep_S & after_register, len_S, max_len)
@@ -276,6 +281,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   busy = jnp.any(q_S > 0)
   return dataclasses.replace(
       st, alloc=alloc, cache=cache, tokens_SJ=tokens_SJ, logprobs_SJ=logprobs_SJ, len_S=len_S,
+      top_ids_Sv=top_ids_Sv, top_logprobs_Sv=top_logprobs_Sv,
       status_S=status_S, reason_S=reason_S, stop_id_S=jnp.where(stop_S, tok_S, st.stop_id_S),
       fresh_S=st.fresh_S & ~admit_S, waited_S=st.waited_S | lost_S,
       steps=st.steps + 1,
@@ -324,13 +330,17 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
   """
   st = restart_counters(st)  # the report counts this call; the host sums them
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
+  max_len = st.tokens_SJ.shape[1]
+  # A slot gains a token a step at most, and never past max_len: min(steps, max_len) wide.
+  width = min(steps_per_call, max_len)
 
   def cond(c):
-    _, i, stop = c
+    _, i, stop, _ = c
     return (i < steps_per_call) & ~stop
 
   def body(c):
-    st, i, _ = c
+    st, i, _, top = c
+    len_before_S = st.len_S
     # The model is built inside the loop's trace: a model that runs Flax transforms of its
     # own (``nnx.scan`` over layers) refuses graph nodes made at another trace level.
     model = protocol.merge(graphdef, params)
@@ -345,18 +355,26 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
       stop |= pending <= downshift_at
     if upshift:
       stop |= pending > num_tokens
-    return st, i + 1, stop
+    # The likeliest tokens of each token the step appended, at the token's report column.
+    slot_S = jnp.arange(st.len_S.shape[0])
+    # (A fork's child starts at its parent's length: a stop drawn there appends nothing.)
+    col_S = st.len_S - 1 - start_S
+    col_S = jnp.where((st.len_S > len_before_S) & (col_S >= 0), col_S, width)
+    top = (top[0].at[slot_S, col_S].set(st.top_ids_Sv, mode="drop"),
+           top[1].at[slot_S, col_S].set(st.top_logprobs_Sv, mode="drop"))
+    return st, i + 1, stop, top
 
-  st, _, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False)))
-  max_len = st.tokens_SJ.shape[1]
-  # A slot gains a token a step at most, and never past max_len: min(steps, max_len) wide.
-  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(min(steps_per_call, max_len))[None, :], 0,
-                    max_len - 1)
+  num_slots, v = st.top_ids_Sv.shape
+  top = (jnp.full((num_slots, width, v), -1, jnp.int32),
+         jnp.full((num_slots, width, v), -jnp.inf, jnp.float32))
+  st, _, _, top = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False), top))
+  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(width)[None, :], 0, max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
       stop_id_S=st.stop_id_S, want_S=want_S(st),
       tokens_SK=jnp.take_along_axis(st.tokens_SJ, idx_SK, axis=1),
       logprobs_SK=jnp.take_along_axis(st.logprobs_SJ, idx_SK, axis=1),
+      top_ids_SKv=top[0], top_logprobs_SKv=top[1],
       steps=st.steps, preemptions=st.preemptions, generated=st.generated,
       blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
       utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,

@@ -52,6 +52,9 @@ class Output:
       ``SamplingParams.stop_token_ids`` (int) it reached; None at an EOS id of the engine
       (unless ``ignore_eos``; listed in ``stop_token_ids`` too) and for "length", as vLLM's
       (which also names a checkpoint's extra EOS ids from its generation config).
+    top_logprobs: with ``SamplingParams.top_logprobs`` = k > 0, a list with one dict per
+      generated id: the k likeliest ids at its position and their log-probabilities
+      (``{id: logprob}``, most likely first); else None.
   Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
   """
 
@@ -63,9 +66,12 @@ class Output:
   finish_reason: str
   logprobs: list[float] | None = None
   stop_reason: int | str | None = None
+  top_logprobs: list[dict[int, float]] | None = None
 
-  def __hash__(self):  # the lists as tuples: equal outputs hash alike
-    return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
+  def __hash__(self):  # the lists (and dicts) as tuples: equal outputs hash alike
+    frozen = lambda v: (tuple(frozen(x) for x in v) if isinstance(v, list)
+                        else tuple(v.items()) if isinstance(v, dict) else v)
+    return hash(tuple(frozen(v) for v in vars(self).values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,8 @@ class StreamEvent:
   with a tokenizer, the text the event adds to the completion's (maybe ""; text that could
   begin a stop string, or a character whose bytes are not all in yet, comes with a later
   event), so the ``text`` of a completion's events joined is its ``Output.text``; None
-  without a tokenizer."""
+  without a tokenizer. ``top_logprobs``: a token's ``{id: logprob}`` of the likeliest ids
+  when its request asks for them (``SamplingParams.top_logprobs``), else None."""
 
   prompt_index: int
   sample_index: int
@@ -85,6 +92,7 @@ class StreamEvent:
   finish_reason: str | None = None
   text: str | None = None
   stop_reason: int | str | None = None
+  top_logprobs: dict[int, float] | None = None
 
 
 @dataclasses.dataclass
@@ -99,7 +107,6 @@ class Request:
   salt: str | None = None  # cache_salt (interned when admitted)
   arrival: int = -1
   tokens: list = dataclasses.field(default_factory=list)  # per completion
-  logprobs: list = dataclasses.field(default_factory=list)
   texts: list = dataclasses.field(default_factory=list)  # CompletionText (None: no tokenizer)
 
 
@@ -221,6 +228,9 @@ class Scheduler:
       if outside:  # could never be generated, so never stop anything: a mistake
         raise ValueError(f"params[{i}].stop_token_ids={p.stop_token_ids} holds {outside}, "
                          f"outside the vocabulary [0, vocab_size={self.vocab_size})")
+      if p.top_logprobs > self.vocab_size:
+        raise ValueError(f"params[{i}].top_logprobs={p.top_logprobs} must be <= vocab_size="
+                         f"{self.vocab_size}")
       if p.stop and self.tokenizer is None:
         raise ValueError(f"params[{i}].stop={p.stop} needs the engine's tokenizer to read "
                          "the text, and it has none (pass LLM(..., tokenizer=...))")
@@ -229,8 +239,7 @@ class Scheduler:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
       out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
-                         salt=salts[i], tokens=[[] for _ in range(p.n)],
-                         logprobs=[[] for _ in range(p.n)], texts=[
+                         salt=salts[i], tokens=[[] for _ in range(p.n)], texts=[
                              None if self.tokenizer is None else CompletionText(
                                  self.tokenizer, p.stop, p.include_stop_str_in_output,
                                  per_token=text_per_token, min_tokens=p.min_tokens)
@@ -268,7 +277,7 @@ class Scheduler:
             fork_S=f, seed_S=req.seed, temperature_S=p.temperature, top_k_S=p.top_k,
             top_p_S=p.top_p, min_p_S=p.min_p, repetition_penalty_S=p.repetition_penalty,
             presence_penalty_S=p.presence_penalty, frequency_penalty_S=p.frequency_penalty,
-            min_tokens_S=p.min_tokens, stop_Si=req.stop,
+            min_tokens_S=p.min_tokens, top_n_S=p.top_logprobs, stop_Si=req.stop,
             salt_S=self.salts.intern(req.salt, held),
             fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0
@@ -294,11 +303,16 @@ class Scheduler:
       for j in range(have, end):
         tok = int(report["tokens_SK"][s, j - start])
         lp = float(report["logprobs_SK"][s, j - start])
+        top = None
+        if req.params.top_logprobs:
+          k = req.params.top_logprobs
+          top = dict(zip(report["top_ids_SKv"][s, j - start, :k].tolist(),
+                         report["top_logprobs_SKv"][s, j - start, :k].tolist()))
         req.tokens[f].append(tok)
-        req.logprobs[f].append(lp)
         self.counters["tokens"] += 1
         events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None,
-                                  text=None if text is None else text.add(tok)))
+                                  text=None if text is None else text.add(tok),
+                                  top_logprobs=top))
         if text is not None and text.stopped:  # the tokens after it are dropped
           stopped[s] = True
           break

@@ -272,21 +272,24 @@ def serve(scheduler: Scheduler, requests: list[Request], *, run: Callable[[int, 
 def outputs(requests: list[Request], events, *, with_text: bool) -> list[Output]:
   """``generate``'s result: one ``Output`` per completion of ``requests`` in order, from
   their ``events`` (all of them, to each completion's last)."""
-  tokens, logprobs, texts, finish = {}, {}, {}, {}
+  tokens, logprobs, tops, texts, finish = {}, {}, {}, {}, {}
   for ev in events:
     key = (ev.prompt_index, ev.sample_index)
     texts.setdefault(key, []).append(ev.text or "")  # all at the end unless stop strings
     if ev.token_id is not None:
       tokens.setdefault(key, []).append(ev.token_id)
       logprobs.setdefault(key, []).append(ev.logprob)
+      tops.setdefault(key, []).append(ev.top_logprobs)
     else:
       finish[key] = ev
   out = []
   for req in requests:
-    for f in range(req.params.n):
+    p = req.params
+    for f in range(p.n):
       key = (req.index, f)
       text = "".join(texts[key]) if with_text else None
-      lps, end = logprobs.get(key, []) if req.params.logprobs else None, finish[key]
+      lps, end = logprobs.get(key, []) if p.logprobs else None, finish[key]
+      top = tops.get(key, []) if p.top_logprobs else None
       out.append(Output(req.index, f, list(req.prompt), tokens.get(key, []), text,
-                        end.finish_reason, lps, end.stop_reason))
+                        end.finish_reason, lps, end.stop_reason, top))
   return out

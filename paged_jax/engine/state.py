@@ -21,6 +21,7 @@ from paged_jax import allocator
 from paged_jax._promotion import standard_promotion
 from paged_jax.kv_cache import KVCache
 from paged_jax.pallas_kernels import layout
+from paged_jax.sampling import MAX_TOP_LOGPROBS
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
@@ -63,10 +64,15 @@ class EngineState:
   presence_penalty_S: jax.Array  # f32[S]
   frequency_penalty_S: jax.Array  # f32[S]
   min_tokens_S: jax.Array  # i32[S]
+  top_n_S: jax.Array  # i32[S] top log-probs asked for (SamplingParams.top_logprobs)
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
   waited_S: jax.Array  # bool[S] has sat out a step for a block another was filling
+  # The likeliest tokens of each slot's last draw and their log-probs, v = MAX_TOP_LOGPROBS
+  # (-1 and -inf past the vocabulary); set only in steps where some slot asks for them.
+  top_ids_Sv: jax.Array  # i32[S, v]
+  top_logprobs_Sv: jax.Array  # f32[S, v]
   # Counters.
   steps: jax.Array  # i32[]
   preemptions: jax.Array  # i32[]
@@ -88,7 +94,7 @@ _ROW_LAYOUT = dict(
     temperature_S=(np.float32, 0, ""), top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""),
     min_p_S=(np.float32, 0, ""), repetition_penalty_S=(np.float32, 1, ""),
     presence_penalty_S=(np.float32, 0, ""), frequency_penalty_S=(np.float32, 0, ""),
-    min_tokens_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
+    min_tokens_S=(np.int32, 0, ""), top_n_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""
@@ -162,7 +168,11 @@ def init_state(spec: KVCacheSpec, max_seqs: int, max_model_len: int, *,
   rows = _empty_rows(jnp, max_seqs, max_model_len)
   return EngineState(alloc=allocator.init(spec.num_blocks, spec.block_size, max_seqs, p,
                                           windows=windows),
-                     cache=KVCache.create(spec), **rows, **_zero_counters())
+                     cache=KVCache.create(spec), **rows,
+                     top_ids_Sv=jnp.full((max_seqs, MAX_TOP_LOGPROBS), -1, jnp.int32),
+                     top_logprobs_Sv=jnp.full((max_seqs, MAX_TOP_LOGPROBS), -jnp.inf,
+                                              jnp.float32),
+                     **_zero_counters())
 
 
 COUNTERS = tuple(_zero_counters())

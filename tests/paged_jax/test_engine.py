@@ -172,6 +172,49 @@ def test_logprobs_match_dense_log_softmax(llm, dense_greedy):
     np.testing.assert_allclose(got, lps, rtol=1e-4, atol=1e-4)
 
 
+def test_top_logprobs_are_the_dense_models_likeliest_tokens(llm, model):
+  # Greedy and sampled (n = 2) requests beside one without them, 4 completions in 3 slots
+  # and up to 12 tokens at 8 steps a call: each token's dict is read from its own column.
+  fwd = jax.jit(lambda t: jax.nn.log_softmax(model(t)[0].astype(jnp.float32), axis=-1))
+  prompts = _prompts((7, 18, 4), seed=21)
+  params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=5),
+            SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=20,
+                           temperature=1.0, seed=8, n=2),
+            SamplingParams(max_tokens=9, ignore_eos=True, logprobs=True)]
+  outs = llm.generate(prompts, params)
+  streamed = {}
+  for ev in llm.generate_stream(prompts, params):
+    if ev.token_id is not None:
+      streamed.setdefault((ev.prompt_index, ev.sample_index), []).append(ev.top_logprobs)
+  assert [o.top_logprobs or [None] * len(o.token_ids) for o in outs] == [
+      streamed[o.prompt_index, o.sample_index] for o in outs]
+  assert outs[1].token_ids != outs[2].token_ids  # the two sampled completions differ
+  for o in outs:
+    k = params[o.prompt_index].top_logprobs
+    if not k:
+      assert o.top_logprobs is None and streamed[o.prompt_index, 0] == [None] * 9
+      continue
+    assert len(o.top_logprobs) == len(o.token_ids) == params[o.prompt_index].max_tokens
+    seq = list(o.prompt_token_ids) + list(o.token_ids)
+    arr = np.zeros((1, ORACLE_LEN), np.int32)
+    arr[0, :len(seq)] = seq
+    logp_JV = np.asarray(fwd(jnp.asarray(arr)))
+    for j, (tok, lp, top) in enumerate(zip(o.token_ids, o.logprobs, o.top_logprobs)):
+      want_V = logp_JV[len(o.prompt_token_ids) + j - 1]
+      ids, values = list(top), np.asarray(list(top.values()))
+      assert len(ids) == k and all(type(i) is int for i in ids)
+      assert all(type(x) is float for x in top.values()) and np.all(np.diff(values) <= 0)
+      np.testing.assert_allclose(values, want_V[ids], rtol=1e-4, atol=1e-4)
+      # the k likeliest: none left out is likelier than the least likely kept
+      assert np.max(np.delete(want_V, ids)) <= values[-1] + 1e-4
+      if tok in top:
+        assert top[tok] == pytest.approx(lp, abs=1e-6)
+      else:
+        assert lp <= values[-1] + 1e-4
+    if params[o.prompt_index].temperature == 0:  # greedy: the chosen token first
+      assert [next(iter(t)) for t in o.top_logprobs] == list(o.token_ids)
+
+
 def test_seeds_reproducible_across_batch_composition(llm):
   target = _prompts((9,), seed=3)[0]
   hot = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
@@ -673,6 +716,11 @@ def test_outputs_hash_with_their_lists():
   a, b = (Output(0, 0, [1, 2], [3], None, "length", [-0.5]) for _ in range(2))
   assert a == b and hash(a) == hash(b) and len({a, b}) == 1
   assert hash(a) != hash(Output(0, 0, [1, 2], [4], None, "length", [-0.5]))
+  # with top logprobs, a dict per token
+  c, d = (Output(0, 0, [1], [3], None, "length", [-0.5], None, [{3: -0.5, 7: -1.0}])
+          for _ in range(2))
+  assert c == d and hash(c) == hash(d) and len({a, c, d}) == 2
+  assert hash(c) != hash(Output(0, 0, [1], [3], None, "length", [-0.5], None, [{3: -0.5}]))
 
 
 def test_stats_before_anything_ran_report_no_utilisation(model, config):
@@ -797,6 +845,11 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
     (dict(min_tokens=17), r"min_tokens=17 must be an int in \[0, max_tokens=16\]"),
     (dict(min_tokens=-1), "min_tokens=-1"), (dict(min_tokens=1.0), "min_tokens=1.0"),
+    (dict(logprobs=True, top_logprobs=21), r"top_logprobs=21 must be an int in \[0, 20\]"),
+    (dict(logprobs=True, top_logprobs=-1), "top_logprobs=-1"),
+    (dict(logprobs=True, top_logprobs=2.0), "top_logprobs=2.0"),
+    (dict(logprobs=True, top_logprobs=True), "top_logprobs=True"),
+    (dict(top_logprobs=3), "top_logprobs=3 needs logprobs=True"),
 ])
 def test_sampling_params_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -886,10 +939,15 @@ def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_
   llm = LLM(model, config, block_size=4, num_blocks=12, max_seqs=3, max_tokens_per_step=16,
             steps_per_call=8)
   prompts = _prompts((10, 14, 8, 12, 6), seed=13)
-  outs = llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True))
+  outs = llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True, logprobs=True,
+                                              top_logprobs=3))
   assert llm.stats["preemptions"] > 0
   for p, o in zip(prompts, outs):
-    assert list(o.token_ids) == dense_greedy(p, 14)[0]
+    tokens, lps = dense_greedy(p, 14)
+    assert list(o.token_ids) == tokens  # and a preempted one's top logprobs are its own
+    assert [list(t)[0] for t in o.top_logprobs] == tokens
+    assert all(len(t) == 3 for t in o.top_logprobs)
+    np.testing.assert_allclose([list(t.values())[0] for t in o.top_logprobs], lps, atol=1e-4)
   _check_all_free(llm)
   # A random mix with forks (n = 2) under the same pressure: forks, preemptions of forks,
   # recompute of forks that got no block, all equal the oracle.
@@ -1150,3 +1208,13 @@ def test_a_call_reports_at_most_max_model_len_tokens_a_slot(model, config, dense
   prompts = _prompts((5, 9, 30))
   outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
   assert [list(o.token_ids) for o in outs] == [dense_greedy(p, 12)[0] for p in prompts]
+
+
+def test_top_logprobs_past_the_vocabulary_are_refused():
+  from paged_jax.engine.scheduler import Scheduler
+  sched = Scheduler(max_seqs=2, slots_per_shard=2, max_model_len=32, token_buckets=(8,),
+                    vocab_size=16, eos=(), limit_note="")
+  ok = SamplingParams(logprobs=True, top_logprobs=16)
+  assert len(sched.requests([[1]], ok)) == 1
+  with pytest.raises(ValueError, match=r"params\[1\]\.top_logprobs=17 must be <= vocab_size=16"):
+    sched.requests([[1], [2]], [ok, SamplingParams(logprobs=True, top_logprobs=17)])

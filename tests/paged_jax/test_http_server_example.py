@@ -58,10 +58,10 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
   rng = np.random.default_rng(0)
   prompts = [[int(t) for t in rng.integers(3, 128, n)] for n in (5, 14, 9, 20, 3)]
   bodies = [dict(prompt=p, max_tokens=4 + i, temperature=0.7 * (i % 2), seed=i,
-                 ignore_eos=True) for i, p in enumerate(prompts)]
-  expected = [o.token_ids for o in llm.generate(
-      prompts, [SamplingParams(**{k: v for k, v in b.items() if k != "prompt"})
-                for b in bodies])]
+                 ignore_eos=True, logprobs=True, top_logprobs=i % 3)
+            for i, p in enumerate(prompts)]
+  expected = llm.generate(prompts, [SamplingParams(**{k: v for k, v in b.items()
+                                                      if k != "prompt"}) for b in bodies])
   llm_outputs_n2 = [o.token_ids for o in llm.generate(
       [prompts[0]], SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=9,
                                    ignore_eos=True))]
@@ -81,7 +81,10 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
       t.join()
     for (status, lines), want in zip(results, expected):
       assert status == 200
-      assert [line["token_id"] for line in lines[:-1]] == want
+      assert [line["token_id"] for line in lines[:-1]] == want.token_ids
+      assert [line.get("top_logprobs") for line in lines[:-1]] == (
+          [None] * len(want.token_ids) if want.top_logprobs is None
+          else [[[i, lp] for i, lp in top.items()] for top in want.top_logprobs])
       assert lines[-1]["finish_reason"] == "length"
 
     # n = 2: both completions, interleaved as they come, the answer ends after the second.

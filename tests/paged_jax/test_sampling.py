@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_jax.sampling import (Adjustments, adjust, min_p_filter, request_keys, sample,
-                                truncate)
+                                top_logprobs, truncate)
 
 ROWS = 4000
 
@@ -40,6 +40,20 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
   tokens, lps = _draw(LOGITS, temperature=0.0, top_k=2, top_p=0.1)
   assert np.all(tokens == 0)
   np.testing.assert_allclose(lps, np.log(0.5), rtol=1e-6)
+
+
+def test_top_logprobs_are_the_likeliest_in_order_ties_by_smaller_id_padded_past_the_vocab():
+  logits_SV = jnp.asarray([[0.0, 2.0, -1.0, 2.0, 1.0], [3.0, -jnp.inf, 0.5, 0.5, 0.5]],
+                          jnp.bfloat16)
+  ids_Sv, logprobs_Sv = top_logprobs(logits_SV, width=7)
+  assert ids_Sv.dtype == jnp.int32 and logprobs_Sv.dtype == jnp.float32
+  np.testing.assert_array_equal(ids_Sv, [[1, 3, 4, 0, 2, -1, -1], [0, 2, 3, 4, 1, -1, -1]])
+  want_SV = np.asarray(jax.nn.log_softmax(logits_SV.astype(jnp.float32), axis=-1))
+  want_Sv = np.take_along_axis(want_SV, np.asarray(ids_Sv) % 5, axis=-1)
+  want_Sv[:, 5:] = -np.inf
+  np.testing.assert_allclose(logprobs_Sv, want_Sv, rtol=1e-6)
+  ids_Sv, _ = top_logprobs(logits_SV, width=2)
+  np.testing.assert_array_equal(ids_Sv, [[1, 3], [0, 2]])
 
 
 def test_temperature_one_matches_the_distribution():

@@ -86,12 +86,13 @@ def mesh_of(shape):
 
 def workload():
   """Ragged prompts (some longer than T = 16: chunked prefill), a fork (n = 2), a stop id,
-  penalties, greedy with logprobs; 21 completions for 16 slots (continuous batching)."""
+  penalties, greedy with logprobs (and the fork's top 4); 21 completions for 16 slots (continuous batching)."""
   rng = np.random.default_rng(0)
   lengths = (5, 17, 9, 30, 3, 1, 12, 7, 2, 22, 4, 8, 15, 6, 11, 3, 19, 5, 9, 1)
   prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
   params = [SamplingParams(max_tokens=8, logprobs=True, ignore_eos=True)] * len(prompts)
-  params[2] = SamplingParams(max_tokens=10, n=2, logprobs=True, ignore_eos=True)
+  params[2] = SamplingParams(max_tokens=10, n=2, logprobs=True, top_logprobs=4,
+                             ignore_eos=True)
   params[5] = SamplingParams(max_tokens=12, stop_token_ids=(73,), logprobs=True,
                              ignore_eos=True)
   # Penalties and min_tokens read each shard's own token history rows.
@@ -104,7 +105,8 @@ def workload():
 def summary(outs):
   return dict(tokens=[list(o.token_ids) for o in outs],
               reasons=[(o.finish_reason, o.stop_reason) for o in outs],
-              logprobs=[list(o.logprobs) for o in outs])
+              logprobs=[list(o.logprobs) for o in outs],
+              top=[[list(t.items()) for t in o.top_logprobs or []] for o in outs])
 
 
 def collective_sizes(llm) -> list[int]:

@@ -49,6 +49,13 @@ def test_mesh_produces_the_unsharded_greedy_tokens(run, mesh):
     assert diff == 0.0
   else:  # psum changes the order of the head / MLP-column sums only
     assert diff < 1e-5, diff
+  # the fork's top-4 log-probs (each shard's rows of the call's report, merged)
+  top = lambda r: [[pair for token in c for pair in token] for c in r["top"]]
+  assert [len(c) for c in base["top"]] == [0, 0, 10, 10] + [0] * 17
+  assert [[t[0][0] for t in c] for c in base["top"][2:4]] == base["tokens"][2:4]  # greedy
+  assert [[i for i, _ in c] for c in top(got)] == [[i for i, _ in c] for c in top(base)]
+  np.testing.assert_allclose([[v for _, v in c] for c in top(got)][2:4],
+                             [[v for _, v in c] for c in top(base)][2:4], atol=1e-5)
   assert got["num_free_blocks"] == got["num_blocks"] == 128  # every shard freed its pool
   assert got["generated_tokens"] == sum(len(t) for t in base["tokens"])
   assert base["reasons"][6] == ["stop", 73]  # request 5 (after 2's two) meets its stop id
