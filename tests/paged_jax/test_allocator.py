@@ -744,7 +744,7 @@ def _random_free_pool(rng, num_blocks, max_blocks_per_seq):
                              depth_N=jnp.asarray(depth, jnp.int32))
 
 
-@pytest.mark.parametrize("select_max", [A._SELECT_MAX, 3])
+@pytest.mark.parametrize("select_max", [pytest.param(A._SELECT_MAX, marks=pytest.mark.slow), 3])
 def test_take_equals_the_sorted_free_order_on_every_path(monkeypatch, select_max):
   # _take ranks the oldest unregistered free blocks with prefix sums, else selects the taken
   # set in O(N) passes and sorts only it (_select), and sorts the whole pool only for more

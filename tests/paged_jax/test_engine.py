@@ -990,6 +990,7 @@ def test_tiny_pool_forces_preemption_and_outputs_unchanged(model, config, dense_
   _check_all_free(llm)
 
 
+@pytest.mark.slow
 def test_engine_step_traces_once(model, config):
   # max_traces=1 wraps the jitted device call in chex.assert_max_traces(n=1), per engine
   # and token bucket: chex counted every bucket, and every engine built at one line, as

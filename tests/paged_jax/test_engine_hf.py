@@ -238,6 +238,7 @@ def test_an_error_after_a_stop_in_the_same_report_leaves_no_sequence_behind(chec
   assert llm.generate(prompts, params) == free
 
 
+@pytest.mark.slow
 def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch):
   from paged_jax import LLM, cli
   path, _ = checkpoint
@@ -316,6 +317,7 @@ def test_a_checkpoint_under_the_home_directory_brings_its_tokenizer(checkpoint, 
   assert planner.model_shape_from_config(home_path) == planner.model_shape_from_config(path)
 
 
+@pytest.mark.slow
 def test_cli_prompt_answered_at_once_by_eos_says_why_it_may_be(checkpoint, monkeypatch,
                                                                capsys):
   # An instruct model given raw text (SmolLM2-Instruct: "What is the capital of France?")

@@ -387,6 +387,7 @@ def test_warnings_point_past_the_package_but_not_past_a_sibling_file():
   assert not _caller._inside(os.path.join(os.path.dirname(package), "script.py"))
 
 
+@pytest.mark.slow
 def test_a_warm_run_says_its_calls_came_from_the_compilation_cache(tmp_path):
   # A warm run printed "compiling 1/3 ..." and a compile time with no word that the calls
   # were loaded, not compiled. JAX's cache-hit events now count them, in the progress

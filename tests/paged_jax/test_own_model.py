@@ -703,6 +703,7 @@ def test_a_model_left_in_training_mode_is_warned_about(examples, config):
     paged_jax.Steps(model)  # None: decided at the call, as paged_forward passes it
 
 
+@pytest.mark.slow
 def test_a_linen_model_is_served_as_readme_shows(examples):
   # examples/linen_model.py: a Flax Linen GPT whose paged_forward is written in Linen,
   # served through the example's FromLinen, and through README's with a collection

@@ -1060,8 +1060,9 @@ def _same_chain_hash(tokens_SPZ, salt_S):
   return A.chain_hashes(tokens_SPZ, salt_S)
 
 
-@pytest.mark.parametrize("windows,window", [((None,), 2), ((None,), 3), ((None, 4), 2),
-                                            ((3, None), 3)])
+@pytest.mark.parametrize("windows,window", [
+    ((None,), 2), pytest.param((None,), 3, marks=pytest.mark.slow),
+    pytest.param((None, 4), 2, marks=pytest.mark.slow), ((3, None), 3)])
 def test_register_in_a_window_and_short_lookups_equal_the_whole_rows(monkeypatch, windows,
                                                                      window):
   # register(window=w) walks only the w levels past each sequence's last registered block,

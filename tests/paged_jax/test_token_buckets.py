@@ -35,6 +35,7 @@ def tiny():
   return init_random(config, seed=0, impl="xla"), config
 
 
+@pytest.mark.slow
 def test_bucketed_steps_give_the_same_tokens(tiny):
   model, config = tiny
   rng = np.random.default_rng(0)
@@ -81,8 +82,9 @@ def _own_gpt(num_layers):
   return own_model.TinyGPT(config, rngs=nnx.Rngs(0)), config
 
 
-@pytest.mark.parametrize("model_kind", ["built-in, 2 layers", "built-in, 1 layer",
-                                        "own_model.py, 2 layers"])
+@pytest.mark.parametrize("model_kind", [
+    "built-in, 2 layers", pytest.param("built-in, 1 layer", marks=pytest.mark.slow),
+    pytest.param("own_model.py, 2 layers", marks=pytest.mark.slow)])
 def test_device_call_never_copies_the_pool(tiny, model_kind):
   # A pool passed through a lax.switch / cond branch is copied by XLA on every step (the
   # first token-bucket design had 6 pool-sized copies per step). The compiled device call,

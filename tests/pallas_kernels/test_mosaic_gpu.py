@@ -543,6 +543,7 @@ _ACCURACY_BOUND = {"int8": 1.5e-2, "float8_e4m3fn": 6e-2}
 
 
 @needs_interpret
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", tuple(_ACCURACY_BOUND))
 def test_quantized_accuracy_against_float32_kv(kv_dtype):
   # Issue 20's batch (heads 1x .. 10x apart, outlier tokens, NaN unused memory) with
