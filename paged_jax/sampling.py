@@ -112,9 +112,10 @@ class SamplingParams:
     top_logprobs: with ``logprobs``, also report the ``top_logprobs`` most likely tokens at
       each generated position with their log-probabilities (``Output.top_logprobs``: a
       ``{token_id: logprob}`` dict per generated token, most likely first, ties by smaller
-      id), under the same distribution as ``logprobs`` (so the chosen token is among them
-      whenever it was the most likely, as greedy's always is); an int in [0,
-      ``MAX_TOP_LOGPROBS`` = 20] (0: none), OpenAI's ``top_logprobs``.
+      id), under the same distribution as ``logprobs`` (the model's own: the chosen token
+      is among them only when that distribution ranks it there; penalties or a bar of
+      ``min_tokens`` may choose another, greedy too); an int in [0, ``MAX_TOP_LOGPROBS`` =
+      20] (0: none), OpenAI's ``top_logprobs``.
   """
 
   max_tokens: int = 16
@@ -509,8 +510,10 @@ def top_logprobs(logits_SV: jax.Array, width: int = MAX_TOP_LOGPROBS
   """The ``width`` likeliest tokens of each row under ``log_softmax(logits)`` (``sample``'s
   logprobs): ``(ids_Sv, logprobs_Sv)``, i32 and f32 ``[S, width]``, most likely first (ties:
   the smaller id first); past the vocabulary, id -1 and log-prob -inf."""
-  logprobs_SV = jax.nn.log_softmax(logits_SV.astype(jnp.float32), axis=-1)
-  logprobs_Sv, ids_Sv = jax.lax.top_k(logprobs_SV, min(width, logprobs_SV.shape[-1]))
+  logits_SV = logits_SV.astype(jnp.float32)
+  # The log-softmax's order is the logits' (a shift per row): rank those, shift k of them.
+  top_Sv, ids_Sv = jax.lax.top_k(logits_SV, min(width, logits_SV.shape[-1]))
+  logprobs_Sv = top_Sv - jax.nn.logsumexp(logits_SV, axis=-1, keepdims=True)
   pad = ((0, 0), (0, width - ids_Sv.shape[-1]))
   return (jnp.pad(ids_Sv.astype(jnp.int32), pad, constant_values=-1),
           jnp.pad(logprobs_Sv, pad, constant_values=-jnp.inf))

@@ -68,9 +68,9 @@ class Output:
   stop_reason: int | str | None = None
   top_logprobs: list[dict[int, float]] | None = None
 
-  def __hash__(self):  # the lists (and dicts) as tuples: equal outputs hash alike
+  def __hash__(self):  # lists as tuples, dicts as sets of items: equal outputs hash alike
     frozen = lambda v: (tuple(frozen(x) for x in v) if isinstance(v, list)
-                        else tuple(v.items()) if isinstance(v, dict) else v)
+                        else frozenset(v.items()) if isinstance(v, dict) else v)
     return hash(tuple(frozen(v) for v in vars(self).values()))
 
 

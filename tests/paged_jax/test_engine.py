@@ -721,6 +721,8 @@ def test_outputs_hash_with_their_lists():
           for _ in range(2))
   assert c == d and hash(c) == hash(d) and len({a, c, d}) == 2
   assert hash(c) != hash(Output(0, 0, [1], [3], None, "length", [-0.5], None, [{3: -0.5}]))
+  e = Output(0, 0, [1], [3], None, "length", [-0.5], None, [{7: -1.0, 3: -0.5}])
+  assert c == e and hash(c) == hash(e)  # dicts are equal whatever their order
 
 
 def test_stats_before_anything_ran_report_no_utilisation(model, config):

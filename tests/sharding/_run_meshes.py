@@ -170,7 +170,7 @@ def run_engines(model, cfg, checkpoint):
         local_pages_elems=int(np.prod(llm._state.cache.k_pages.addressable_shards[0]
                                       .data.shape)))
     if shape == COLLECTIVES_MESH:
-      out["max_collective_elems"] = max(collective_sizes(llm), default=0)
+      out["collective_elems"] = sorted(set(collective_sizes(llm)))
     result[f"{shape[0]}x{shape[1]}"] = out
   return result
 

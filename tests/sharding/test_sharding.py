@@ -84,11 +84,13 @@ def test_kv_bytes_per_device(run, mesh, devices_per_copy):
 
 
 def test_no_collective_moves_the_cache(run):
-  # The largest collective of the (2, 4) device call is the psum of a [T, E] = [16, 64]
-  # activation; nothing near a device's pages (2 * 1 * 64 * 4 * 16 elements) moves.
-  got = run["engines"]["2x4"]
-  assert got["max_collective_elems"] == 16 * 64
-  assert got["max_collective_elems"] < got["local_pages_elems"]
+  # The largest collectives of the (2, 4) device call: the report's top-logprob rings
+  # gathered once a call ([d, S/d, steps, 20] = [2, 8, 8, 20]) and the psum of a [T, E] =
+  # [16, 64] activation; nothing near a device's pages (2 * 1 * 64 * 4 * 16 elements) moves.
+  from paged_jax.sampling import MAX_TOP_LOGPROBS
+  sizes = run["engines"]["2x4"]["collective_elems"]
+  assert sizes[-2:] == [16 * 64, 2 * 8 * 8 * MAX_TOP_LOGPROBS]
+  assert sizes[-1] < run["engines"]["2x4"]["local_pages_elems"]
 
 
 def test_checkpoint_tensors_load_onto_their_model_slices(run):
