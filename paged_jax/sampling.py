@@ -114,8 +114,9 @@ class SamplingParams:
       ``{token_id: logprob}`` dict per generated token, most likely first, ties by smaller
       id), under the same distribution as ``logprobs`` (the model's own: the chosen token
       is among them only when that distribution ranks it there; penalties or a bar of
-      ``min_tokens`` may choose another, greedy too); an int in [0, ``MAX_TOP_LOGPROBS`` =
-      20] (0: none), OpenAI's ``top_logprobs``.
+      ``min_tokens`` may choose another, greedy too; listed, its value is its ``logprobs``
+      entry exactly); an int in [0, ``MAX_TOP_LOGPROBS`` = 20] (0: none), OpenAI's
+      ``top_logprobs``.
   """
 
   max_tokens: int = 16

@@ -258,11 +258,15 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
                            tokens_SJ, len_S, st.prompt_len_S, st.repetition_penalty_S,
                            st.presence_penalty_S, st.frequency_penalty_S, st.stop_Si,
                            draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S))
-  # The likeliest tokens too, in the steps where a slot that draws asks for them.
+  # The likeliest tokens too, in the steps where a slot that draws asks for them; such a
+  # slot's chosen token, when among them, reports the very value listed there.
+  top_S = draw_S & (st.top_n_S > 0)
   top_ids_Sv, top_logprobs_Sv = jax.lax.cond(
-      jnp.any(draw_S & (st.top_n_S > 0)),
-      lambda: top_logprobs(logits_SV[row_S], st.top_ids_Sv.shape[-1]),
+      jnp.any(top_S), lambda: top_logprobs(logits_SV[row_S], st.top_ids_Sv.shape[-1]),
       lambda: (st.top_ids_Sv, st.top_logprobs_Sv))
+  chosen_Sv = top_S[:, None] & (top_ids_Sv == tok_S[:, None])
+  lp_S = jnp.where(jnp.any(chosen_Sv, axis=-1),
+                   jnp.max(jnp.where(chosen_Sv, top_logprobs_Sv, -jnp.inf), axis=-1), lp_S)
   stop_S = draw_S & jnp.any(st.stop_Si == tok_S[:, None], axis=-1)
   keep_S = draw_S & ~stop_S
   col_S = jnp.where(keep_S & after_register, len_S, max_len)

@@ -208,7 +208,7 @@ def test_top_logprobs_are_the_dense_models_likeliest_tokens(llm, model):
       # the k likeliest: none left out is likelier than the least likely kept
       assert np.max(np.delete(want_V, ids)) <= values[-1] + 1e-4
       if tok in top:
-        assert top[tok] == pytest.approx(lp, abs=1e-6)
+        assert top[tok] == lp  # the very value: a user may look one up in the other
       else:
         assert lp <= values[-1] + 1e-4
     if params[o.prompt_index].temperature == 0:  # greedy: the chosen token first
