@@ -5,7 +5,8 @@
     curl -N localhost:8000/generate -d '{"prompt": [5, 6, 7], "max_tokens": 8}'
 
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
-tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...).
+tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...;
+``logit_bias`` as OpenAI's, ``{"token id": bias}``).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
 "token_id": 17, "text": ..., "logprob": ...}`` per token (with ``"top_logprobs": [[id,
 logprob], ...]`` when asked), then ``{"index": 0,
@@ -137,6 +138,9 @@ def make_handler(loop: EngineLoop):
                            f"{sorted(fields)}")
         params = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()
                   if k != "prompt"}
+        if isinstance(params.get("logit_bias"), dict):  # JSON's keys are strings: ids here
+          params["logit_bias"] = {int(k) if isinstance(k, str) and k.isdecimal() else k: v
+                                  for k, v in params["logit_bias"].items()}
         request_id, events = loop.submit(body["prompt"], SamplingParams(**params))
       except ValueError as e:  # a bad JSON body or request: the engine's own message
         return self._refuse(400, str(e))

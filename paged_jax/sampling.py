@@ -6,8 +6,9 @@ temperature, top-k, top-p and PRNG key; ``request_keys`` derives those keys so t
 request's draws depend only on ``(seed, fork index, request-local token index)``, never on
 the step number or the batch slot (reproducible whatever else is in the batch).
 
-``adjust`` applies what a request's history changes first: repetition, presence and
-frequency penalties, and stop ids barred until ``min_tokens``.
+``adjust`` applies what a request asks of the logits first: its logit bias, then what its
+history changes (repetition, presence and frequency penalties), then its stop ids barred
+until ``min_tokens``.
 
 Semantics (per row):
 - the logits are adjusted (``adjust``; nothing changes at the neutral values).
@@ -39,12 +40,16 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["Adjustments", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust", "min_p_filter",
-           "sample", "request_keys", "top_logprobs", "truncate"]
+__all__ = ["Adjustments", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust",
+           "min_p_filter", "sample", "request_keys", "top_logprobs", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 MAX_TOP_LOGPROBS = 20
 """The most ``SamplingParams.top_logprobs`` (OpenAI's limit; the engine's fixed width)."""
+MAX_LOGIT_BIAS = 300
+"""The most tokens one ``SamplingParams.logit_bias`` biases (the engine's fixed width)."""
+LOGIT_BIAS_LIMIT = 100.0
+"""A bias lies in ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`` (OpenAI's range)."""
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal
 
@@ -117,6 +122,14 @@ class SamplingParams:
       ``min_tokens`` may choose another, greedy too; listed, its value is its ``logprobs``
       entry exactly); an int in [0, ``MAX_TOP_LOGPROBS`` = 20] (0: none), OpenAI's
       ``top_logprobs``.
+    logit_bias: ``{token_id: bias}`` (a mapping, or ``(id, bias)`` pairs; None or empty:
+      none), OpenAI's ``logit_bias``: each bias, a number in [-100, 100], is added to its
+      token's logit before anything else changes the logits (penalties, the bar of
+      ``min_tokens``, temperature, top-k, top-p, min-p; vLLM's order), greedy decoding too;
+      -100 all but bans a token, +100 all but forces it. At most ``MAX_LOGIT_BIAS`` = 300
+      tokens; ids must lie in the engine's vocabulary. ``logprobs`` and ``top_logprobs``
+      stay the model's own distribution, unbiased. Held as ``(id, bias)`` pairs in
+      increasing id (a frozen, hashable field); ``dict(params.logit_bias)`` is the mapping.
   """
 
   max_tokens: int = 16
@@ -136,6 +149,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   min_tokens: int = 0
   top_logprobs: int = 0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -202,6 +216,7 @@ class SamplingParams:
       raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as OpenAI's "
                        "API asks)")
     object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
+    object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       object.__setattr__(self, name, float(getattr(self, name)))
     object.__setattr__(self, "min_tokens", int(self.min_tokens))
@@ -287,6 +302,39 @@ class SamplingParams:
       raise
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+  """``SamplingParams.logit_bias`` checked, as ``(id, bias)`` pairs in increasing id."""
+  expected = (f"must be a mapping of token ids (ints >= 0) to numbers in [-{LOGIT_BIAS_LIMIT:g}"
+              f", {LOGIT_BIAS_LIMIT:g}] (or such (id, bias) pairs), at most {MAX_LOGIT_BIAS} "
+              "of them")
+  if value is None:
+    return ()
+  try:
+    if isinstance(value, abc.Mapping):
+      pairs = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
+      raise TypeError
+    else:
+      pairs = [tuple(pair) for pair in value]
+  except TypeError:
+    raise ValueError(f"logit_bias={value!r} {expected}") from None
+  if len(pairs) > MAX_LOGIT_BIAS:
+    raise ValueError(f"logit_bias biases {len(pairs)} tokens, {expected}")
+  for pair in pairs:
+    if len(pair) != 2:
+      raise ValueError(f"logit_bias={value!r} {expected}: {pair!r} is no (id, bias) pair")
+    token, bias = pair
+    if not _is_int(token) or token < 0:
+      hint = " (JSON's keys are strings: make them ints)" if isinstance(token, str) else ""
+      raise ValueError(f"logit_bias key {token!r} must be a token id, an int >= 0{hint}")
+    if not _is_real(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+      raise ValueError(f"logit_bias[{token}]={bias!r} must be a number in "
+                       f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+  if len({int(t) for t, _ in pairs}) != len(pairs):
+    raise ValueError(f"logit_bias={value!r} names a token id twice")
+  return tuple(sorted((int(t), float(b)) for t, b in pairs))
+
+
 def _cut_min_tokens(min_tokens, max_tokens):
   """A file's ``min_new_tokens`` cut to a valid ``max_tokens`` (where the request ends, as
   in transformers); anything else as it is (``SamplingParams`` refuses what is invalid)."""
@@ -365,7 +413,10 @@ class Adjustments:
     bar_S: bool[S].
     rows_S: bool[S] the rows whose tokens are drawn, or None (all): ``sample`` builds the
       [S, V] counts only when one of them asks for a penalty (not for a prefill under way
-      or a finished request).
+      or a finished request), the [S, V] bias only when one of them has a logit bias.
+    bias_ids_Sb: i32[S, b] ids (negative: none; distinct in a row) whose logits get
+      ``bias_Sb`` added before anything else (``SamplingParams.logit_bias``), or None.
+    bias_Sb: f32[S, b] their biases, or None.
   """
 
   tokens_SJ: jax.Array
@@ -377,6 +428,8 @@ class Adjustments:
   barred_Si: jax.Array
   bar_S: jax.Array
   rows_S: jax.Array | None = None
+  bias_ids_Sb: jax.Array | None = None
+  bias_Sb: jax.Array | None = None
 
   def penalized_S(self) -> jax.Array:
     """bool[S]: the rows (of ``rows_S``) whose penalties are not all neutral."""
@@ -384,15 +437,30 @@ class Adjustments:
             | (self.frequency_penalty_S != 0))
     return on_S if self.rows_S is None else on_S & self.rows_S
 
+  def biased_S(self) -> jax.Array:
+    """bool[S]: the rows (of ``rows_S``) with a logit bias."""
+    if self.bias_ids_Sb is None:
+      return jnp.zeros(self.bar_S.shape, jnp.bool_)
+    on_S = jnp.any(self.bias_ids_Sb >= 0, axis=-1)
+    return on_S if self.rows_S is None else on_S & self.rows_S
+
 
 def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
            penalize: bool = True) -> jax.Array:
-  """f32[S, V]: the logits as each row's history changes them (``SamplingParams``' fields
-  of the same names; ``Adjustments``); jit-able. ``penalize`` (static) False: the bar only,
-  without building the [S, V] counts (every row's penalties neutral)."""
+  """f32[S, V]: the logits as each row's bias and history change them (``SamplingParams``'
+  fields of the same names; ``Adjustments``): the logit bias added, then the penalties,
+  then the bar; jit-able. ``penalize`` (static) False: the bias and the bar only, without
+  building the [S, V] counts (every row's penalties neutral)."""
   a = adjustments
   num_rows, vocab = logits_SV.shape
   logits_SV = jnp.asarray(logits_SV, jnp.float32)
+  if a.bias_ids_Sb is not None:
+    # Set (the ids of a row are distinct) into zeros, then added: XLA turns an add of a
+    # scatter-ADD into zeros into a scatter-add into the caller's logits, which copies them.
+    bias_ids_Sb = jnp.where(a.bias_ids_Sb >= 0, a.bias_ids_Sb, vocab)
+    row_Sb = jnp.broadcast_to(jnp.arange(num_rows)[:, None], bias_ids_Sb.shape)
+    logits_SV = logits_SV + jnp.zeros((num_rows, vocab), jnp.float32).at[
+        row_Sb, bias_ids_Sb].set(a.bias_Sb.astype(jnp.float32), mode="drop")
   barred_Si = jnp.where(a.bar_S[:, None] & (a.barred_Si >= 0), a.barred_Si, vocab)
   row_Si = jnp.broadcast_to(jnp.arange(num_rows)[:, None], barred_Si.shape)
   if penalize:  # a new array: the bar writes into it
@@ -472,9 +540,10 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
     top_p_S: f32[S] in (0, 1].
     key_S: [S] typed PRNG keys (``request_keys``).
     min_p_S: f32[S] in [0, 1] (0: off); None: off in every row.
-    adjustments: the penalties and bars to ``adjust`` the logits by before the draw; None:
-      none. The [S, V] counts of the penalties are built only when some row (of
-      ``adjustments.rows_S``) asks for one, the bars applied only when some row is barred:
+    adjustments: the bias, penalties and bars to ``adjust`` the logits by before the draw;
+      None: none. The [S, V] counts of the penalties are built only when some row (of
+      ``adjustments.rows_S``) asks for one, the bias and the bars applied only when some
+      row has a bias or is barred:
       a ``switch`` whose three branches each draw, so that no [S, V] array passes through
       it (XLA copies one that does, at every call).
 
@@ -497,8 +566,8 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_k_S: jax.Array,
   if adjustments is None:
     tokens_S = draw(logits_SV)
   else:
-    which = jnp.where(jnp.any(adjustments.penalized_S()), 2,
-                      jnp.where(jnp.any(adjustments.bar_S), 1, 0))
+    which = jnp.where(jnp.any(adjustments.penalized_S()), 2, jnp.where(
+        jnp.any(adjustments.bar_S) | jnp.any(adjustments.biased_S()), 1, 0))
     tokens_S = jax.lax.switch(which, [
         lambda: draw(logits_SV), lambda: draw(adjust(logits_SV, adjustments, penalize=False)),
         lambda: draw(adjust(logits_SV, adjustments))])

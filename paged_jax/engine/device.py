@@ -45,7 +45,7 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
    forked (``allocator.fork`` + ``KVCache.copy_blocks``) into the n - 1 waiting slots.
 5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``:
-   penalties and ``min_tokens`` from the history, then the draw with key =
+   the logit bias, penalties and ``min_tokens`` from the history, then the draw with key =
    ``fold_in(fold_in(key(seed), fork index), token index)``), stop checks (EOS unless
    ``ignore_eos``, ``stop_token_ids``: the stop token is not kept; ``max_tokens`` and
    ``max_model_len``: "length"), and ``allocator.release`` of finished sequences.
@@ -254,10 +254,11 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   row_S = jnp.where(child_S, parent_S, slot_S)
   keys_S = request_keys(st.seed_S, st.fork_S, len_S - st.prompt_len_S)
   tok_S, lp_S = sample(logits_SV[row_S], st.temperature_S, st.top_k_S, st.top_p_S, keys_S,
-                       min_p_S=st.min_p_S, adjustments=Adjustments(  # penalties, min_tokens
+                       min_p_S=st.min_p_S, adjustments=Adjustments(  # bias, penalties, bar
                            tokens_SJ, len_S, st.prompt_len_S, st.repetition_penalty_S,
                            st.presence_penalty_S, st.frequency_penalty_S, st.stop_Si,
-                           draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S))
+                           draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S,
+                           st.bias_ids_Sb, st.bias_Sb))
   # The likeliest tokens too, in the steps where a slot that draws asks for them; such a
   # slot's chosen token, when among them, reports the very value listed there.
   top_S = draw_S & (st.top_n_S > 0)

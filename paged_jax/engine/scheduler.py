@@ -228,6 +228,10 @@ class Scheduler:
       if outside:  # could never be generated, so never stop anything: a mistake
         raise ValueError(f"params[{i}].stop_token_ids={p.stop_token_ids} holds {outside}, "
                          f"outside the vocabulary [0, vocab_size={self.vocab_size})")
+      biased_outside = [t for t, _ in p.logit_bias if t >= self.vocab_size]
+      if biased_outside:
+        raise ValueError(f"params[{i}].logit_bias biases {biased_outside}, outside the "
+                         f"vocabulary [0, vocab_size={self.vocab_size})")
       if p.top_logprobs > self.vocab_size:
         raise ValueError(f"params[{i}].top_logprobs={p.top_logprobs} must be <= vocab_size="
                          f"{self.vocab_size}")
@@ -278,6 +282,7 @@ class Scheduler:
             top_p_S=p.top_p, min_p_S=p.min_p, repetition_penalty_S=p.repetition_penalty,
             presence_penalty_S=p.presence_penalty, frequency_penalty_S=p.frequency_penalty,
             min_tokens_S=p.min_tokens, top_n_S=p.top_logprobs, stop_Si=req.stop,
+            bias_ids_Sb=[t for t, _ in p.logit_bias], bias_Sb=[b for _, b in p.logit_bias],
             salt_S=self.salts.intern(req.salt, held),
             fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0

@@ -21,7 +21,7 @@ from paged_jax import allocator
 from paged_jax._promotion import standard_promotion
 from paged_jax.kv_cache import KVCache
 from paged_jax.pallas_kernels import layout
-from paged_jax.sampling import MAX_TOP_LOGPROBS
+from paged_jax.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from paged_jax.spec import KVCacheSpec
 
 __all__ = ["EngineState", "FREE", "RUNNING", "DONE", "FORK_WAIT", "REASONS", "MAX_STOP_IDS",
@@ -40,7 +40,7 @@ MAX_STOP_IDS = 16
 @dataclasses.dataclass(frozen=True)
 class EngineState:
   """All device-side engine state (module docstring); S slots, J = max_model_len, i = stop
-  ids (MAX_STOP_IDS)."""
+  ids (MAX_STOP_IDS), b = biased ids (``sampling.MAX_LOGIT_BIAS``)."""
 
   alloc: allocator.AllocatorState
   cache: KVCache
@@ -66,6 +66,8 @@ class EngineState:
   min_tokens_S: jax.Array  # i32[S]
   top_n_S: jax.Array  # i32[S] top log-probs asked for (SamplingParams.top_logprobs)
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
+  bias_ids_Sb: jax.Array  # i32[S, b] ids of SamplingParams.logit_bias, -1 padding
+  bias_Sb: jax.Array  # f32[S, b] their biases
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
   waited_S: jax.Array  # bool[S] has sat out a step for a block another was filling
@@ -85,7 +87,8 @@ class EngineState:
   cached_prompt_tokens: jax.Array  # i32[] of those, found in the prefix cache
 
 
-# Each row field's (dtype, fill value, trailing shape: "J" = max_model_len, "i" = stop ids).
+# Each row field's (dtype, fill value, trailing shape: "J" = max_model_len, "i" = stop ids,
+# "b" = biased ids).
 _ROW_LAYOUT = dict(
     tokens_SJ=(np.int32, 0, "J"), logprobs_SJ=(np.float32, 0, "J"), len_S=(np.int32, 0, ""),
     prompt_len_S=(np.int32, 0, ""), max_len_S=(np.int32, 0, ""), status_S=(np.int32, FREE, ""),
@@ -95,13 +98,14 @@ _ROW_LAYOUT = dict(
     min_p_S=(np.float32, 0, ""), repetition_penalty_S=(np.float32, 1, ""),
     presence_penalty_S=(np.float32, 0, ""), frequency_penalty_S=(np.float32, 0, ""),
     min_tokens_S=(np.int32, 0, ""), top_n_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
+    bias_ids_Sb=(np.int32, -1, "b"), bias_Sb=(np.float32, 0, "b"),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""
 
 
 def _empty_rows(xp, max_seqs: int, max_model_len: int) -> dict:
-  sizes = {"J": (max_model_len,), "i": (MAX_STOP_IDS,), "": ()}
+  sizes = {"J": (max_model_len,), "i": (MAX_STOP_IDS,), "b": (MAX_LOGIT_BIAS,), "": ()}
   return {name: xp.full((max_seqs,) + sizes[tail], fill, dtype)
           for name, (dtype, fill, tail) in _ROW_LAYOUT.items()}
 
@@ -121,7 +125,7 @@ def row_chunks(entries, *, max_model_len: int, shards: int, slots_per_shard: int
 
   ``entries``: ``(slot, values)`` pairs, ``slot`` a global slot id (shard ``slot //
   slots_per_shard``), ``values`` a dict of row fields; a field left out keeps a free slot's
-  fill, a ``J`` / ``i`` field (a list) fills its row from position 0. Each chunk has
+  fill, a ``J`` / ``i`` / ``b`` field (a list) fills its row from position 0. Each chunk has
   ``shards * r`` rows, ``r = min(ADMIT_ROWS, slots_per_shard)``: shard k's in rows ``[k * r,
   (k + 1) * r)``, their slot ids within the shard, the unused ones ``slots_per_shard``
   (past the end: ``admit`` writes nothing there). Shapes are fixed, so nothing recompiles.
@@ -141,8 +145,8 @@ def row_chunks(entries, *, max_model_len: int, shards: int, slots_per_shard: int
 
 
 def fill_row(rows: dict[str, np.ndarray], i: int, values: dict) -> None:
-  """Write ``values`` (row fields; a ``J`` / ``i`` field a list, from position 0) into row
-  ``i`` of the host ``rows``; the other fields keep what they hold."""
+  """Write ``values`` (row fields; a ``J`` / ``i`` / ``b`` field a list, from position 0)
+  into row ``i`` of the host ``rows``; the other fields keep what they hold."""
   for name, value in values.items():
     if rows[name].ndim == 2:
       rows[name][i, :len(value)] = value

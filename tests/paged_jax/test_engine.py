@@ -242,18 +242,21 @@ def test_top_k_one_equals_greedy(llm):
 @pytest.fixture(scope="module")
 def dense_adjusted(model):
   """Greedy over the dense model's raw logits adjusted as ``SamplingParams`` says: the
-  repetition penalty (transformers': logits of prompt and generated ids divided where
-  positive, multiplied where not), then the presence and frequency penalties over the
-  generated ids (OpenAI's), and the stop ids barred before ``min_tokens``; in float64."""
+  logit bias, then the repetition penalty (transformers': logits of prompt and generated
+  ids divided where positive, multiplied where not), then the presence and frequency
+  penalties over the generated ids (OpenAI's), and the stop ids barred before
+  ``min_tokens``; in float64."""
   fwd = jax.jit(lambda t: model(t)[0].astype(jnp.float32))
 
   def run(prompt, max_tokens, *, repetition=1.0, presence=0.0, frequency=0.0, min_tokens=0,
-          stop=()):
+          stop=(), bias=None):
     seq, out = list(prompt), []
     for _ in range(max_tokens):
       arr = np.zeros((1, ORACLE_LEN), np.int32)
       arr[0, :len(seq)] = seq
       logits = np.asarray(fwd(jnp.asarray(arr))[len(seq) - 1], np.float64)
+      for t, b in (bias or {}).items():  # the logit bias first (vLLM's order)
+        logits[t] += b
       for t in set(seq):
         logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
       for t in set(out):
@@ -294,6 +297,37 @@ def test_penalties_and_min_tokens_match_a_dense_oracle(llm, dense_greedy, dense_
   plain = [dense_greedy(p, 14)[0] for p in prompts]
   assert all(outs[i * len(cases)].token_ids == plain[i] for i in range(len(prompts)))
   assert all(len(r) >= 3 for r in runs.values())  # the penalties changed the runs
+  _check_all_free(llm)
+
+
+def test_logit_bias_matches_a_dense_oracle(llm, model, dense_greedy, dense_adjusted):
+  # Greedy requests with a bias beside a plain one in one batch: a ban of the plain run's
+  # first token, a small bias on a few tokens, a bias on the prompt's tokens with a
+  # repetition penalty (the bias is added first: the oracle's order and vLLM's); each
+  # changes its run, the reported log-probs stay the model's own (unbiased). Sampled
+  # completions (forks) with +100 on one token draw nothing else.
+  fwd = jax.jit(lambda t: jax.nn.log_softmax(model(t)[0].astype(jnp.float32), axis=-1))
+  prompt = _prompts((9,), seed=33)[0]
+  plain = dense_greedy(prompt, 10)[0]
+  cases = [dict(), dict(bias={plain[0]: -100.0}), dict(bias={3: 2.5, 50: 2.0, 77: 3.0}),
+           dict(bias={t: 4.0 for t in prompt[:5]}, repetition=1.8)]
+  params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True,
+                           logit_bias=case.get("bias"),
+                           repetition_penalty=case.get("repetition", 1.0)) for case in cases]
+  outs = llm.generate([prompt] * len(cases), params)
+  for o, case in zip(outs, cases):
+    expect = dense_adjusted(prompt, 10, **case)
+    assert o.token_ids == expect, case
+    assert (expect == plain) == (not case), case
+    seq = list(prompt) + list(expect)
+    arr = np.zeros((1, ORACLE_LEN), np.int32)
+    arr[0, :len(seq)] = seq
+    raw = np.asarray(fwd(jnp.asarray(arr)))
+    np.testing.assert_allclose(o.logprobs, [raw[len(prompt) - 1 + j, t]
+                                            for j, t in enumerate(expect)], atol=1e-4)
+  forced = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=2,
+                                                 ignore_eos=True, logit_bias={42: 100}))
+  assert [o.token_ids for o in forced] == [[42] * 6] * 2
   _check_all_free(llm)
 
 
@@ -852,6 +886,19 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(logprobs=True, top_logprobs=2.0), "top_logprobs=2.0"),
     (dict(logprobs=True, top_logprobs=True), "top_logprobs=True"),
     (dict(top_logprobs=3), "top_logprobs=3 needs logprobs=True"),
+    (dict(logit_bias={5: 101}), r"logit_bias\[5\]=101 must be a number in \[-100, 100\]"),
+    (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\]=nan must be a number"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias key -1 must be a token id, an int >= 0"),
+    (dict(logit_bias={"5": 1.0}), r"logit_bias key '5' must be a token id, an int >= 0 "
+                                  r"\(JSON's keys are strings: make them ints\)"),
+    (dict(logit_bias={True: 1.0}), "logit_bias key True must be a token id"),
+    (dict(logit_bias={5: True}), r"logit_bias\[5\]=True must be a number"),
+    (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "names a token id twice"),
+    (dict(logit_bias=[(5, 1.0, 2)]), r"\(5, 1.0, 2\) is no \(id, bias\) pair"),
+    (dict(logit_bias=5), "logit_bias=5 must be a mapping of token ids"),
+    (dict(logit_bias="ab"), "logit_bias='ab' must be a mapping of token ids"),
+    (dict(logit_bias={t: 1.0 for t in range(301)}),
+     "logit_bias biases 301 tokens, must be a mapping .* at most 300 of them"),
 ])
 def test_sampling_params_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -1211,6 +1258,23 @@ def test_a_call_reports_at_most_max_model_len_tokens_a_slot(model, config, dense
   prompts = _prompts((5, 9, 30))
   outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
   assert [list(o.token_ids) for o in outs] == [dense_greedy(p, 12)[0] for p in prompts]
+
+
+def test_logit_bias_normalised_and_past_the_vocabulary_refused():
+  from paged_jax.engine.scheduler import Scheduler
+  # A mapping or pairs, held as (id, float bias) pairs in increasing id: hashable, equal.
+  params = SamplingParams(logit_bias={9: -100, 2: np.float32(0.5), np.int64(4): 3})
+  assert params.logit_bias == ((2, 0.5), (4, 3.0), (9, -100.0))
+  assert params == SamplingParams(logit_bias=[(4, 3.0), (9, -100), (2, 0.5)])
+  assert hash(params) == hash(SamplingParams(logit_bias=dict(params.logit_bias)))
+  assert SamplingParams(logit_bias=None).logit_bias == SamplingParams().logit_bias == ()
+  assert len(SamplingParams(logit_bias={t: 1.0 for t in range(300)}).logit_bias) == 300
+  sched = Scheduler(max_seqs=2, slots_per_shard=2, max_model_len=32, token_buckets=(8,),
+                    vocab_size=16, eos=(), limit_note="")
+  assert len(sched.requests([[1]], SamplingParams(logit_bias={15: 1.0}))) == 1
+  with pytest.raises(ValueError, match=r"params\[1\]\.logit_bias biases \[16, 40\], outside "
+                                       r"the vocabulary \[0, vocab_size=16\)"):
+    sched.requests([[1], [2]], [params, SamplingParams(logit_bias={16: 1, 3: 2, 40: 1})])
 
 
 def test_top_logprobs_past_the_vocabulary_are_refused():

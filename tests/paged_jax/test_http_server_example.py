@@ -96,6 +96,13 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
     assert status == 200 and got == want
     assert [line["finish_reason"] for line in lines if "finish_reason" in line] == ["length"] * 2
 
+    # logit_bias as OpenAI's JSON has it, its ids as strings; a key no id is a 400.
+    status, lines = _post(port, dict(prompt=prompts[1], max_tokens=3, ignore_eos=True,
+                                     logit_bias={"42": 100, "7": -5.5}))
+    assert status == 200 and [line.get("token_id") for line in lines] == [42, 42, 42, None]
+    status, lines = _post(port, dict(prompt=prompts[1], logit_bias={"x": 1}))
+    assert status == 400 and "logit_bias key 'x' must be a token id" in lines[0]["error"]
+
     status, lines = _post(port, dict(prompt=[], max_tokens=3))
     assert status == 400 and "prompts[0]" in lines[0]["error"]
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

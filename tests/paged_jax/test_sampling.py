@@ -3,6 +3,7 @@ per-request keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -210,7 +211,6 @@ def _params_from(tmp_path, settings, **overrides):
 ])
 def test_sampling_params_from_a_generation_config_as_transformers_resolves_it(
     tmp_path, settings, expect):
-  import dataclasses
   from paged_jax import SamplingParams
   got = _params_from(tmp_path, settings)
   want = dataclasses.replace(SamplingParams(), **expect)
@@ -335,11 +335,15 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
 # --- adjust: penalties and min_tokens ---
 
 def _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_S, presence_S,
-                   frequency_S, barred_Si, bar_S):
-  """transformers' repetition penalty over prompt + generated, then OpenAI's presence and
-  frequency penalties over the generated tokens, then the barred ids, in float64."""
+                   frequency_S, barred_Si, bar_S, bias_ids_Sb=None, bias_Sb=None):
+  """The logit bias, then transformers' repetition penalty over prompt + generated, then
+  OpenAI's presence and frequency penalties over the generated tokens, then the barred ids,
+  in float64."""
   out = np.array(logits_SV, np.float64)
   for s in range(len(out)):
+    for t, b in zip(*(() if bias_ids_Sb is None else (bias_ids_Sb[s], bias_Sb[s]))):
+      if t >= 0:
+        out[s, t] += b
     history, generated = tokens_SJ[s, :len_S[s]], tokens_SJ[s, prompt_len_S[s]:len_S[s]]
     for t in set(history.tolist()):
       out[s, t] = out[s, t] / repetition_S[s] if out[s, t] > 0 else out[s, t] * repetition_S[s]
@@ -380,6 +384,64 @@ def test_adjust_applies_each_rows_penalties_to_its_own_history_only():
                              np.zeros(rows), np.zeros(rows), barred_Si, bar_S)
   np.testing.assert_array_equal(np.asarray(adjust(logits_SV, adjustments, penalize=False)),
                                 bars_only.astype(np.float32))
+
+
+def test_adjust_adds_each_rows_logit_bias_before_its_penalties():
+  rng = np.random.default_rng(11)
+  rows, J, V = 5, 12, 10
+  logits_SV = (rng.normal(size=(rows, V)) * 3).astype(np.float32)
+  tokens_SJ = rng.integers(0, V, (rows, J)).astype(np.int32)
+  len_S, prompt_len_S = np.array([6, 12, 3, 0, 9], np.int32), np.array([2, 4, 3, 0, 9], np.int32)
+  repetition_S = np.array([1.0, 1.7, 0.5, 1.0, 2.0], np.float32)
+  presence_S = np.array([0, 0.5, 0, 0, 0], np.float32)
+  frequency_S = np.array([0, 1.0, 0, 0, 0], np.float32)
+  barred_Si = np.array([[-1], [4], [1], [2], [-1]], np.int32)
+  bar_S = np.array([False, True, True, False, False])
+  # Row 0 only biased; row 1 all of it (a biased id barred too); row 2 a bias on a barred
+  # id; row 3 nothing (its padding -1 and a bias of 0); row 4 a bias on prompt ids.
+  bias_ids_Sb = np.array([[0, 7, -1], [4, 1, 2], [1, -1, -1], [-1, 5, -1], [*tokens_SJ[4, :2], 9]],
+                         np.int32)
+  bias_Sb = np.array([[100, -3.5, 9], [2, -100, 0.25], [50, 0, 0], [0, 0, 7], [4, -2, 1]],
+                     np.float32)
+  fields = (tokens_SJ, len_S, prompt_len_S, repetition_S, presence_S, frequency_S, barred_Si,
+            bar_S, None, bias_ids_Sb, bias_Sb)
+  adjustments = Adjustments(*(None if f is None else jnp.asarray(f) for f in fields))
+  got = np.asarray(jax.jit(adjust)(logits_SV, adjustments))
+  expect = _adjust_oracle(logits_SV, *fields[:8], bias_ids_Sb, bias_Sb)
+  np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-5)
+  np.testing.assert_array_equal(got[3], logits_SV[3])  # a bias of 0 is none
+  assert got[0, 0] == np.float32(logits_SV[0, 0]) + 100 and np.isneginf(got[2, 1])
+  # Bias after the repetition penalty would differ in row 4 (ids in its prompt):
+  late = _adjust_oracle(logits_SV, *fields[:8])
+  late[4, bias_ids_Sb[4]] += bias_Sb[4]
+  assert not np.allclose(late[4], expect[4], atol=1e-3)
+  # penalize=False: the bias and the bars only.
+  bias_and_bars = _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S, np.ones(rows),
+                                 np.zeros(rows), np.zeros(rows), barred_Si, bar_S,
+                                 bias_ids_Sb, bias_Sb)
+  np.testing.assert_allclose(np.asarray(adjust(logits_SV, adjustments, penalize=False)),
+                             bias_and_bars, rtol=1e-6, atol=1e-5)
+  # Drawn: +100 forces a token greedy or sampled in rows that draw, -100 all but bans the
+  # likeliest; a row that does not ask draws as without the bias.
+  n = 400
+  raw_SV = jnp.broadcast_to(jnp.log(jnp.asarray([0.7, 0.2, 0.05, 0.05])), (n, 4))
+  bias_ids_Sb = jnp.asarray(np.tile([[3], [0], [-1], [-1]], (n // 4, 1)), jnp.int32)
+  bias_Sb = jnp.asarray(np.tile([[100.0], [-100.0], [0.0], [0.0]], (n // 4, 1)), jnp.float32)
+  keys = request_keys(jnp.full(n, 2, jnp.uint32), jnp.zeros(n, jnp.int32),
+                      jnp.arange(n, dtype=jnp.int32))
+  for temperature in (0.0, 1.0):
+    biased = dataclasses.replace(_adjustments(n, history=[1]), bias_ids_Sb=bias_ids_Sb,
+                                 bias_Sb=bias_Sb)
+    tokens, lps = sample(raw_SV, jnp.full(n, temperature), jnp.zeros(n, jnp.int32),
+                         jnp.ones(n), keys, adjustments=biased)
+    tokens = np.asarray(tokens).reshape(-1, 4)
+    assert set(tokens[:, 0]) == {3} and 0 not in tokens[:, 1]
+    plain, _ = sample(raw_SV, jnp.full(n, temperature), jnp.zeros(n, jnp.int32), jnp.ones(n),
+                      keys)
+    np.testing.assert_array_equal(tokens[:, 2:], np.asarray(plain).reshape(-1, 4)[:, 2:])
+    assert (len(set(tokens[:, 1])) > 1) == (temperature > 0)
+    np.testing.assert_allclose(np.asarray(lps), np.log([0.7, 0.2, 0.05, 0.05])[
+        tokens.reshape(-1)], rtol=1e-5)  # the raw log-probs
 
 
 def _adjustments(rows, *, history, repetition=1.0, barred=(), bar=False, rows_S=None):
