@@ -26,6 +26,7 @@ import argparse
 import http.server
 import json
 import queue
+import re
 import threading
 
 from paged_jax import LLM, SamplingParams
@@ -139,8 +140,9 @@ def make_handler(loop: EngineLoop):
         params = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()
                   if k != "prompt"}
         if isinstance(params.get("logit_bias"), dict):  # JSON's keys are strings: ids here
-          params["logit_bias"] = {int(k) if isinstance(k, str) and k.isdecimal() else k: v
-                                  for k, v in params["logit_bias"].items()}
+          # As pairs, so that "5" and "05" are one id named twice, not one silently lost.
+          params["logit_bias"] = [(int(k) if re.fullmatch(r"-?[0-9]{1,10}", k) else k, v)
+                                  for k, v in params["logit_bias"].items()]
         request_id, events = loop.submit(body["prompt"], SamplingParams(**params))
       except ValueError as e:  # a bad JSON body or request: the engine's own message
         return self._refuse(400, str(e))

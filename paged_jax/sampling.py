@@ -314,8 +314,8 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
       pairs = list(value.items())
     elif isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
       raise TypeError
-    else:
-      pairs = [tuple(pair) for pair in value]
+    else:  # a pair is a tuple or a list: a dict or set of two would be read in its order
+      pairs = [tuple(pair) if isinstance(pair, (tuple, list)) else (pair,) for pair in value]
   except TypeError:
     raise ValueError(f"logit_bias={value!r} {expected}") from None
   if len(pairs) > MAX_LOGIT_BIAS:

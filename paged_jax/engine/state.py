@@ -117,7 +117,8 @@ def host_rows(max_seqs: int, max_model_len: int) -> dict[str, np.ndarray]:
 
 ADMIT_ROWS = 16
 """Slots one ``admit`` writes per data shard (r, at most the shard's slots): admitting
-costs the rows it writes (8 bytes x ``max_model_len`` each), not every slot's."""
+costs the rows it writes (8 bytes x ``max_model_len`` each, and 2.4 KB of logit bias), not
+every slot's."""
 
 
 def row_chunks(entries, *, max_model_len: int, shards: int, slots_per_shard: int):

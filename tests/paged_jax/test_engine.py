@@ -895,6 +895,8 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(logit_bias={5: True}), r"logit_bias\[5\]=True must be a number"),
     (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "names a token id twice"),
     (dict(logit_bias=[(5, 1.0, 2)]), r"\(5, 1.0, 2\) is no \(id, bias\) pair"),
+    (dict(logit_bias=[{5: 1, 6: 2}]), r"\(\{5: 1, 6: 2\},\) is no \(id, bias\) pair"),
+    (dict(logit_bias=[b"\x05\x01"]), r"is no \(id, bias\) pair"),
     (dict(logit_bias=5), "logit_bias=5 must be a mapping of token ids"),
     (dict(logit_bias="ab"), "logit_bias='ab' must be a mapping of token ids"),
     (dict(logit_bias={t: 1.0 for t in range(301)}),

@@ -100,8 +100,11 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
     status, lines = _post(port, dict(prompt=prompts[1], max_tokens=3, ignore_eos=True,
                                      logit_bias={"42": 100, "7": -5.5}))
     assert status == 200 and [line.get("token_id") for line in lines] == [42, 42, 42, None]
-    status, lines = _post(port, dict(prompt=prompts[1], logit_bias={"x": 1}))
-    assert status == 400 and "logit_bias key 'x' must be a token id" in lines[0]["error"]
+    for bias, error in (({"x": 1}, "logit_bias key 'x' must be a token id"),
+                        ({"-1": 1}, "logit_bias key -1 must be a token id, an int >= 0"),
+                        ({"5": 1, "05": 2}, "names a token id twice")):
+      status, lines = _post(port, dict(prompt=prompts[1], logit_bias=bias))
+      assert status == 400 and error in lines[0]["error"], lines
 
     status, lines = _post(port, dict(prompt=[], max_tokens=3))
     assert status == 400 and "prompts[0]" in lines[0]["error"]
