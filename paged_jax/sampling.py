@@ -314,14 +314,15 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
       pairs = list(value.items())
     elif isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
       raise TypeError
-    else:  # a pair is a tuple or a list: a dict or set of two would be read in its order
-      pairs = [tuple(pair) if isinstance(pair, (tuple, list)) else (pair,) for pair in value]
+    else:
+      pairs = list(value)
   except TypeError:
     raise ValueError(f"logit_bias={value!r} {expected}") from None
   if len(pairs) > MAX_LOGIT_BIAS:
     raise ValueError(f"logit_bias biases {len(pairs)} tokens, {expected}")
   for pair in pairs:
-    if len(pair) != 2:
+    # A pair is a tuple or a list: a dict or set of two would be read in its own order.
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
       raise ValueError(f"logit_bias={value!r} {expected}: {pair!r} is no (id, bias) pair")
     token, bias = pair
     if not _is_int(token) or token < 0:
