@@ -726,7 +726,7 @@ TestAllocatorMachine.settings = hypothesis.settings(
 def test_allocator_machine_long():
   run_state_machine_as_test(
       AllocatorMachine,
-      settings=hypothesis.settings(max_examples=250, stateful_step_count=100, deadline=None,
+      settings=hypothesis.settings(max_examples=150, stateful_step_count=100, deadline=None,
                                    suppress_health_check=list(hypothesis.HealthCheck)))
 
 

@@ -1051,7 +1051,7 @@ TestPrefixCacheMachine.settings = hypothesis.settings(
 def test_prefix_cache_machine_long():
   run_state_machine_as_test(
       PrefixCacheMachine,
-      settings=hypothesis.settings(max_examples=200, stateful_step_count=60, deadline=None,
+      settings=hypothesis.settings(max_examples=120, stateful_step_count=60, deadline=None,
                                    suppress_health_check=list(hypothesis.HealthCheck)))
 
 

@@ -215,14 +215,15 @@ def test_no_live_rows_is_zero():
   np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
 
 
-# dtype / storage x GQA x head dim, each pair of those with every block size once (the
-# block size cycles): 36 cases cover every (dtype, G, D), (dtype, Z), (G, Z) and (D, Z)
-# pair (float32 at D = 256 takes chunks of J = 16, see below).
+# dtype / storage x GQA x head dim, half of it (i + j + k even), the block size cycling:
+# 18 cases cover every (dtype, G), (dtype, D) and (G, D) pair, each dtype with two or
+# three block sizes (float32 at D = 256 takes chunks of J = 16, see below).
 FULL_GRID = tuple(
     (dtype, storage, group, head_dim, (8, 16, 64)[(i + j + k) % 3])
     for k, (dtype, storage) in enumerate((("float32", False), ("bfloat16", True),
                                           ("bfloat16", False), ("float16", True)))
-    for i, group in enumerate((1, 4, 8)) for j, head_dim in enumerate((64, 128, 256)))
+    for i, group in enumerate((1, 4, 8)) for j, head_dim in enumerate((64, 128, 256))
+    if (i + j + k) % 2 == 0)
 
 
 @needs_interpret
@@ -286,7 +287,7 @@ def test_variants_full_grid(shape, variant):
 
 @needs_interpret
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ("none", "window_small", "window_sinks", "all"))
+@pytest.mark.parametrize("variant", ("window_sinks", "all"))  # "all": window, cap, sinks
 @pytest.mark.parametrize("num_splits, num_stages", [(1, 1), (3, 2), (4, 4)])
 def test_split_k_long_sequences(variant, num_splits, num_stages):
   # Long decode and chunked prefill rows: 300 positions are 5 chunks of J = 64, so the
@@ -576,6 +577,8 @@ QUANTIZED_GRID = tuple(
     for q_dtype in ("bfloat16", "float32", "float16")
     for group, head_dim, block_size in ((1, 64, 8), (4, 128, 32), (8, 256, 128), (2, 64, 64))
     if (q_dtype != "float16" or head_dim == 128)
+    # pages of 64 (a chunk of one page) with bf16 queries only
+    and (block_size != 64 or q_dtype == "bfloat16")
     # D=256: bfloat16 q over an int8 pool; the other pairings at D=256 are covered by the
     # CUDA lowering tests (the dequantisation is per dtype, the same at every D)
     and (head_dim != 256 or (q_dtype == "bfloat16" and kv_dtype == "int8")))
