@@ -6,8 +6,8 @@ temperature, top-k, top-p and PRNG key; ``request_keys`` derives those keys so t
 request's draws depend only on ``(seed, fork index, request-local token index)``, never on
 the step number or the batch slot (reproducible whatever else is in the batch).
 
-``adjust`` applies what a request asks of the logits first: its logit bias, then what its
-history changes (repetition, presence and frequency penalties), then its stop ids barred
+``adjust`` applies what a request asks of the logits first: its logit bias and its allowed
+tokens, then what its history changes (repetition, presence and frequency penalties), then its stop ids barred
 until ``min_tokens``.
 
 Semantics (per row):
@@ -40,7 +40,7 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["Adjustments", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust",
+__all__ = ["Adjustments", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust",
            "min_p_filter", "sample", "request_keys", "top_logprobs", "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
@@ -48,6 +48,8 @@ MAX_TOP_LOGPROBS = 20
 """The most ``SamplingParams.top_logprobs`` (OpenAI's limit; the engine's fixed width)."""
 MAX_LOGIT_BIAS = 300
 """The most tokens one ``SamplingParams.logit_bias`` biases (the engine's fixed width)."""
+MAX_ALLOWED_TOKEN_IDS = MAX_LOGIT_BIAS
+"""The most ids one ``SamplingParams.allowed_token_ids`` allows (they share the bias's row)."""
 LOGIT_BIAS_LIMIT = 100.0
 """A bias lies in ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`` (OpenAI's range)."""
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -130,6 +132,14 @@ class SamplingParams:
       tokens; ids must lie in the engine's vocabulary. ``logprobs`` and ``top_logprobs``
       stay the model's own distribution, unbiased. Held as ``(id, bias)`` pairs in
       increasing id (a frozen, hashable field); ``dict(params.logit_bias)`` is the mapping.
+    allowed_token_ids: None (every token) or the only token ids the request may generate
+      (vLLM's ``allowed_token_ids``; e.g. a classifier's labels): every other token's logit
+      is -inf before anything else changes the logits (a ``logit_bias`` of an id outside
+      them does nothing), greedy decoding too. A non-empty sequence of ids, at most
+      ``MAX_ALLOWED_TOKEN_IDS`` = 300 distinct ones, in the engine's vocabulary; held as a
+      sorted tuple without repeats. The stop ids are not added: allow the EOS id to let the
+      request stop early, and not only stop ids where ``min_tokens`` bars them (the engine
+      refuses that). ``logprobs`` and ``top_logprobs`` stay the model's own distribution.
   """
 
   max_tokens: int = 16
@@ -150,6 +160,7 @@ class SamplingParams:
   min_tokens: int = 0
   top_logprobs: int = 0
   logit_bias: tuple[tuple[int, float], ...] = ()
+  allowed_token_ids: tuple[int, ...] | None = None
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -217,6 +228,7 @@ class SamplingParams:
                        "API asks)")
     object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
     object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+    object.__setattr__(self, "allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       object.__setattr__(self, name, float(getattr(self, name)))
     object.__setattr__(self, "min_tokens", int(self.min_tokens))
@@ -336,6 +348,28 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
   return tuple(sorted((int(t), float(b)) for t, b in pairs))
 
 
+def _allowed_token_ids(value) -> tuple[int, ...] | None:
+  """``SamplingParams.allowed_token_ids`` checked: None, or its distinct ids in order."""
+  if value is None:
+    return None
+  expected = (f"must be None or a non-empty sequence of token ids (ints >= 0), at most "
+              f"{MAX_ALLOWED_TOKEN_IDS} distinct ones")
+  if (isinstance(value, (str, bytes, abc.Mapping)) or not isinstance(value, abc.Iterable)
+      or isinstance(value, np.ndarray) and value.ndim != 1):
+    raise ValueError(f"allowed_token_ids={value!r} {expected}")
+  ids = list(value)
+  bad = [t for t in ids if not _is_int(t) or t < 0]
+  if bad:
+    raise ValueError(f"allowed_token_ids holds {bad[0]!r}: it {expected}")
+  distinct = sorted({int(t) for t in ids})
+  if not distinct:
+    raise ValueError(f"allowed_token_ids={value!r} is empty: it {expected} (None allows "
+                     "every token)")
+  if len(distinct) > MAX_ALLOWED_TOKEN_IDS:
+    raise ValueError(f"allowed_token_ids holds {len(distinct)} distinct ids: it {expected}")
+  return tuple(distinct)
+
+
 def _cut_min_tokens(min_tokens, max_tokens):
   """A file's ``min_new_tokens`` cut to a valid ``max_tokens`` (where the request ends, as
   in transformers); anything else as it is (``SamplingParams`` refuses what is invalid)."""
@@ -418,6 +452,9 @@ class Adjustments:
     bias_ids_Sb: i32[S, b] ids (negative: none; distinct in a row) whose logits get
       ``bias_Sb`` added before anything else (``SamplingParams.logit_bias``), or None.
     bias_Sb: f32[S, b] their biases, or None.
+    allowed_only_S: bool[S] the rows that may draw only the ids of ``bias_ids_Sb`` (their
+      ``SamplingParams.allowed_token_ids``; every other logit -inf before the bias is
+      added), or None (none).
   """
 
   tokens_SJ: jax.Array
@@ -431,6 +468,7 @@ class Adjustments:
   rows_S: jax.Array | None = None
   bias_ids_Sb: jax.Array | None = None
   bias_Sb: jax.Array | None = None
+  allowed_only_S: jax.Array | None = None
 
   def penalized_S(self) -> jax.Array:
     """bool[S]: the rows (of ``rows_S``) whose penalties are not all neutral."""
@@ -439,18 +477,20 @@ class Adjustments:
     return on_S if self.rows_S is None else on_S & self.rows_S
 
   def biased_S(self) -> jax.Array:
-    """bool[S]: the rows (of ``rows_S``) with a logit bias."""
+    """bool[S]: the rows (of ``rows_S``) with a logit bias or allowed tokens."""
     if self.bias_ids_Sb is None:
       return jnp.zeros(self.bar_S.shape, jnp.bool_)
     on_S = jnp.any(self.bias_ids_Sb >= 0, axis=-1)
+    if self.allowed_only_S is not None:
+      on_S = on_S | self.allowed_only_S
     return on_S if self.rows_S is None else on_S & self.rows_S
 
 
 def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
            penalize: bool = True) -> jax.Array:
   """f32[S, V]: the logits as each row's bias and history change them (``SamplingParams``'
-  fields of the same names; ``Adjustments``): the logit bias added, then the penalties,
-  then the bar; jit-able. ``penalize`` (static) False: the bias and the bar only, without
+  fields of the same names; ``Adjustments``): the tokens a row does not allow at -inf and
+  the logit bias added, then the penalties, then the bar; jit-able. ``penalize`` (static) False: the bias and the bar only, without
   building the [S, V] counts (every row's penalties neutral)."""
   a = adjustments
   num_rows, vocab = logits_SV.shape
@@ -460,8 +500,13 @@ def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
     # scatter-ADD into zeros into a scatter-add into the caller's logits, which copies them.
     bias_ids_Sb = jnp.where(a.bias_ids_Sb >= 0, a.bias_ids_Sb, vocab)
     row_Sb = jnp.broadcast_to(jnp.arange(num_rows)[:, None], bias_ids_Sb.shape)
-    logits_SV = logits_SV + jnp.zeros((num_rows, vocab), jnp.float32).at[
-        row_Sb, bias_ids_Sb].set(a.bias_Sb.astype(jnp.float32), mode="drop")
+    bias_SV = jnp.zeros((num_rows, vocab), jnp.float32).at[row_Sb, bias_ids_Sb].set(
+        a.bias_Sb.astype(jnp.float32), mode="drop")
+    if a.allowed_only_S is not None:  # -inf where a row allows only its ids and not this one
+      listed_SV = jnp.zeros((num_rows, vocab), jnp.bool_).at[row_Sb, bias_ids_Sb].set(
+          True, mode="drop")
+      bias_SV = jnp.where(a.allowed_only_S[:, None] & ~listed_SV, -jnp.inf, bias_SV)
+    logits_SV = logits_SV + bias_SV
   barred_Si = jnp.where(a.bar_S[:, None] & (a.barred_Si >= 0), a.barred_Si, vocab)
   row_Si = jnp.broadcast_to(jnp.arange(num_rows)[:, None], barred_Si.shape)
   if penalize:  # a new array: the bar writes into it

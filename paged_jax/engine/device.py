@@ -258,7 +258,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
                            tokens_SJ, len_S, st.prompt_len_S, st.repetition_penalty_S,
                            st.presence_penalty_S, st.frequency_penalty_S, st.stop_Si,
                            draw_S & (len_S - st.prompt_len_S < st.min_tokens_S), draw_S,
-                           st.bias_ids_Sb, st.bias_Sb))
+                           st.bias_ids_Sb, st.bias_Sb, st.allowed_only_S))
   # The likeliest tokens too, in the steps where a slot that draws asks for them; such a
   # slot's chosen token, when among them, reports the very value listed there.
   top_S = draw_S & (st.top_n_S > 0)

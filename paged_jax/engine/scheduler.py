@@ -232,6 +232,11 @@ class Scheduler:
       if biased_outside:
         raise ValueError(f"params[{i}].logit_bias biases {biased_outside}, outside the "
                          f"vocabulary [0, vocab_size={self.vocab_size})")
+      allowed = p.allowed_token_ids or ()
+      if allowed and allowed[-1] >= self.vocab_size:
+        raise ValueError(f"params[{i}].allowed_token_ids holds "
+                         f"{[t for t in allowed if t >= self.vocab_size]}, outside the "
+                         f"vocabulary [0, vocab_size={self.vocab_size})")
       if p.top_logprobs > self.vocab_size:
         raise ValueError(f"params[{i}].top_logprobs={p.top_logprobs} must be <= vocab_size="
                          f"{self.vocab_size}")
@@ -242,6 +247,10 @@ class Scheduler:
       if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"params[{i}].stop_token_ids: {len(stop)} stop ids (EOS included) "
                          f"must be <= {MAX_STOP_IDS}")
+      if allowed and p.min_tokens and set(allowed) <= set(stop):
+        raise ValueError(f"params[{i}].allowed_token_ids={allowed} are all stop ids (EOS "
+                         f"included), which min_tokens={p.min_tokens} bars: no token could "
+                         "be drawn")
       out.append(Request(index=i, prompt=ids, params=p, seed=p.seed, stop=stop,
                          salt=salts[i], tokens=[[] for _ in range(p.n)], texts=[
                              None if self.tokenizer is None else CompletionText(
@@ -282,7 +291,7 @@ class Scheduler:
             top_p_S=p.top_p, min_p_S=p.min_p, repetition_penalty_S=p.repetition_penalty,
             presence_penalty_S=p.presence_penalty, frequency_penalty_S=p.frequency_penalty,
             min_tokens_S=p.min_tokens, top_n_S=p.top_logprobs, stop_Si=req.stop,
-            bias_ids_Sb=[t for t, _ in p.logit_bias], bias_Sb=[b for _, b in p.logit_bias],
+            **bias_rows(p),
             salt_S=self.salts.intern(req.salt, held),
             fresh_S=f == 0)))
         want_S[s] = n_prompt if f == 0 else 0
@@ -352,3 +361,13 @@ class Scheduler:
     """The smallest token bucket holding the tokens one data shard's sequences want."""
     need = int(want_S.reshape(-1, self.slots_per_shard).sum(axis=1).max())
     return next((b for b in self.token_buckets if b >= need), self.token_buckets[-1])
+
+
+def bias_rows(p: SamplingParams) -> dict:
+  """The bias rows of a request's slots: its logit bias, or its allowed ids with the bias
+  of each (a biased id it does not allow would be -inf whatever its bias)."""
+  if p.allowed_token_ids is None:
+    return dict(bias_ids_Sb=[t for t, _ in p.logit_bias], bias_Sb=[b for _, b in p.logit_bias])
+  bias = dict(p.logit_bias)
+  return dict(bias_ids_Sb=list(p.allowed_token_ids),
+              bias_Sb=[bias.get(t, 0.0) for t in p.allowed_token_ids], allowed_only_S=True)

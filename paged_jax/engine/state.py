@@ -68,6 +68,7 @@ class EngineState:
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   bias_ids_Sb: jax.Array  # i32[S, b] ids of SamplingParams.logit_bias, -1 padding
   bias_Sb: jax.Array  # f32[S, b] their biases
+  allowed_only_S: jax.Array  # bool[S] bias_ids_Sb are SamplingParams.allowed_token_ids
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)
   fresh_S: jax.Array  # bool[S] prompt not admitted yet (counted once in the hit rate)
   waited_S: jax.Array  # bool[S] has sat out a step for a block another was filling
@@ -99,6 +100,7 @@ _ROW_LAYOUT = dict(
     presence_penalty_S=(np.float32, 0, ""), frequency_penalty_S=(np.float32, 0, ""),
     min_tokens_S=(np.int32, 0, ""), top_n_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
     bias_ids_Sb=(np.int32, -1, "b"), bias_Sb=(np.float32, 0, "b"),
+    allowed_only_S=(np.bool_, False, ""),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))
 ROW_FIELDS = tuple(_ROW_LAYOUT)
 """The per-slot fields the host writes when it admits (or clears) a slot."""

@@ -241,20 +241,22 @@ def test_top_k_one_equals_greedy(llm):
 
 @pytest.fixture(scope="module")
 def dense_adjusted(model):
-  """Greedy over the dense model's raw logits adjusted as ``SamplingParams`` says: the
-  logit bias, then the repetition penalty (transformers': logits of prompt and generated
+  """Greedy over the dense model's raw logits adjusted as ``SamplingParams`` says: the ids
+  not allowed at -inf and the logit bias, then the repetition penalty (transformers': logits of prompt and generated
   ids divided where positive, multiplied where not), then the presence and frequency
   penalties over the generated ids (OpenAI's), and the stop ids barred before
   ``min_tokens``; in float64."""
   fwd = jax.jit(lambda t: model(t)[0].astype(jnp.float32))
 
   def run(prompt, max_tokens, *, repetition=1.0, presence=0.0, frequency=0.0, min_tokens=0,
-          stop=(), bias=None):
+          stop=(), bias=None, allowed=None):
     seq, out = list(prompt), []
     for _ in range(max_tokens):
       arr = np.zeros((1, ORACLE_LEN), np.int32)
       arr[0, :len(seq)] = seq
       logits = np.asarray(fwd(jnp.asarray(arr))[len(seq) - 1], np.float64)
+      if allowed is not None:
+        logits[np.setdiff1d(np.arange(len(logits)), allowed)] = -np.inf
       for t, b in (bias or {}).items():  # the logit bias first (vLLM's order)
         logits[t] += b
       for t in set(seq):
@@ -300,19 +302,26 @@ def test_penalties_and_min_tokens_match_a_dense_oracle(llm, dense_greedy, dense_
   _check_all_free(llm)
 
 
-def test_logit_bias_matches_a_dense_oracle(llm, model, dense_greedy, dense_adjusted):
+def test_logit_bias_and_allowed_ids_match_a_dense_oracle(llm, model, dense_greedy,
+                                                         dense_adjusted):
   # Greedy requests with a bias beside a plain one in one batch: a ban of the plain run's
   # first token, a small bias on a few tokens, a bias on the prompt's tokens with a
   # repetition penalty (the bias is added first: the oracle's order and vLLM's); each
-  # changes its run, the reported log-probs stay the model's own (unbiased). Sampled
-  # completions (forks) with +100 on one token draw nothing else.
+  # changes its run, the reported log-probs stay the model's own (unbiased). Requests that
+  # allow only a few ids (the plain run's first not among them; one with a bias on an
+  # allowed id and one on an id it does not allow, one with a repetition penalty) too.
+  # Sampled completions (forks) with +100 on one token draw nothing else, and those that
+  # allow two ids draw only those.
   fwd = jax.jit(lambda t: jax.nn.log_softmax(model(t)[0].astype(jnp.float32), axis=-1))
   prompt = _prompts((9,), seed=33)[0]
   plain = dense_greedy(prompt, 10)[0]
+  allowed = sorted({*prompt[:4], 3, 50, 77} - {plain[0]})
   cases = [dict(), dict(bias={plain[0]: -100.0}), dict(bias={3: 2.5, 50: 2.0, 77: 3.0}),
-           dict(bias={t: 4.0 for t in prompt[:5]}, repetition=1.8)]
+           dict(bias={t: 4.0 for t in prompt[:5]}, repetition=1.8), dict(allowed=allowed),
+           dict(allowed=allowed, bias={allowed[1]: 3.0, plain[0]: 100.0}),
+           dict(allowed=allowed, repetition=1.8)]
   params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True,
-                           logit_bias=case.get("bias"),
+                           logit_bias=case.get("bias"), allowed_token_ids=case.get("allowed"),
                            repetition_penalty=case.get("repetition", 1.0)) for case in cases]
   outs = llm.generate([prompt] * len(cases), params)
   for o, case in zip(outs, cases):
@@ -328,6 +337,9 @@ def test_logit_bias_matches_a_dense_oracle(llm, model, dense_greedy, dense_adjus
   forced = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=2,
                                                  ignore_eos=True, logit_bias={42: 100}))
   assert [o.token_ids for o in forced] == [[42] * 6] * 2
+  two = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=2,
+                                              ignore_eos=True, allowed_token_ids=[7, 42]))
+  assert {t for o in two for t in o.token_ids} == {7, 42}
   _check_all_free(llm)
 
 
@@ -901,6 +913,17 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(logit_bias="ab"), "logit_bias='ab' must be a mapping of token ids"),
     (dict(logit_bias={t: 1.0 for t in range(301)}),
      "logit_bias biases 301 tokens, must be a mapping .* at most 300 of them"),
+    (dict(allowed_token_ids=[]), r"allowed_token_ids=\[\] is empty: it must be None or a "
+                                 r"non-empty sequence .* \(None allows every token\)"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids holds -1: it must be None or a"),
+    (dict(allowed_token_ids=["3"]), "allowed_token_ids holds '3'"),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids holds True"),
+    (dict(allowed_token_ids=5), "allowed_token_ids=5 must be None or a non-empty sequence"),
+    (dict(allowed_token_ids="ab"), "allowed_token_ids='ab' must be"),
+    (dict(allowed_token_ids={1: 2}), r"allowed_token_ids=\{1: 2\} must be"),
+    (dict(allowed_token_ids=np.ones((2, 2), int)), "allowed_token_ids=array"),
+    (dict(allowed_token_ids=range(301)),
+     "allowed_token_ids holds 301 distinct ids: it .* at most 300 distinct ones"),
 ])
 def test_sampling_params_validation(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -1277,6 +1300,36 @@ def test_logit_bias_normalised_and_past_the_vocabulary_refused():
   with pytest.raises(ValueError, match=r"params\[1\]\.logit_bias biases \[16, 40\], outside "
                                        r"the vocabulary \[0, vocab_size=16\)"):
     sched.requests([[1], [2]], [params, SamplingParams(logit_bias={16: 1, 3: 2, 40: 1})])
+
+
+def test_allowed_ids_normalised_and_refused_past_the_vocabulary_or_all_barred():
+  from paged_jax.engine.scheduler import Scheduler, bias_rows
+  params = SamplingParams(allowed_token_ids=[9, np.int64(2), 9, 4], logit_bias={4: 1, 5: 2})
+  assert params.allowed_token_ids == (2, 4, 9) and SamplingParams().allowed_token_ids is None
+  assert params == SamplingParams(allowed_token_ids=np.array([4, 2, 9]), logit_bias=[
+      (5, 2), (4, 1)])
+  assert hash(params) == hash(SamplingParams(allowed_token_ids=(2, 4, 9),
+                                             logit_bias={4: 1, 5: 2}))
+  assert len(SamplingParams(allowed_token_ids=[*range(300), 0]).allowed_token_ids) == 300
+  # Its slots' rows: the allowed ids, each with its bias (5, not allowed, stays -inf).
+  assert bias_rows(params) == dict(bias_ids_Sb=[2, 4, 9], bias_Sb=[0.0, 1.0, 0.0],
+                                   allowed_only_S=True)
+  assert bias_rows(SamplingParams(logit_bias={5: 2})) == dict(bias_ids_Sb=[5], bias_Sb=[2.0])
+  sched = Scheduler(max_seqs=2, slots_per_shard=2, max_model_len=32, token_buckets=(8,),
+                    vocab_size=16, eos=(15,), limit_note="")
+  assert len(sched.requests([[1]], SamplingParams(allowed_token_ids=[15, 0]))) == 1
+  with pytest.raises(ValueError, match=r"params\[1\]\.allowed_token_ids holds \[16, 40\], "
+                                       r"outside the vocabulary \[0, vocab_size=16\)"):
+    sched.requests([[1], [2]], [params, SamplingParams(allowed_token_ids=[16, 3, 40])])
+  # Only stop ids (EOS included) while min_tokens bars them: nothing could be drawn.
+  only_stops = SamplingParams(allowed_token_ids=[15, 7], stop_token_ids=[7], min_tokens=2)
+  with pytest.raises(ValueError, match=r"params\[0\]\.allowed_token_ids=\(7, 15\) are all "
+                                       r"stop ids \(EOS included\), which min_tokens=2 bars"):
+    sched.requests([[1]], only_stops)
+  for fine in (dataclasses.replace(only_stops, min_tokens=0),
+               dataclasses.replace(only_stops, ignore_eos=True),
+               dataclasses.replace(only_stops, allowed_token_ids=(15, 7, 3))):
+    assert len(sched.requests([[1]], fine)) == 1
 
 
 def test_top_logprobs_past_the_vocabulary_are_refused():

@@ -335,12 +335,15 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
 # --- adjust: penalties and min_tokens ---
 
 def _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S, repetition_S, presence_S,
-                   frequency_S, barred_Si, bar_S, bias_ids_Sb=None, bias_Sb=None):
-  """The logit bias, then transformers' repetition penalty over prompt + generated, then
-  OpenAI's presence and frequency penalties over the generated tokens, then the barred ids,
-  in float64."""
+                   frequency_S, barred_Si, bar_S, bias_ids_Sb=None, bias_Sb=None,
+                   allowed_only_S=None):
+  """The ids a row does not allow at -inf and the logit bias, then transformers' repetition
+  penalty over prompt + generated, then OpenAI's presence and frequency penalties over the
+  generated tokens, then the barred ids, in float64."""
   out = np.array(logits_SV, np.float64)
   for s in range(len(out)):
+    if allowed_only_S is not None and allowed_only_S[s]:
+      out[s, np.setdiff1d(np.arange(out.shape[1]), bias_ids_Sb[s])] = -np.inf
     for t, b in zip(*(() if bias_ids_Sb is None else (bias_ids_Sb[s], bias_Sb[s]))):
       if t >= 0:
         out[s, t] += b
@@ -441,6 +444,54 @@ def test_adjust_adds_each_rows_logit_bias_before_its_penalties():
     np.testing.assert_array_equal(tokens[:, 2:], np.asarray(plain).reshape(-1, 4)[:, 2:])
     assert (len(set(tokens[:, 1])) > 1) == (temperature > 0)
     np.testing.assert_allclose(np.asarray(lps), np.log([0.7, 0.2, 0.05, 0.05])[
+        tokens.reshape(-1)], rtol=1e-5)  # the raw log-probs
+
+
+def test_adjust_leaves_a_row_only_its_allowed_ids():
+  # Rows 0 and 2 allow only their listed ids (row 0 with a bias on one, row 2 with a
+  # repetition penalty and a barred id among them); row 1 lists ids as a plain logit bias;
+  # row 3 asks nothing. Greedy and sampled draws of the allowing rows stay in their ids.
+  rng = np.random.default_rng(5)
+  rows, J, V = 4, 6, 12
+  logits_SV = (rng.normal(size=(rows, V)) * 3).astype(np.float32)
+  tokens_SJ = rng.integers(0, V, (rows, J)).astype(np.int32)
+  len_S, prompt_len_S = np.full(rows, 6, np.int32), np.full(rows, 2, np.int32)
+  repetition_S = np.array([1.0, 1.0, 1.6, 1.0], np.float32)
+  zeros = np.zeros(rows, np.float32)
+  barred_Si = np.array([[-1], [-1], [int(tokens_SJ[2, 0])], [-1]], np.int32)
+  bar_S = np.array([False, False, True, False])
+  bias_ids_Sb = np.array([[3, 8, -1], [3, 8, -1], [*tokens_SJ[2, :2], 11], [-1, -1, -1]],
+                         np.int32)
+  bias_Sb = np.array([[0, 2.5, 0], [0, 2.5, 0], [0, 0, 0], [0, 0, 0]], np.float32)
+  allowed_only_S = np.array([True, False, True, False])
+  fields = (tokens_SJ, len_S, prompt_len_S, repetition_S, zeros, zeros, barred_Si, bar_S,
+            None, bias_ids_Sb, bias_Sb, allowed_only_S)
+  adjustments = Adjustments(*(None if f is None else jnp.asarray(f) for f in fields))
+  got = np.asarray(jax.jit(adjust)(logits_SV, adjustments))
+  expect = _adjust_oracle(logits_SV, *fields[:8], bias_ids_Sb, bias_Sb, allowed_only_S)
+  np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-5)
+  assert set(np.flatnonzero(np.isfinite(got[0]))) == {3, 8}
+  assert np.isfinite(got[1]).all() and got[1, 8] == np.float32(logits_SV[1, 8]) + 2.5
+  np.testing.assert_array_equal(got[3], logits_SV[3])
+  np.testing.assert_allclose(np.asarray(adjust(logits_SV, adjustments, penalize=False)),
+                             _adjust_oracle(logits_SV, tokens_SJ, len_S, prompt_len_S,
+                                            np.ones(rows), zeros, zeros, barred_Si, bar_S,
+                                            bias_ids_Sb, bias_Sb, allowed_only_S),
+                             rtol=1e-6, atol=1e-5)
+  n = 200
+  raw_SV = jnp.broadcast_to(jnp.log(jnp.asarray([0.6, 0.3, 0.06, 0.04])), (n, 4))
+  keys = request_keys(jnp.full(n, 3, jnp.uint32), jnp.zeros(n, jnp.int32),
+                      jnp.arange(n, dtype=jnp.int32))
+  allowed = dataclasses.replace(
+      _adjustments(n, history=[1]), bias_ids_Sb=jnp.tile(jnp.asarray([[2, 3]]), (n, 1)),
+      bias_Sb=jnp.zeros((n, 2)), allowed_only_S=jnp.arange(n) % 2 == 0)
+  for temperature in (0.0, 1.0):
+    tokens, lps = sample(raw_SV, jnp.full(n, temperature), jnp.zeros(n, jnp.int32),
+                         jnp.ones(n), keys, adjustments=allowed)
+    tokens = np.asarray(tokens).reshape(-1, 2)
+    assert set(tokens[:, 0]) == ({2} if temperature == 0 else {2, 3})
+    assert set(tokens[:, 1]) == ({0} if temperature == 0 else {0, 1, 2, 3})
+    np.testing.assert_allclose(np.asarray(lps), np.log([0.6, 0.3, 0.06, 0.04])[
         tokens.reshape(-1)], rtol=1e-5)  # the raw log-probs
 
 
