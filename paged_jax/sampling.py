@@ -6,9 +6,9 @@ temperature, top-k, top-p and PRNG key; ``request_keys`` derives those keys so t
 request's draws depend only on ``(seed, fork index, request-local token index)``, never on
 the step number or the batch slot (reproducible whatever else is in the batch).
 
-``adjust`` applies what a request asks of the logits first: its logit bias and its allowed
-tokens, then what its history changes (repetition, presence and frequency penalties), then its stop ids barred
-until ``min_tokens``.
+``adjust`` applies what a request asks of the logits first: its allowed tokens and its logit
+bias, then what its history changes (repetition, presence and frequency penalties), then
+its stop ids barred until ``min_tokens``.
 
 Semantics (per row):
 - the logits are adjusted (``adjust``; nothing changes at the neutral values).
@@ -40,8 +40,9 @@ import numpy as np
 
 from paged_jax._json import read_json_object
 
-__all__ = ["Adjustments", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "SamplingParams", "adjust",
-           "min_p_filter", "sample", "request_keys", "top_logprobs", "truncate"]
+__all__ = ["Adjustments", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS",
+           "SamplingParams", "adjust", "min_p_filter", "sample", "request_keys", "top_logprobs",
+           "truncate"]
 
 _UINT32_MAX = 2 ** 32 - 1
 MAX_TOP_LOGPROBS = 20
@@ -450,11 +451,12 @@ class Adjustments:
       [S, V] counts only when one of them asks for a penalty (not for a prefill under way
       or a finished request), the [S, V] bias only when one of them has a logit bias.
     bias_ids_Sb: i32[S, b] ids (negative: none; distinct in a row) whose logits get
-      ``bias_Sb`` added before anything else (``SamplingParams.logit_bias``), or None.
+      ``bias_Sb`` added before anything else (``SamplingParams.logit_bias``; in a row of
+      ``allowed_only_S``, its ``allowed_token_ids``), or None.
     bias_Sb: f32[S, b] their biases, or None.
     allowed_only_S: bool[S] the rows that may draw only the ids of ``bias_ids_Sb`` (their
       ``SamplingParams.allowed_token_ids``; every other logit -inf before the bias is
-      added), or None (none).
+      added; such a row lists at least one id, or every logit is -inf), or None (none).
   """
 
   tokens_SJ: jax.Array
@@ -490,8 +492,9 @@ def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
            penalize: bool = True) -> jax.Array:
   """f32[S, V]: the logits as each row's bias and history change them (``SamplingParams``'
   fields of the same names; ``Adjustments``): the tokens a row does not allow at -inf and
-  the logit bias added, then the penalties, then the bar; jit-able. ``penalize`` (static) False: the bias and the bar only, without
-  building the [S, V] counts (every row's penalties neutral)."""
+  the logit bias added, then the penalties, then the bar; jit-able. ``penalize`` (static)
+  False: the allowed ids, the bias and the bar only, without building the [S, V] counts
+  (every row's penalties neutral)."""
   a = adjustments
   num_rows, vocab = logits_SV.shape
   logits_SV = jnp.asarray(logits_SV, jnp.float32)
@@ -500,13 +503,13 @@ def adjust(logits_SV: jax.Array, adjustments: Adjustments, *,
     # scatter-ADD into zeros into a scatter-add into the caller's logits, which copies them.
     bias_ids_Sb = jnp.where(a.bias_ids_Sb >= 0, a.bias_ids_Sb, vocab)
     row_Sb = jnp.broadcast_to(jnp.arange(num_rows)[:, None], bias_ids_Sb.shape)
-    bias_SV = jnp.zeros((num_rows, vocab), jnp.float32).at[row_Sb, bias_ids_Sb].set(
-        a.bias_Sb.astype(jnp.float32), mode="drop")
-    if a.allowed_only_S is not None:  # -inf where a row allows only its ids and not this one
-      listed_SV = jnp.zeros((num_rows, vocab), jnp.bool_).at[row_Sb, bias_ids_Sb].set(
-          True, mode="drop")
-      bias_SV = jnp.where(a.allowed_only_S[:, None] & ~listed_SV, -jnp.inf, bias_SV)
-    logits_SV = logits_SV + bias_SV
+    # A row that allows only its ids starts at -inf: its ids (all it allows) get their bias.
+    base_S1 = (jnp.zeros((num_rows, 1), jnp.float32) if a.allowed_only_S is None else
+               jnp.where(a.allowed_only_S[:, None], -jnp.inf, 0.0).astype(jnp.float32))
+    logits_SV = logits_SV + jnp.broadcast_to(base_S1, (num_rows, vocab)).at[
+        row_Sb, bias_ids_Sb].set(a.bias_Sb.astype(jnp.float32), mode="drop")
+  elif a.allowed_only_S is not None:
+    raise ValueError("adjustments.allowed_only_S needs bias_ids_Sb (the ids the rows allow)")
   barred_Si = jnp.where(a.bar_S[:, None] & (a.barred_Si >= 0), a.barred_Si, vocab)
   row_Si = jnp.broadcast_to(jnp.arange(num_rows)[:, None], barred_Si.shape)
   if penalize:  # a new array: the bar writes into it

@@ -66,7 +66,7 @@ class EngineState:
   min_tokens_S: jax.Array  # i32[S]
   top_n_S: jax.Array  # i32[S] top log-probs asked for (SamplingParams.top_logprobs)
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
-  bias_ids_Sb: jax.Array  # i32[S, b] ids of SamplingParams.logit_bias, -1 padding
+  bias_ids_Sb: jax.Array  # i32[S, b] ids of logit_bias (or allowed_token_ids), -1 padding
   bias_Sb: jax.Array  # f32[S, b] their biases
   allowed_only_S: jax.Array  # bool[S] bias_ids_Sb are SamplingParams.allowed_token_ids
   salt_S: jax.Array  # i32[S] prefix-cache salt (interned ``cache_salt``; 0 = none)

@@ -242,10 +242,10 @@ def test_top_k_one_equals_greedy(llm):
 @pytest.fixture(scope="module")
 def dense_adjusted(model):
   """Greedy over the dense model's raw logits adjusted as ``SamplingParams`` says: the ids
-  not allowed at -inf and the logit bias, then the repetition penalty (transformers': logits of prompt and generated
-  ids divided where positive, multiplied where not), then the presence and frequency
-  penalties over the generated ids (OpenAI's), and the stop ids barred before
-  ``min_tokens``; in float64."""
+  not allowed at -inf and the logit bias, then the repetition penalty (transformers':
+  logits of prompt and generated ids divided where positive, multiplied where not), then
+  the presence and frequency penalties over the generated ids (OpenAI's), and the stop ids
+  barred before ``min_tokens``; in float64."""
   fwd = jax.jit(lambda t: model(t)[0].astype(jnp.float32))
 
   def run(prompt, max_tokens, *, repetition=1.0, presence=0.0, frequency=0.0, min_tokens=0,

@@ -478,6 +478,8 @@ def test_adjust_leaves_a_row_only_its_allowed_ids():
                                             np.ones(rows), zeros, zeros, barred_Si, bar_S,
                                             bias_ids_Sb, bias_Sb, allowed_only_S),
                              rtol=1e-6, atol=1e-5)
+  with pytest.raises(ValueError, match="allowed_only_S needs bias_ids_Sb"):
+    adjust(logits_SV, dataclasses.replace(adjustments, bias_ids_Sb=None, bias_Sb=None))
   n = 200
   raw_SV = jnp.broadcast_to(jnp.log(jnp.asarray([0.6, 0.3, 0.06, 0.04])), (n, 4))
   keys = request_keys(jnp.full(n, 3, jnp.uint32), jnp.zeros(n, jnp.int32),
