@@ -141,6 +141,10 @@ class SamplingParams:
       sorted tuple without repeats. The stop ids are not added: allow the EOS id to let the
       request stop early, and not only stop ids where ``min_tokens`` bars them (the engine
       refuses that). ``logprobs`` and ``top_logprobs`` stay the model's own distribution.
+    skip_special_tokens: leave the tokenizer's special tokens out of ``Output.text`` (and
+      the streamed text; vLLM's default); False keeps them, as a chat format that marks
+      its parts with special tokens needs (gpt-oss's harmony ``<|channel|>``, ...). Stop
+      strings are looked for in that text. ``token_ids`` hold every id either way.
   """
 
   max_tokens: int = 16
@@ -162,6 +166,7 @@ class SamplingParams:
   top_logprobs: int = 0
   logit_bias: tuple[tuple[int, float], ...] = ()
   allowed_token_ids: tuple[int, ...] | None = None
+  skip_special_tokens: bool = True
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -204,6 +209,8 @@ class SamplingParams:
     if stop_strings is None or not all(isinstance(t, str) and t for t in stop_strings):
       raise ValueError(f"stop={self.stop!r} must be a non-empty str, a sequence of them, or "
                        "None")
+    if not isinstance(self.skip_special_tokens, (bool, np.bool_)):
+      raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
     if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
       raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must "
                        "be a bool")
@@ -245,6 +252,7 @@ class SamplingParams:
     object.__setattr__(self, "stop", tuple(dict.fromkeys(str(t) for t in stop_strings)))
     object.__setattr__(self, "include_stop_str_in_output",
                        bool(self.include_stop_str_in_output))
+    object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
 
   @classmethod
   def from_generation_config(cls, source: str | os.PathLike | Mapping[str, Any],

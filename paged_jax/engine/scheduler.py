@@ -43,7 +43,8 @@ class Output:
     prompt_token_ids: the prompt's token ids (a list).
     token_ids: generated ids, a list (the stop / EOS token not included).
     text: ``token_ids`` decoded when the engine has a tokenizer (up to a stop string:
-      ``SamplingParams.stop``), else None.
+      ``SamplingParams.stop``; special tokens left out unless
+      ``SamplingParams.skip_special_tokens`` is False), else None.
     finish_reason: "stop" (EOS, a stop id or a stop string) or "length" (max_tokens or
       max_model_len).
     logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
@@ -255,7 +256,8 @@ class Scheduler:
                          salt=salts[i], tokens=[[] for _ in range(p.n)], texts=[
                              None if self.tokenizer is None else CompletionText(
                                  self.tokenizer, p.stop, p.include_stop_str_in_output,
-                                 per_token=text_per_token, min_tokens=p.min_tokens)
+                                 per_token=text_per_token, min_tokens=p.min_tokens,
+                                 skip_special_tokens=p.skip_special_tokens)
                              for _ in range(p.n)]))
     return out
 

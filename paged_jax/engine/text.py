@@ -80,7 +80,7 @@ class CompletionText:
   """The text of one completion, token by token (module docstring).
 
   Args:
-    tokenizer: what the engine decodes with (``decode(ids, skip_special_tokens=True)``).
+    tokenizer: what the engine decodes with (``decode(ids, skip_special_tokens=...)``).
     stop: the request's stop strings (``SamplingParams.stop``).
     include_stop: keep the stop string at the end of the text
       (``SamplingParams.include_stop_str_in_output``).
@@ -89,11 +89,14 @@ class CompletionText:
     min_tokens: a stop string ends the text only where a token after the first
       ``min_tokens`` completes it (``SamplingParams.min_tokens``; a stop id is not drawn
       before then either).
+    skip_special_tokens: leave the tokenizer's special tokens out of the text
+      (``SamplingParams.skip_special_tokens``).
   """
 
   def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False,
-               per_token: bool = True, min_tokens: int = 0):
+               per_token: bool = True, min_tokens: int = 0, skip_special_tokens: bool = True):
     self._tokenizer, self._stop, self._include_stop = tokenizer, stop, include_stop
+    self._skip_special = skip_special_tokens
     self._min_tokens = min_tokens
     self._per_token = per_token or bool(stop)
     self._ids: list[int] = []
@@ -104,7 +107,7 @@ class CompletionText:
     self.stop_string: str | None = None  # which one
 
   def _decode(self, ids) -> str:
-    return self._tokenizer.decode(ids, skip_special_tokens=True)
+    return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
   def add(self, token_id: int) -> str:
     """Take the next token; returns the text that can be shown now (maybe "")."""

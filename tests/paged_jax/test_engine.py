@@ -885,6 +885,7 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(stop=[7]), r"stop=\[7\] must be"), (dict(stop=b"\n"), r"stop=b'\\n' must be"),
     (dict(stop={"a"}), "stop="), (dict(stop=""), "stop='' must be a non-empty str"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1 must be a bool"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens='no' must be a bool"),
     (dict(min_p=1.5), r"min_p=1.5 must be a number in \[0, 1\]"), (dict(min_p=-0.1), "min_p"),
     (dict(repetition_penalty=0.0), r"repetition_penalty=0.0 must be a finite number > 0"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty=inf"),

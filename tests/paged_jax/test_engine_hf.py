@@ -142,6 +142,38 @@ def test_a_transformers_tokenizer_serves_text_prompts(checkpoint):
   assert llm.stats["num_free_blocks"] == 48
 
 
+def test_special_tokens_stay_in_the_text_when_asked(checkpoint):
+  # The checkpoint's tokenizer with "w7" made special: requests drawing only ids 7 and 9
+  # (sampled, one seed: the same ids whatever else is asked) show it in their text only
+  # with skip_special_tokens=False, streamed alike; a stop string naming it ends only that
+  # text.
+  path, _ = checkpoint
+  tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+  tok.add_special_tokens(["w7"])
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=2, max_tokens_per_step=16, steps_per_call=8,
+                            max_model_len=192, tokenizer=tok)
+  base = dict(max_tokens=10, ignore_eos=True, temperature=1.0, seed=3,
+              allowed_token_ids=[7, 9])
+  params = [SamplingParams(**base), SamplingParams(**base, skip_special_tokens=False)]
+  skipped, kept = llm.generate([[5, 6, 8]] * 2, params)
+  ids = kept.token_ids
+  assert skipped.token_ids == ids and set(ids) == {7, 9}
+  assert kept.text == " ".join(f"w{t}" for t in ids)
+  assert skipped.text == " ".join(f"w{t}" for t in ids if t != 7)
+  events = list(llm.generate_stream([[5, 6, 8]] * 2, params))
+  for i, out in enumerate((skipped, kept)):
+    assert "".join(e.text for e in events if e.prompt_index == i) == out.text
+  stop = [SamplingParams(**base, stop="w7"), SamplingParams(**base, stop="w7",
+                                                            skip_special_tokens=False)]
+  skipped, kept = llm.generate([[5, 6, 8]] * 2, stop)
+  assert (skipped.token_ids, skipped.finish_reason) == (ids, "length")
+  assert (kept.token_ids, kept.finish_reason) == (ids[:ids.index(7) + 1], "stop")
+  with pytest.raises(ValueError, match="skip_special_tokens=1 must be a bool"):
+    SamplingParams(skip_special_tokens=1)
+  assert llm.stats["num_free_blocks"] == 48
+
+
 def _stopped(ids, text, stop, include):
   """A word-level completion ``ids`` / ``text`` cut at its first stop string: the first
   prefix of words holding one ends there (words are joined by spaces)."""

@@ -185,3 +185,26 @@ def test_metaspace_text_keeps_its_spaces_and_stops():
     text.add(0)
     assert text.stopped
     text.add(1)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_to_stay():
+  # A byte-level tokenizer with two special tokens (ids 256, 257): skipped, the text is the
+  # ordinary bytes' and a stop string naming a special token never matches; kept (a chat
+  # format's markers), they are in the text, streamed, and a stop string can end there.
+  tok = _byte_level()
+  tok.add_special_tokens(["<|end|>", "<|channel|>"])
+  special = tok.token_to_id("<|channel|>"), tok.token_to_id("<|end|>")
+  assert special == (257, 256)
+  ids = [special[0], *b"hi ", special[1], *b"ok"]
+  for skip, want in ((True, "hi ok"), (False, "<|channel|>hi <|end|>ok")):
+    assert want == tok.decode(ids, skip_special_tokens=skip)
+    text = CompletionText(tok, skip_special_tokens=skip)
+    pieces = [text.add(t) for t in ids] + [text.finish()]
+    assert "".join(pieces) == want and pieces[0] == ("" if skip else "<|channel|>")
+    text, shown = CompletionText(tok, ("<|end|>",), skip_special_tokens=skip), ""
+    for taken, t in enumerate(ids, 1):
+      shown += text.add(t)
+      if text.stopped:
+        break
+    shown += text.finish()
+    assert (shown, taken) == (("hi ok", 7) if skip else ("<|channel|>hi ", 5))
