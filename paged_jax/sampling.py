@@ -145,6 +145,9 @@ class SamplingParams:
       the streamed text; vLLM's default); False keeps them, as a chat format that marks
       its parts with special tokens needs (gpt-oss's harmony ``<|channel|>``, ...). Stop
       strings are looked for in that text. ``token_ids`` hold every id either way.
+    truncate_prompt_tokens: None (the whole prompt) or k >= 1: only the prompt's last k
+      tokens are served (left truncation, vLLM's; ``Output.prompt_token_ids`` holds
+      them); -1: the last ``max_model_len - 1``, the most that leave room for a token.
   """
 
   max_tokens: int = 16
@@ -167,6 +170,7 @@ class SamplingParams:
   logit_bias: tuple[tuple[int, float], ...] = ()
   allowed_token_ids: tuple[int, ...] | None = None
   skip_special_tokens: bool = True
+  truncate_prompt_tokens: int | None = None
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -209,6 +213,10 @@ class SamplingParams:
     if stop_strings is None or not all(isinstance(t, str) and t for t in stop_strings):
       raise ValueError(f"stop={self.stop!r} must be a non-empty str, a sequence of them, or "
                        "None")
+    keep = self.truncate_prompt_tokens
+    if keep is not None and (not _is_int(keep) or not (keep >= 1 or keep == -1)):
+      raise ValueError(f"truncate_prompt_tokens={keep!r} must be None, an int >= 1 (the "
+                       "prompt's last that many tokens) or -1 (the most the engine takes)")
     if not isinstance(self.skip_special_tokens, (bool, np.bool_)):
       raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
     if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
@@ -253,6 +261,7 @@ class SamplingParams:
     object.__setattr__(self, "include_stop_str_in_output",
                        bool(self.include_stop_str_in_output))
     object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
+    object.__setattr__(self, "truncate_prompt_tokens", None if keep is None else int(keep))
 
   @classmethod
   def from_generation_config(cls, source: str | os.PathLike | Mapping[str, Any],

@@ -219,7 +219,8 @@ class Scheduler:
       if not isinstance(p, SamplingParams):
         raise ValueError(f"params[{i}]={p!r} must be a SamplingParams")
       ids = encode_prompt(i, prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                          max_model_len=self.max_model_len, limit_note=self.limit_note)
+                          max_model_len=self.max_model_len, limit_note=self.limit_note,
+                          keep_last=p.truncate_prompt_tokens)
       if p.n > self.slots_per_shard:  # a request's slots are in one data shard
         shards = self.max_seqs // self.slots_per_shard
         per_shard = "" if shards == 1 else f" / {shards} data shards"

@@ -27,10 +27,12 @@ _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 character decodes to
 
 
 def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: int,
-                  limit_note: str) -> tuple[int, ...]:
+                  limit_note: str, keep_last: int | None = None) -> tuple[int, ...]:
   """The token ids of ``prompts[i]`` (a str needs ``tokenizer``), or a ``ValueError``
   naming it: no order of tokens, a non-integer id, an id outside ``[0, vocab_size)``, empty,
-  or ``max_model_len`` tokens or more (``limit_note`` says what bounds it)."""
+  or ``max_model_len`` tokens or more (``limit_note`` says what bounds it). ``keep_last``:
+  only the last that many ids (``SamplingParams.truncate_prompt_tokens``; -1: the last
+  ``max_model_len - 1``), the whole prompt checked first."""
   if isinstance(prompt, str):
     if tokenizer is None:
       raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
@@ -70,9 +72,13 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
   if bad:
     raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
                      f"[0, vocab_size={vocab_size})")
+  if keep_last is not None:
+    ids = ids[-(max_model_len - 1 if keep_last == -1 else keep_last):]
   if len(ids) >= max_model_len:
-    raise ValueError(f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len="
-                     f"{max_model_len} ({limit_note}) to generate anything")
+    kept = "" if keep_last is None else f" (its last truncate_prompt_tokens={keep_last})"
+    raise ValueError(f"prompts[{i}] has {len(ids)} tokens{kept}; must be < max_model_len="
+                     f"{max_model_len} ({limit_note}) to generate anything; "
+                     "SamplingParams(truncate_prompt_tokens=-1) keeps the last that fit")
   return tuple(ids)
 
 

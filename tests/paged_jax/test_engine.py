@@ -658,6 +658,31 @@ def test_a_stream_never_closed_exits_quietly():
   assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(llm, dense_greedy):
+  # Its last 9 tokens of a prompt of 40 (generated as from those alone); -1: the last 127
+  # of a prompt of 200, past max_model_len = 128, leaving room for one token; a prompt
+  # shorter than k served whole. Without it, the long prompt is refused with the way out.
+  long = _prompts((40, 200), seed=8)
+  base = dict(max_tokens=5, ignore_eos=True)
+  outs = llm.generate(long + [long[0][:5]], [
+      SamplingParams(**base, truncate_prompt_tokens=9),
+      SamplingParams(**base, truncate_prompt_tokens=-1),
+      SamplingParams(**base, truncate_prompt_tokens=9)])
+  assert outs[0].prompt_token_ids == long[0][-9:]
+  assert outs[0].token_ids == dense_greedy(long[0][-9:], 5)[0]
+  assert outs[1].prompt_token_ids == long[1][-127:] and len(outs[1].token_ids) == 1
+  assert outs[1].finish_reason == "length"
+  assert outs[2].prompt_token_ids == long[0][:5]
+  assert outs[2].token_ids == dense_greedy(long[0][:5], 5)[0]
+  with pytest.raises(ValueError, match=r"prompts\[0\] has 200 tokens; must be < max_model_len"
+                                       r"=128 .* SamplingParams\(truncate_prompt_tokens=-1\)"):
+    llm.check_requests([long[1]])
+  with pytest.raises(ValueError, match=r"prompts\[0\] has 130 tokens \(its last "
+                                       r"truncate_prompt_tokens=130\); must be <"):
+    llm.check_requests(long[::-1], SamplingParams(truncate_prompt_tokens=130))
+  _check_all_free(llm)
+
+
 def test_a_prompt_over_the_callers_max_model_len_names_it_as_theirs(model, config):
   # The refusal named the model's context and the pool as what bounds max_model_len, though
   # the caller had set a smaller one; now it says so, and what the model and pool allow.
@@ -886,6 +911,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, dense_greedy):
     (dict(stop={"a"}), "stop="), (dict(stop=""), "stop='' must be a non-empty str"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1 must be a bool"),
     (dict(skip_special_tokens="no"), "skip_special_tokens='no' must be a bool"),
+    (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens=0 must be None, an int >= 1 "
+                                     r"\(the prompt's last that many tokens\) or -1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens=-2 must be"),
+    (dict(truncate_prompt_tokens=4.0), "truncate_prompt_tokens=4.0 must be"),
     (dict(min_p=1.5), r"min_p=1.5 must be a number in \[0, 1\]"), (dict(min_p=-0.1), "min_p"),
     (dict(repetition_penalty=0.0), r"repetition_penalty=0.0 must be a finite number > 0"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty=inf"),
