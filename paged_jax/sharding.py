@@ -348,29 +348,31 @@ class ShardingPlan:
   # --- device calls ---
 
   def device_call(self, call_shard: Callable, *, param_specs=None):
-    """Run ``call_shard(params, state, slots_wanted) -> (state, report)`` (one data
+    """Run ``call_shard(params, state, slots_wanted, step_limit) -> (state, report)`` (one data
     shard's state, no leading axis; a dict report of per-slot ``[S/d, ...]`` arrays and
     scalar counters) on every device under one ``shard_map``.
 
     ``param_specs``: the parameters' ``PartitionSpec`` pytree (``shard_model``'s; default
-    from the names). Returns ``call(params, state, slots_wanted) -> (state, report)`` to
+    from the names). Returns ``call(params, state, slots_wanted, step_limit) -> (state,
+    report)`` to
     ``jit`` (donate the state): the report comes back merged (slot arrays ``[S, ...]``, slot
     ``shard * S/d + s``; counters summed over shards, ``steps`` the max) and replicated.
     """
     d = self.data_size
 
-    def local(params, st, wanted):
+    def local(params, st, wanted, limit):
       st = jax.tree_util.tree_map(lambda x: x[0], st)
-      st, report = call_shard(params, st, wanted[0])
+      st, report = call_shard(params, st, wanted[0], limit[0])
       return jax.tree_util.tree_map(lambda x: x[None], (st, report))
 
-    def call(params, st, slots_wanted):
+    def call(params, st, slots_wanted, step_limit):
       specs = self.state_specs(st)
-      wanted = jnp.broadcast_to(jnp.asarray(slots_wanted, jnp.int32), (d,))
+      wanted, limit = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (d,))
+                       for x in (slots_wanted, step_limit))
       st, report = _shard_map(local, mesh=self.mesh,
                               in_specs=(self.param_specs(params) if param_specs is None
-                                        else param_specs, specs, P(DATA)),
-                              out_specs=(specs, P(DATA)))(params, st, wanted)
+                                        else param_specs, specs, P(DATA), P(DATA)),
+                              out_specs=(specs, P(DATA)))(params, st, wanted, limit)
       report = {key: _merge(key, x) for key, x in report.items()}
       return st, jax.lax.with_sharding_constraint(report, self._sharding(P()))
 

@@ -134,12 +134,14 @@ class Waits:
 
 
 def serve_arrivals(llm, prompts, params, arrivals_s,
-                   progress: Callable[[int, int], None] | None = None) -> dict:
+                   progress: Callable[[int, int], None] | None = None, *,
+                   max_steps: int | None = None) -> dict:
   """Serve ``prompts`` on ``llm`` (an ``LLM``), each added to one session (``LLM.session``)
   once the wall clock passes its arrival (``arrivals_s``, seconds from the call,
   non-decreasing), so it joins the batch already running. ``progress(requests done, tokens
   so far)`` after each device call; a request is done when its n completions are. Every
-  request is checked first (``LLM.check_requests``: a ``ValueError`` naming it). Returns
+  request is checked first (``LLM.check_requests``: a ``ValueError`` naming it).
+  ``max_steps``: each device call's cap (``Session.step``; None: ``steps_per_call``). Returns
   ``Waits.result``: per request in order, the seconds to its first token and to its end
   from its arrival and what it generated; the run's span."""
   arrivals_s = np.asarray(arrivals_s, np.float64)
@@ -160,7 +162,7 @@ def serve_arrivals(llm, prompts, params, arrivals_s,
       if end > added:
         session.add(prompts[added:end], params[added:end])
         added = end
-      events = session.step()
+      events = session.step(max_steps)
       now = time.perf_counter() - t0
       for ev in events:
         waits.record(ev.prompt_index, ev, now)

@@ -3,8 +3,8 @@
 An engine makes three kinds of device calls:
 
 - ``step T=<bucket>``: the scheduling loop (``device.device_call``) at one token bucket,
-  one compiled executable per bucket, ``call(params, state, slots_wanted) -> (state,
-  report)``, the state donated;
+  one compiled executable per bucket, ``call(params, state, slots_wanted, step_limit) ->
+  (state, report)``, the state donated;
 - ``admit``: write host rows into the state (new requests, cleared slots), a fixed chunk
   of slots at a time (``admit_chunks``);
 - ``abort``: release the sequences of an abandoned stream.
@@ -110,7 +110,8 @@ class DeviceCalls:
 
   def step(self, bucket: int) -> Callable:
     """The jitted step loop whose budget is ``bucket`` (one of ``token_buckets``), built on
-    first use: ``call(params, state, slots_wanted) -> (state, report)``, the state donated.
+    first use: ``call(params, state, slots_wanted, step_limit) -> (state, report)``, the
+    state donated.
     With a mesh it runs under the plan's ``shard_map``; with ``max_traces`` it is wrapped in
     ``chex.assert_max_traces`` (per bucket)."""
     if bucket not in self.steps:
@@ -119,10 +120,12 @@ class DeviceCalls:
                     downshift_at=self.token_buckets[i - 1] if i else 0,
                     upshift=i + 1 < len(self.token_buckets))
       if self.plan is None and self.max_traces is None:
-        call = _Bound(_device_call_jit, ("params", "st", "slots_wanted"), **static)
+        call = _Bound(_device_call_jit, ("params", "st", "slots_wanted", "step_limit"),
+                      **static)
       else:
-        def call(params, st, slots_wanted):
-          return device_call(params=params, st=st, slots_wanted=slots_wanted, **static)
+        def call(params, st, slots_wanted, step_limit):
+          return device_call(params=params, st=st, slots_wanted=slots_wanted,
+                             step_limit=step_limit, **static)
         if self.plan is not None:  # one shard_map over the mesh; state with a data axis
           call = self.plan.device_call(call, param_specs=self.param_specs)
         if self.max_traces is not None:
@@ -179,7 +182,7 @@ class DeviceCalls:
     return jobs
 
   def _lower_step(self, bucket, params, st):
-    return self.step(bucket).lower(params, st, jax.device_put(np.int32(0)))
+    return self.step(bucket).lower(params, st, *jax.device_put((np.int32(0), np.int32(1))))
 
   def _lower(self, call, st, *rows):
     """Lower ``admit`` / ``abort`` as the engine calls them (host rows as device arrays)."""

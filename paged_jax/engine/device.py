@@ -319,13 +319,16 @@ def _computed_after(x_SV: jax.Array) -> jax.Array:
 
 
 @standard_promotion
-def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_call: int,
+def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
+                steps_per_call: int,
                 num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
                 hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False,
                 kv_groups=None, vocab_size: int = 0):
   """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
 
-  The loop stops early when no sequence is left running, or when enough slots have come
+  The loop stops after ``step_limit`` (i32[], a caller's cap below ``steps_per_call``: one
+  compiled loop serves every cap) steps, early when no sequence is left running, or when
+  enough slots have come
   free for the host's waiting requests (``slots_wanted`` i32[], 0 if none wait). Token
   buckets: ``num_tokens`` is this call's step budget, one of the engine's compiled sizes;
   the loop also stops once the tokens the running sequences still want (their history not
@@ -341,7 +344,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, *, steps_per_ca
 
   def cond(c):
     _, i, stop, _ = c
-    return (i < steps_per_call) & ~stop
+    return (i < steps_per_call) & (i < step_limit) & ~stop
 
   def body(c):
     st, i, _, top = c

@@ -248,9 +248,9 @@ class LLM:
     """The jitted step loop at ``bucket`` (``DeviceCalls.step``)."""
     return self._device.step(bucket)
 
-  def _call(self, params, st, slots_wanted):
+  def _call(self, params, st, slots_wanted, step_limit):
     """One device call at the step budget ``self._bucket`` (set before each call)."""
-    return self._call_for(self._bucket)(params, st, slots_wanted)
+    return self._call_for(self._bucket)(params, st, slots_wanted, step_limit)
 
   def reset_stats(self) -> None:
     """Zero ``stats``' counters (``compile_s`` and the pool's figures stay), e.g. after a
@@ -268,13 +268,14 @@ class LLM:
 
   # --- serving ---
 
-  def _run(self, bucket: int, slots_wanted: int) -> dict:
+  def _run(self, bucket: int, slots_wanted: int, max_steps: int | None = None) -> dict:
+    limit = self.steps_per_call if max_steps is None else min(max_steps, self.steps_per_call)
     with self._state_lock:
       self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
       self._bucket = bucket
       # Explicit host -> device puts: a caller's jax.transfer_guard("disallow") holds.
-      wanted = jax.device_put(np.int32(slots_wanted))
-      self._state, report = self._call(self._params, self._state, wanted)
+      wanted, limit = jax.device_put((np.int32(slots_wanted), np.int32(limit)))
+      self._state, report = self._call(self._params, self._state, wanted, limit)
       return jax.device_get(report)  # the one device -> host transfer of this call
 
   def _admit(self, entries: list) -> None:

@@ -34,7 +34,7 @@ class Session:
   docstring). Use it in a ``with`` block, or ``close()`` it: until then the engine serves
   nothing else (``generate`` is a ``RuntimeError``)."""
 
-  def __init__(self, scheduler: Scheduler, *, run: Callable[[int, int], dict],
+  def __init__(self, scheduler: Scheduler, *, run: Callable[[int, int, int | None], dict],
                admit: Callable[[list], Any], abort: Callable[[np.ndarray], Any]):
     scheduler.claim()  # the engine is this session's until close()
     self._s, self._run, self._admit, self._abort = scheduler, run, admit, abort
@@ -124,13 +124,21 @@ class Session:
       self._check_open()
       self._aborting.extend(int(i) for i in ids)
 
-  def step(self) -> list[StreamEvent]:
+  def step(self, max_steps: int | None = None) -> list[StreamEvent]:
     """Admit what waits into free slots, make one device call (up to ``steps_per_call``
     engine steps; it ends early as any call does: nothing left running, enough slots free
     for the waiting requests, or a token bucket that fits better) and return its events,
     as ``generate_stream`` yields them; the aborted requests' "abort" events come first.
     With nothing unfinished it returns [] at once. An error here closes the session (its
-    requests are dropped) and propagates. One thread at a time: a second is refused."""
+    requests are dropped) and propagates. One thread at a time: a second is refused.
+
+    ``max_steps``: at most that many engine steps in this call (an int >= 1; None, or
+    more than ``steps_per_call``: ``steps_per_call``), no recompilation: a server that
+    expects requests soon trades host syncs for their wait (a request added during a call
+    is admitted at the next one), a loop that must yield often bounds the call's time."""
+    if max_steps is not None and (isinstance(max_steps, (bool, np.bool_)) or not isinstance(
+        max_steps, (int, np.integer)) or max_steps < 1):
+      raise ValueError(f"max_steps={max_steps!r} must be None or an int >= 1")
     self._check_open()
     if not self._stepping.acquire(blocking=False):
       raise RuntimeError("a step of this session is running in another thread: one thread "
@@ -142,7 +150,7 @@ class Session:
         aborting, self._aborting = self._aborting, []
       self._waiting.extend(incoming)
       dropped = self._drop(aborting)
-      events = self._call() if self._waiting or any(self._owner) else []
+      events = self._call(max_steps) if self._waiting or any(self._owner) else []
       # A request is done once none of its completions holds a slot (each holds one from
       # its admission to its end).
       owned = {o[0].index for o in self._owner if o is not None}
@@ -190,13 +198,15 @@ class Session:
       self._owner[s] = None
     self._want_S[mask_S] = 0
 
-  def _call(self) -> list[StreamEvent]:
-    """One device call: admissions, the call, its report read."""
+  def _call(self, max_steps: int | None = None) -> list[StreamEvent]:
+    """One device call (of at most ``max_steps`` steps): admissions, the call, its report
+    read."""
     s = self._s
     admitted = s.fill_slots(self._waiting, self._owner, self._want_S)
     if admitted:
       self._admit(admitted)
-    report = self._run(s.pick_bucket(self._want_S), s.slots_wanted(self._waiting))
+    report = self._run(s.pick_bucket(self._want_S), s.slots_wanted(self._waiting),
+                       max_steps)
     events, clear, stopped = s.read_report(report, self._owner)
     self._want_S = np.array(report["want_S"], np.int64)
     if stopped.any():  # at a stop string: the sequence still runs on the device
@@ -249,13 +259,15 @@ class Session:
       s.serving = False
 
 
-def serve(scheduler: Scheduler, requests: list[Request], *, run: Callable[[int, int], dict],
+def serve(scheduler: Scheduler, requests: list[Request], *,
+          run: Callable[[int, int, int | None], dict],
           admit: Callable[[list], Any],
           abort: Callable[[np.ndarray], Any]) -> Iterator[StreamEvent]:
   """``generate_stream``'s events: ``requests`` (validated, ids 0 .. n-1) served by a
   session that ends with them, or when the generator is closed (their slots freed).
 
-  ``run(bucket, slots_wanted) -> report`` makes one device call (the report on the host);
+  ``run(bucket, slots_wanted, max_steps) -> report`` makes one device call (the report on
+  the host; ``max_steps`` None: ``steps_per_call``);
   ``admit(entries)`` writes slots' host rows (``Scheduler.fill_slots``) into the device
   state; ``abort(mask_S)`` drops sequences (at a stop string; what is left at the end).
   """

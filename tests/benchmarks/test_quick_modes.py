@@ -171,13 +171,14 @@ def test_penalty_cost_quick():
 
 @pytest.mark.slow
 def test_online_arrivals_quick():
-  # Waves and a session serve the same arrivals with the same tokens (asserted inside);
-  # every wait measured and non-negative, the median below the 90th percentile.
+  # Waves, a session and a capped one serve the same arrivals with the same tokens
+  # (asserted inside); every wait measured and non-negative, the median below the 90th
+  # percentile.
   from benchmarks import online_arrivals
   rows = online_arrivals.main(["--quick"])
   assert [row["load"] for row in rows] == [0.9]
   for row in rows:
-    for way in ("waves", "session"):
+    for way in ("waves", "session", "capped"):
       for metric in ("ttft", "latency"):
         p50, p90 = row[f"{way}_{metric}_p50"], row[f"{way}_{metric}_p90"]
         assert 0 <= p50 <= p90 and math.isfinite(p90), row

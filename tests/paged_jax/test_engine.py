@@ -1308,7 +1308,8 @@ def test_a_call_reports_at_most_max_model_len_tokens_a_slot(model, config, dense
   # most one token a step and never passes max_model_len, so that is the report's width.
   llm = LLM(model, config, block_size=4, num_blocks=64, max_seqs=3, max_tokens_per_step=32,
             steps_per_call=10**6)
-  report = llm._call_for(32).lower(llm._params, llm._state, jnp.int32(0)).out_info[1]
+  report = llm._call_for(32).lower(llm._params, llm._state, jnp.int32(0),
+                                   jnp.int32(10**6)).out_info[1]
   assert report["tokens_SK"].shape == report["logprobs_SK"].shape == (3, llm.max_model_len)
   prompts = _prompts((5, 9, 30))
   outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))

@@ -200,8 +200,8 @@ def test_an_error_in_a_step_closes_the_session_and_the_engine_serves_on(llm, mon
   expected = llm.generate(prompt, params)
   real_run = llm._run
 
-  def failing_run(bucket, wanted):
-    real_run(bucket, wanted)
+  def failing_run(*args):
+    real_run(*args)
     raise KeyboardInterrupt
 
   monkeypatch.setattr(llm, "_run", failing_run)
@@ -365,10 +365,10 @@ def test_the_engine_is_free_again_only_once_a_close_has_freed_the_slots(llm, mon
 def test_one_thread_steps_and_close_from_another_waits_for_its_step(llm, monkeypatch):
   real_run, entered, release = llm._run, threading.Event(), threading.Event()
 
-  def slow_run(bucket, wanted):
+  def slow_run(*args):
     entered.set()
     release.wait(10)
-    return real_run(bucket, wanted)
+    return real_run(*args)
 
   monkeypatch.setattr(llm, "_run", slow_run)
   session = llm.session()
@@ -415,4 +415,28 @@ def test_a_request_is_unfinished_until_its_last_completion_ends(llm):
         assert session.num_unfinished == 1 and llm.stats["requests"] == 0
   assert got == expected and ends_at[0] < ends_at[1]
   assert llm.stats["requests"] == 1
+  _check_all_free(llm)
+
+
+def test_max_steps_caps_the_engine_steps_of_one_call(llm):
+  # step(max_steps=1) makes one engine step a call, the same compiled loop: the requests'
+  # events equal generate's. A cap past steps_per_call (4) is steps_per_call. A bad cap is
+  # refused before anything runs.
+  prompts = _prompts((5, 9, 20), seed=7)
+  params = SamplingParams(max_tokens=6, ignore_eos=True)
+  expected = _expected(llm, prompts, params)
+  for cap, most in ((1, 1), (100, 4)):
+    llm.reset_stats()
+    got, per_call = {}, []
+    with llm.session() as session:
+      session.add(prompts, params)
+      while session.num_unfinished:
+        before = llm.stats["steps"]
+        _collect(session.step(max_steps=cap), got)
+        per_call.append(llm.stats["steps"] - before)
+      for bad in (0, -2, True, 1.5, "3"):
+        with pytest.raises(ValueError, match=f"max_steps={bad!r} must be None or an int >= 1"):
+          session.step(max_steps=bad)
+    assert got == expected
+    assert max(per_call) == most and len(per_call) >= (6 if cap == 1 else 2), per_call
   _check_all_free(llm)

@@ -62,7 +62,7 @@ class _FakeSession:
   """A session that ends each request one step after it was added, with one token."""
 
   def __init__(self, clock):
-    self.clock, self.added, self.live = clock, [], []
+    self.clock, self.added, self.live, self.caps = clock, [], [], []
 
   def __enter__(self):
     return self
@@ -80,7 +80,8 @@ class _FakeSession:
     self.live += ids
     return ids
 
-  def step(self):
+  def step(self, max_steps=None):
+    self.caps.append(max_steps)
     # Request 3 has two completions, their tokens interleaved as a batch delivers them.
     events = []
     for i in self.live:
@@ -115,3 +116,7 @@ def test_serve_arrivals_adds_each_request_once_it_has_arrived():
   assert progress[-1] == (4, 10)
   assert waits["token_ids"] == [[7, 9]] * 3 + [[7, 9, 8, 10]]  # completion 0's, then 1's
   assert waits["span_s"] >= arrivals[-1]
+  assert set(session.caps) == {None}
+  session = _FakeSession(lambda: time.perf_counter() - t0)  # ids from 0 again
+  serve_arrivals(llm, [[1]] * 4, params, [0.0] * 4, max_steps=3)  # each step's cap
+  assert session.caps and set(session.caps) == {3}

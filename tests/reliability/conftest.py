@@ -53,10 +53,10 @@ def wrap_call(llm, before=None, after=None):
   call of ``llm`` (the jitted step loop); returns nothing."""
   inner = llm._call
 
-  def call(params, st, wanted):
+  def call(params, st, wanted, limit):
     if before is not None:
       st = before(st)
-    new = inner(params, st, wanted)
+    new = inner(params, st, wanted, limit)
     if after is not None:
       after(st, new)
     return new

@@ -72,9 +72,9 @@ def test_step_traces_once_over_hundreds_of_steps_without_host_transfers(model, c
   calls = []
 
   def guarded_call(inner):
-    def call(params, st, wanted):
+    def call(params, st, wanted, limit):
       with jax.transfer_guard("disallow"):  # no implicit host <-> device copy in the loop
-        out = inner(params, st, wanted)
+        out = inner(params, st, wanted, limit)
       calls.append(1)
       return out
     return call
@@ -103,7 +103,7 @@ def _primitives(jaxpr, acc):
 def test_device_loop_jaxpr_has_no_callbacks(model, config):
   llm = make_llm(model, config)
   fn = lambda params, st, wanted: engine_mod._device_call(
-      llm._graphdef, params, st, wanted, steps_per_call=8, num_tokens=16)
+      llm._graphdef, params, st, wanted, jnp.int32(8), steps_per_call=8, num_tokens=16)
   jaxpr = jax.make_jaxpr(fn)(llm._params, llm._state, jnp.int32(0))
   prims = _primitives(jaxpr.jaxpr, set())
   assert "while" in prims

@@ -113,7 +113,7 @@ def collective_sizes(llm) -> list[int]:
   """Element counts of every collective's result in the compiled device call."""
   wanted = jnp.int32(0)
   call = llm._call_for(llm.token_buckets[-1])
-  hlo = call.lower(llm._params, llm._state, wanted).compile().as_text()
+  hlo = call.lower(llm._params, llm._state, wanted, jnp.int32(1)).compile().as_text()
   sizes = []
   for line in hlo.splitlines():
     if any(op in line for op in (" all-gather(", " all-to-all(", " all-reduce(",
