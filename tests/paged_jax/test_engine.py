@@ -1272,7 +1272,7 @@ def test_device_calls_that_make_no_progress_raise_instead_of_hanging():
                tokens_SK=np.zeros((2, 4), np.int32), logprobs_SK=np.zeros((2, 4)),
                num_free=np.int32(5))
   calls, admitted, aborted = [], [], []
-  stream = serve(sched, requests, run=lambda bucket, wanted: calls.append(bucket) or stuck,
+  stream = serve(sched, requests, run=lambda bucket, *_: calls.append(bucket) or stuck,
                  admit=lambda entries: admitted.append([s for s, _ in entries]),
                  abort=lambda mask: aborted.append(mask.copy()))
   with pytest.raises(RuntimeError, match=r"no progress .*tokens wanted per slot \[3, 2\]"):
