@@ -67,6 +67,10 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                  help="end --prompt's completion where its text reaches TEXT, which is not "
                  "printed (repeatable; a newline in bash: --stop $'\\n'; default: none)")
+  p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="K",
+                 help="serve only the last K tokens of --prompt (the tokenizer's BOS kept "
+                 "among them; -1: the most max_model_len takes; default: the whole prompt, "
+                 "refused when too long)")
   p.add_argument("--temperature", type=float, default=0.0,
                  help="sampling temperature of every request (default 0: greedy)")
   p.add_argument("--top-k", type=int, default=0,
@@ -350,6 +354,13 @@ def _check_args(args) -> None:
   if args.stop is not None and args.prompt is None:
     raise ValueError(f"--stop={args.stop[0]!r} applies to --prompt only; the synthetic "
                      "workload's requests end at their drawn lengths")
+  if args.truncate_prompt_tokens is not None and args.prompt is None:
+    raise ValueError(f"--truncate-prompt-tokens={args.truncate_prompt_tokens} applies to "
+                     "--prompt only; the synthetic workload's prompts fit max_model_len")
+  if args.truncate_prompt_tokens is not None and not (args.truncate_prompt_tokens >= 1
+                                                      or args.truncate_prompt_tokens == -1):
+    raise ValueError(f"--truncate-prompt-tokens={args.truncate_prompt_tokens} must be >= 1 "
+                     "(the prompt's last that many tokens) or -1 (the most that fit)")
   if args.stop is not None and not all(args.stop):
     raise ValueError("--stop='' is empty: a stop string needs one character at least")
   if args.prompt is not None:
@@ -503,11 +514,15 @@ def _run(args) -> int:
   if args.prompt is not None:  # an empty or too long prompt: said before compiling
     prompt_params = SamplingParams(max_tokens=32 if args.max_tokens is None
                                    else args.max_tokens, stop=tuple(args.stop or ()),
+                                   truncate_prompt_tokens=args.truncate_prompt_tokens,
                                    **sampling)
     try:
       llm.check_requests([args.prompt], prompt_params)
-    except ValueError as e:  # named as the option: the user typed no list of prompts
-      raise ValueError(str(e).replace("prompts[0]", "--prompt", 1)) from None
+    except ValueError as e:  # named as the options: the user typed no list of prompts
+      message = str(e).replace("prompts[0]", "--prompt", 1).replace(
+          "SamplingParams(truncate_prompt_tokens=-1)", "--truncate-prompt-tokens -1")
+      raise ValueError(message.replace("truncate_prompt_tokens=",
+                                       "--truncate-prompt-tokens=")) from None
   compile_s = _precompile(llm, progress)
   if args.prompt is not None:
     print(f"prompt:     {args.prompt}")

@@ -147,7 +147,9 @@ class SamplingParams:
       strings are looked for in that text. ``token_ids`` hold every id either way.
     truncate_prompt_tokens: None (the whole prompt) or k >= 1: only the prompt's last k
       tokens are served (left truncation, vLLM's; ``Output.prompt_token_ids`` holds
-      them); -1: the last ``max_model_len - 1``, the most that leave room for a token.
+      them); of a text prompt, the special tokens the tokenizer adds around every text (a
+      BOS) stay, counted among the k, as a tokenizer's own truncation keeps them; -1:
+      ``max_model_len - 1`` tokens, the most that leave room for one to generate.
   """
 
   max_tokens: int = 16

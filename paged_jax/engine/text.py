@@ -31,15 +31,18 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
   """The token ids of ``prompts[i]`` (a str needs ``tokenizer``), or a ``ValueError``
   naming it: no order of tokens, a non-integer id, an id outside ``[0, vocab_size)``, empty,
   or ``max_model_len`` tokens or more (``limit_note`` says what bounds it). ``keep_last``:
-  only the last that many ids (``SamplingParams.truncate_prompt_tokens``; -1: the last
-  ``max_model_len - 1``), the whole prompt checked first."""
+  only the last that many ids (``SamplingParams.truncate_prompt_tokens``; -1:
+  ``max_model_len - 1``), the whole prompt checked first; of a text, the special tokens the
+  tokenizer adds around every text (a BOS) stay and count among them, as a tokenizer's own
+  left truncation keeps them."""
+  added = (0, 0)  # special ids the tokenizer put before and after a text's own
   if isinstance(prompt, str):
     if tokenizer is None:
       raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
                        "checkpoint has no tokenizer.json): pass token ids")
-    encoded = tokenizer.encode(prompt)
-    # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
-    prompt = getattr(encoded, "ids", encoded)
+    prompt = _encode(tokenizer, prompt)
+    if keep_last is not None:
+      added = _added_around(_encode(tokenizer, ""), prompt)
   if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
     raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
                      "tokens or holds no ids: a prompt is a str or a sequence of token ids")
@@ -73,13 +76,43 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
     raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
                      f"[0, vocab_size={vocab_size})")
   if keep_last is not None:
-    ids = ids[-(max_model_len - 1 if keep_last == -1 else keep_last):]
+    keep = max_model_len - 1 if keep_last == -1 else keep_last
+    if len(ids) > keep:
+      head, tail = added
+      if keep <= head + tail:
+        raise ValueError(f"prompts[{i}]: truncate_prompt_tokens={keep_last} keeps no token "
+                         f"of the text beside the {head + tail} special tokens the tokenizer "
+                         "adds to it")
+      whole = len(ids)
+      ids = ids[:head] + ids[whole - tail - (keep - head - tail):]
   if len(ids) >= max_model_len:
-    kept = "" if keep_last is None else f" (its last truncate_prompt_tokens={keep_last})"
-    raise ValueError(f"prompts[{i}] has {len(ids)} tokens{kept}; must be < max_model_len="
-                     f"{max_model_len} ({limit_note}) to generate anything; "
-                     "SamplingParams(truncate_prompt_tokens=-1) keeps the last that fit")
+    if keep_last is None:
+      raise ValueError(f"prompts[{i}] has {len(ids)} tokens; must be < max_model_len="
+                       f"{max_model_len} ({limit_note}) to generate anything; "
+                       "SamplingParams(truncate_prompt_tokens=-1) serves its last "
+                       f"{max_model_len - 1}")
+    raise ValueError(f"prompts[{i}]: truncate_prompt_tokens={keep_last} keeps {len(ids)} "
+                     f"tokens; must be < max_model_len={max_model_len} ({limit_note}) to "
+                     "generate anything (-1 keeps the most that fit)")
   return tuple(ids)
+
+
+def _encode(tokenizer, text: str) -> list:
+  encoded = tokenizer.encode(text)
+  # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
+  return getattr(encoded, "ids", encoded)
+
+
+def _added_around(empty, ids) -> tuple[int, int]:
+  """How many of the ids the tokenizer gives an empty text (its added special tokens: a
+  BOS, an EOS) begin and end ``ids``: the most at the start, the rest at the end."""
+  empty, ids = [int(t) for t in empty], [int(t) for t in ids]
+  for head in range(len(empty), -1, -1):
+    tail = len(empty) - head
+    if (len(ids) >= len(empty) and ids[:head] == empty[:head]
+        and ids[len(ids) - tail:] == empty[head:]):
+      return head, tail
+  return 0, 0
 
 
 class CompletionText:

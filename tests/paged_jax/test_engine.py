@@ -675,10 +675,11 @@ def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(llm, dense_greedy
   assert outs[2].prompt_token_ids == long[0][:5]
   assert outs[2].token_ids == dense_greedy(long[0][:5], 5)[0]
   with pytest.raises(ValueError, match=r"prompts\[0\] has 200 tokens; must be < max_model_len"
-                                       r"=128 .* SamplingParams\(truncate_prompt_tokens=-1\)"):
+                                       r"=128 .* SamplingParams\(truncate_prompt_tokens=-1\) "
+                                       r"serves its last 127"):
     llm.check_requests([long[1]])
-  with pytest.raises(ValueError, match=r"prompts\[0\] has 130 tokens \(its last "
-                                       r"truncate_prompt_tokens=130\); must be <"):
+  with pytest.raises(ValueError, match=r"prompts\[0\]: truncate_prompt_tokens=130 keeps 130 "
+                                       r"tokens; must be < max_model_len=128 .* \(-1 keeps"):
     llm.check_requests(long[::-1], SamplingParams(truncate_prompt_tokens=130))
   _check_all_free(llm)
 

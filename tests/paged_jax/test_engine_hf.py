@@ -174,6 +174,33 @@ def test_special_tokens_stay_in_the_text_when_asked(checkpoint):
   assert llm.stats["num_free_blocks"] == 48
 
 
+def test_a_text_prompt_truncated_keeps_the_tokenizers_bos(checkpoint):
+  # A tokenizer that puts "w1" (a BOS) before every text: truncate_prompt_tokens keeps it
+  # and the text's last tokens, k in all (a tokenizer's own left truncation, vLLM's), and
+  # generates as from those ids; token-id prompts are cut as given. k of the BOS alone
+  # leaves none of the text: refused.
+  path, _ = checkpoint
+  tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="w1 $A", special_tokens=[("w1", 1)])
+  llm = LLM.from_pretrained(path, dtype="float32", impl="xla", block_size=4, num_blocks=48,
+                            max_seqs=2, max_tokens_per_step=16, steps_per_call=8,
+                            max_model_len=192, tokenizer=tok)
+  text = " ".join(f"w{t}" for t in range(5, 25))
+  assert tok.encode(text).ids == [1, *range(5, 25)]
+  base = dict(max_tokens=4, ignore_eos=True)
+  by_text, by_ids, whole = llm.generate([text, [1, *range(5, 25)], [1, 22, 23, 24]], [
+      SamplingParams(**base, truncate_prompt_tokens=4),
+      SamplingParams(**base, truncate_prompt_tokens=4), SamplingParams(**base)])
+  assert by_text.prompt_token_ids == [1, 22, 23, 24] and by_ids.prompt_token_ids == [21, 22,
+                                                                                     23, 24]
+  assert by_text.token_ids == whole.token_ids
+  with pytest.raises(ValueError, match=r"prompts\[0\]: truncate_prompt_tokens=1 keeps no "
+                                       r"token of the text beside the 1 special tokens"):
+    llm.check_requests([text], SamplingParams(truncate_prompt_tokens=1))
+  assert llm.stats["num_free_blocks"] == 48
+
+
 def _stopped(ids, text, stop, include):
   """A word-level completion ``ids`` / ``text`` cut at its first stop string: the first
   prefix of words holding one ends there (words are joined by spaces)."""
@@ -373,11 +400,19 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
   path, _ = checkpoint
   monkeypatch.setattr(cli_run, "_precompile", lambda *a: pytest.fail("compiled"))
   # Named as the option the user typed (not the list of prompts the engine checks).
-  for prompt, message in (("", "--prompt is empty"),
-                          (" ".join(["w3"] * 300), "--prompt has 300 tokens; must be < "
-                                                   "max_model_len=")):
+  long = " ".join(["w3"] * 300)
+  for args, message in (
+      (["--prompt", ""], "--prompt is empty"),
+      (["--prompt", long], "--prompt has 300 tokens; must be < max_model_len="),
+      (["--prompt", long], "to generate anything; --truncate-prompt-tokens -1 serves its last"),
+      (["--prompt", long, "--truncate-prompt-tokens", "400"],
+       "--prompt: --truncate-prompt-tokens=400 keeps 300 tokens; must be < max_model_len="),
+      (["--prompt", long, "--truncate-prompt-tokens", "0"],
+       "--truncate-prompt-tokens=0 must be >= 1 (the prompt's last that many tokens) or -1"),
+      (["--truncate-prompt-tokens", "5"], "--truncate-prompt-tokens=5 applies to --prompt "
+                                          "only")):
     with pytest.raises(SystemExit) as exit_info:
-      cli.main(["run", "--model", str(path), "--prompt", prompt, "--no-progress"])
+      cli.main(["run", "--model", str(path), *args, "--no-progress"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 

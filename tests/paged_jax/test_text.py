@@ -9,7 +9,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from paged_jax.engine.text import CompletionText
+from paged_jax.engine.text import CompletionText, encode_prompt
 
 
 def _byte_level() -> tokenizers.Tokenizer:
@@ -208,3 +208,27 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_to_stay():
         break
     shown += text.finish()
     assert (shown, taken) == (("hi ok", 7) if skip else ("<|channel|>hi ", 5))
+
+
+def test_a_truncated_text_keeps_the_special_tokens_around_it():
+  # BOS and EOS around every text (ids 1 and 2): the last k - 2 of the text's own between
+  # them; token ids are cut as given; a text short enough is whole.
+  from tokenizers import processors
+  tok = _metaspace()
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<s>", "</s>"])
+  bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+  tok.post_processor = processors.TemplateProcessing(
+      single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
+  text = "▁the ▁cat ▁sat ▁on ▁the ▁mat ."
+  ids = tok.encode(text).ids
+  assert ids[0] == bos and ids[-1] == eos and len(ids) == 9
+  encode = lambda prompt, k: list(encode_prompt(0, prompt, tokenizer=tok, vocab_size=64,
+                                                max_model_len=32, limit_note="",
+                                                keep_last=k))
+  assert encode(text, 5) == [bos, *ids[-4:-1], eos]
+  assert encode(text, 9) == encode(text, 20) == encode(text, None) == ids
+  assert encode(ids, 5) == ids[-5:]
+  with pytest.raises(ValueError, match=r"truncate_prompt_tokens=2 keeps no token of the text "
+                                       r"beside the 2 special tokens"):
+    encode(text, 2)
