@@ -11,7 +11,8 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 - ``paged_jax.engine.options``: the checks of this class's options;
 - ``paged_jax.engine.session``: serving as requests come and go (``session``), under
   ``generate_stream`` too;
-- this module: construction and validation, ``generate`` / ``generate_stream``, ``stats``.
+- ``paged_jax.engine.stats``: ``stats``;
+- this module: construction and validation, ``generate`` / ``generate_stream``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from paged_jax.kv_groups import KVGroups, layer_windows_of
 from paged_jax.engine import session as session_lib
 from paged_jax.engine.scheduler import Output, Scheduler, StreamEvent, default_token_buckets
 from paged_jax.engine.session import Session
+from paged_jax.engine.stats import engine_stats
 from paged_jax.engine.stream import Stream
 
 __all__ = ["LLM"]
@@ -358,39 +360,7 @@ class LLM:
     compilations took, by ``precompile`` or on first use: ``compile_seconds``' sum), nor
     ``num_free_blocks`` and ``cached_blocks`` (free blocks still holding a cached prefix,
     counted among the free), which describe the pool now."""
-    r, h = self._scheduler.device_counters, self._scheduler.counters
-    steps, busy = r.get("steps", 0), r.get("busy_steps", 0)
-    preempt, peak = r.get("preemptions", 0), r.get("peak_blocks_in_use", 0)
-    mean_blocks = r.get("blocks_in_use_sum", 0.0) / max(steps, 1)
-    util = r["utilization_sum"] / busy if busy else 0.0
-    tokens = h["tokens"]
-    wall_s = max(h["wall_s"] - self._device.serve_compile_s, 0.0)
-    # The pool now (read on demand, outside the serving loop), not since a reset.
-    # On the host (numpy): an eager jnp reduction here compiled on the first stats read.
-    fetch = jax.device_get if self._plan is None else self._plan.fetch
-    with self._state_lock:  # no device call replaces the arrays while they are read
-      alloc = self.allocator_state
-      host = dataclasses.replace(alloc, ref_counts=fetch(alloc.ref_counts),
-                                 depth_N=fetch(alloc.depth_N), num_free=fetch(alloc.num_free))
-    free, cached = int(np.sum(host.num_free)), int(np.sum(allocator.cached_N(host)))
-    prompt_tokens = r.get("prompt_tokens", 0)
-    cached_tokens = r.get("cached_prompt_tokens", 0)
-    return dict(
-        preemptions=preempt, kv_utilization=util,
-        prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-        prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
-        cached_blocks=cached,
-        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
-        requests_per_s=h["requests"] / wall_s if wall_s > 0 else 0.0,
-        num_blocks=self.spec.num_blocks, num_free_blocks=free,
-        kv_cache_dtype=jnp.dtype(self.spec.dtype).name, block_size=self.spec.block_size,
-        kv_pool_bytes=self.spec.total_bytes, kv_group_windows=self.kv_groups.windows,
-        prefix_caching=self.enable_prefix_caching,
-        host_syncs=h["host_syncs"],
-        host_syncs_per_token=h["host_syncs"] / tokens if tokens else 0.0,
-        peak_blocks_in_use=peak, mean_blocks_in_use=mean_blocks, steps=steps,
-        device_calls=h["device_calls"], generated_tokens=tokens, requests=h["requests"],
-        wall_s=wall_s, compile_s=sum(self._device.compile_seconds.values()))
+    return engine_stats(self)
 
 
 LLM.from_pretrained.__func__.__signature__ = options.pretrained_signature(LLM)
