@@ -25,8 +25,8 @@ if TYPE_CHECKING:
                          testing)
   from paged_jax.attention import (checked_paged_attention, paged_attention, resolve_impl,
                                    validate_attention_inputs)
-  from paged_jax.engine import (LLM, EngineState, Output, Session, StreamEvent,
-                                default_token_buckets)
+  from paged_jax.engine import (LLM, ChatTemplate, EngineState, Output, Session,
+                                StreamEvent, default_token_buckets)
   from paged_jax.kv_cache import KVCache
   from paged_jax.kv_groups import KVGroups
   from paged_jax.models import (CheckpointNotFoundError, Decoder, ModelConfig, init_random,
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 _HOME = {
     "paged_jax.attention": ("checked_paged_attention", "paged_attention", "resolve_impl",
                             "validate_attention_inputs"),
-    "paged_jax.engine": ("LLM", "EngineState", "Output", "Session", "StreamEvent",
-                         "default_token_buckets"),
+    "paged_jax.engine": ("LLM", "ChatTemplate", "EngineState", "Output", "Session",
+                         "StreamEvent", "default_token_buckets"),
     "paged_jax.kv_cache": ("KVCache",),
     "paged_jax.kv_groups": ("KVGroups",),
     "paged_jax.models": ("CheckpointNotFoundError", "Decoder", "ModelConfig", "init_random",
@@ -82,6 +82,7 @@ from paged_jax._version import __version__  # noqa: E402  (one place; the CLI re
 
 __all__ = [
     "AttentionMetadata",
+    "ChatTemplate",
     "CheckpointNotFoundError",
     "Decoder",
     "EngineState",

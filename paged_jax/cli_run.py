@@ -67,6 +67,9 @@ def add_run_parser(subparsers) -> None:
   p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                  help="end --prompt's completion where its text reaches TEXT, which is not "
                  "printed (repeatable; a newline in bash: --stop $'\\n'; default: none)")
+  p.add_argument("--chat", action="store_true",
+                 help="send --prompt as a user's message laid out by the checkpoint's chat "
+                 "template (an instruct or chat model expects it; default: the raw text)")
   p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="K",
                  help="serve only the last K tokens of --prompt (the tokenizer's BOS kept "
                  "among them; -1: the most max_model_len takes; default: the whole prompt, "
@@ -354,6 +357,8 @@ def _check_args(args) -> None:
   if args.stop is not None and args.prompt is None:
     raise ValueError(f"--stop={args.stop[0]!r} applies to --prompt only; the synthetic "
                      "workload's requests end at their drawn lengths")
+  if args.chat and args.prompt is None:
+    raise ValueError("--chat applies to --prompt only (the synthetic workload is token ids)")
   if args.truncate_prompt_tokens is not None and args.prompt is None:
     raise ValueError(f"--truncate-prompt-tokens={args.truncate_prompt_tokens} applies to "
                      "--prompt only; the synthetic workload's prompts fit max_model_len")
@@ -516,8 +521,17 @@ def _run(args) -> int:
                                    else args.max_tokens, stop=tuple(args.stop or ()),
                                    truncate_prompt_tokens=args.truncate_prompt_tokens,
                                    **sampling)
+    prompt = args.prompt
+    if args.chat:
+      from paged_jax.engine.chat import chat_prompts
+      try:
+        prompt, = chat_prompts(llm.tokenizer, llm.chat_template,
+                               [{"role": "user", "content": args.prompt}])
+      except ValueError as e:
+        raise ValueError(f"--chat: {str(e).replace('pass chat_template=', 'drop --chat')}"
+                         ) from None
     try:
-      llm.check_requests([args.prompt], prompt_params)
+      llm.check_requests([prompt], prompt_params)
     except ValueError as e:  # named as the options: the user typed no list of prompts
       message = str(e).replace("prompts[0]", "--prompt", 1).replace(
           "SamplingParams(truncate_prompt_tokens=-1)", "--truncate-prompt-tokens -1")
@@ -528,16 +542,16 @@ def _run(args) -> int:
     print(f"prompt:     {args.prompt}")
     print("completion: ", end="", flush=True)
     generated, finish_reason, stop_reason = 0, None, None
-    for ev in llm.generate_stream([args.prompt], prompt_params):  # printed as it comes
+    for ev in llm.generate_stream([prompt], prompt_params):  # printed as it comes
       print(ev.text, end="", flush=True)
       generated += ev.token_id is not None
       if ev.token_id is None:  # the completion's end
         finish_reason, stop_reason = ev.finish_reason, ev.stop_reason
     print()
-    if not generated and finish_reason == "stop":
+    if not generated and finish_reason == "stop" and not args.chat:
       print("            (none: the model's first token was its end of sequence; an instruct "
-            "or chat model may expect its chat template around the prompt, which --prompt "
-            "does not apply)")
+            "or chat model may expect its chat template around the prompt: --chat applies "
+            "it)")
     why = "" if stop_reason is None else f" (at {stop_reason!r})"
     print(format_report(llm.stats, title=f"paged-jax run: 1 prompt, finish_reason "
                         f"{finish_reason}{why}", compile_s=compile_s, device=device))

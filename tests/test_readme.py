@@ -44,7 +44,7 @@ def test_core_dependencies_cover_what_the_library_imports():
   names = {re.split(r"[<>=\[ ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
   provided_by = {"jax": "jax", "jaxlib": "jaxlib", "flax": "flax", "chex": "chex",
                  "numpy": "numpy", "ml_dtypes": "ml_dtypes", "safetensors": "safetensors",
-                 "tokenizers": "tokenizers"}
+                 "tokenizers": "tokenizers", "jinja2": "jinja2"}
   stdlib = set(__import__("sys").stdlib_module_names)
   missing = set()
   for folder in ("paged_jax", "models", "pallas_kernels"):

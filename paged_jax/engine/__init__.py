@@ -1,7 +1,8 @@
 """The serving engine: continuous batching inside ``jit``, preemption by recompute.
 
-Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``generate_stream``, ``session``
-(``Session``: requests added and aborted while it serves), ``stats``, ``precompile``;
+Host API: ``LLM`` (``LLM.from_pretrained``), ``generate``, ``chat``, ``generate_stream``,
+``session`` (``Session``: requests added and aborted while it serves), ``stats``,
+``precompile``;
 ``SamplingParams`` lives in ``paged_jax.sampling``. The engine serves any model of the
 protocol (``paged_jax.protocol``). Its modules, each readable alone:
 
@@ -16,6 +17,7 @@ protocol (``paged_jax.protocol``). Its modules, each readable alone:
   loop on it;
 - ``stream``: ``generate_stream``'s generator, started at its first event;
 - ``text``: prompts to token ids, and each completion's text as it grows (stop strings);
+- ``chat``: conversations to prompts through a checkpoint's chat template (``LLM.chat``);
 - ``salts``: the ids of ``cache_salt`` strings;
 - ``options``: the checks of ``LLM``'s options (a ``ValueError`` naming each bad one);
 - ``llm``: ``LLM``, construction, ``generate``, ``stats``.
@@ -23,6 +25,7 @@ protocol (``paged_jax.protocol``). Its modules, each readable alone:
 
 from __future__ import annotations
 
+from paged_jax.engine.chat import ChatTemplate
 from paged_jax.engine.device import device_call as _device_call
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.scheduler import Output, StreamEvent, default_token_buckets
@@ -30,5 +33,5 @@ from paged_jax.engine.session import Session
 from paged_jax.engine.state import EngineState
 from paged_jax.sampling import SamplingParams
 
-__all__ = ["LLM", "Output", "SamplingParams", "Session", "StreamEvent", "EngineState",
-           "default_token_buckets"]
+__all__ = ["LLM", "ChatTemplate", "Output", "SamplingParams", "Session", "StreamEvent",
+           "EngineState", "default_token_buckets"]

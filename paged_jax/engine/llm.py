@@ -31,6 +31,7 @@ from paged_jax import allocator
 from paged_jax import compile_cache
 from paged_jax import protocol
 from paged_jax import sharding as mesh_sharding
+from paged_jax.engine import chat as chat_lib
 from paged_jax.engine import options
 from paged_jax.engine import state as state_lib
 from paged_jax.engine.calls import DeviceCalls
@@ -142,6 +143,7 @@ class LLM:
                         scrub_on_release=scrub_on_release,
                         free_outside_window=free_outside_window, prefix_hash_fn=prefix_hash_fn)
     self.model, self.config, self.tokenizer = model, config, tokenizer
+    self.chat_template = None  # a ChatTemplate (from_pretrained reads the checkpoint's)
     # KV groups (paged_jax.kv_groups): sliding layers give back blocks behind their window.
     self.kv_groups = KVGroups.from_layer_windows(
         layer_windows_of(config), free_outside_window=bool(free_outside_window))
@@ -211,7 +213,9 @@ class LLM:
     tok_path = os.path.join(checkpoint_dir(path), "tokenizer.json")  # beside the weights
     if tokenizer is None and os.path.isfile(tok_path):  # tokenizers is optional
       tokenizer = options.load_tokenizer(tok_path)
-    return cls(model, config, tokenizer=tokenizer, **kwargs)
+    llm = cls(model, config, tokenizer=tokenizer, **kwargs)
+    llm.chat_template = chat_lib.load_chat_template(checkpoint_dir(path))
+    return llm
 
   # --- state and compilation ---
 
@@ -345,6 +349,19 @@ class LLM:
     salt), so tenants that must not share pass different salts."""
     requests, stream = self._serve(prompts, params, cache_salt, text_per_token=False)
     return session_lib.outputs(requests, stream, with_text=self.tokenizer is not None)
+
+  def chat(self, messages, params=None, *, chat_template=None, add_generation_prompt=True,
+           chat_template_kwargs=None, cache_salt=None) -> list[Output]:
+    """``generate`` for conversations (vLLM's ``LLM.chat``): ``messages`` is one
+    conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them
+    (``prompt_index``: its position), each laid out by ``chat_template`` (a Jinja template
+    str or a ``ChatTemplate``; default ``self.chat_template``, the checkpoint's) as
+    transformers' ``apply_chat_template`` does, the model's turn opened when
+    ``add_generation_prompt``; ``chat_template_kwargs``: more template variables."""
+    prompts = chat_lib.chat_prompts(
+        self.tokenizer, self.chat_template if chat_template is None else chat_template,
+        messages, add_generation_prompt=add_generation_prompt, variables=chat_template_kwargs)
+    return self.generate(prompts, params, cache_salt=cache_salt)
 
   @property
   def stats(self) -> dict[str, Any]:

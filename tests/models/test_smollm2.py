@@ -88,6 +88,13 @@ def test_text_prompts_match_transformers_greedy(smollm2):
     assert output.text == tokenizer.decode(expected, skip_special_tokens=True), question
     np.testing.assert_allclose(output.logprobs, their_logprobs[:len(expected)], atol=2e-3)
     answers[question] = output.text
+  # LLM.chat lays the questions out by the checkpoint's own chat template as transformers'
+  # apply_chat_template does, and serves the same tokens.
+  chats = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                   SamplingParams(max_tokens=max_tokens, logprobs=True))
+  for text, chat, output in zip(texts, chats, outputs):
+    assert chat.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert chat.token_ids == output.token_ids
   # The model answers what it was trained on; a wrong tensor anywhere would not.
   assert "Paris" in answers[QUESTIONS[0]], answers
   assert "Tokyo" in answers[QUESTIONS[1]], answers

@@ -3,6 +3,9 @@ engine serves text prompts through the checkpoint's ``tokenizer.json``."""
 
 from __future__ import annotations
 
+import json
+from collections import abc
+
 import numpy as np
 import pytest
 
@@ -201,6 +204,86 @@ def test_a_text_prompt_truncated_keeps_the_tokenizers_bos(checkpoint):
   assert llm.stats["num_free_blocks"] == 48
 
 
+# A chat template in the manner of real ones: the BOS text, a system turn by default, a
+# refusal of an unknown role, a variable given by the caller, the model's turn opened.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}w3 {{ system | default('w9') }} "
+    "{% endif %}{% for m in messages %}{% if m['role'] not in ('system', 'user', "
+    "'assistant') %}{{ raise_exception('no role ' + m['role']) }}{% endif %}"
+    "{{ {'system': 'w3', 'user': 'w4', 'assistant': 'w5'}[m['role']] }} {{ m['content'] }} "
+    "{% if not loop.last %}w6 {% endif %}{% endfor %}{% if add_generation_prompt %}w5 "
+    "{% endif %}")
+
+
+def _chat_checkpoint(path, dest):
+  """The checkpoint at ``path`` copied to ``dest`` with a tokenizer that adds "w1" (BOS) to
+  every text and a tokenizer_config.json holding CHAT_TEMPLATE, bos_token "w1"; returns
+  the tokenizer."""
+  import os
+  import shutil
+  for name in os.listdir(path):
+    shutil.copy(path / name, dest / name)
+  tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+  tok.add_special_tokens(["w1"])  # as a real tokenizer.json lists its BOS
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="w1 $A", special_tokens=[("w1", 1)])
+  tok.save(str(dest / "tokenizer.json"))
+  (dest / "tokenizer_config.json").write_text(json.dumps(dict(
+      chat_template=CHAT_TEMPLATE, bos_token={"content": "w1"}, eos_token="w2")))
+  return tok
+
+
+def test_chat_lays_conversations_out_as_transformers_and_serves_them(checkpoint, tmp_path):
+  # from_pretrained reads the checkpoint's chat template; chat gives the ids transformers'
+  # apply_chat_template gives (one BOS, not two) and serves them as generate does. (Words
+  # w10-w29 would split at the special "w1" and "w2".)
+  path, _ = checkpoint
+  tok = _chat_checkpoint(path, tmp_path)
+  llm = LLM.from_pretrained(tmp_path, dtype="float32", impl="xla", block_size=4,
+                            num_blocks=48, max_seqs=2, max_tokens_per_step=16,
+                            steps_per_call=8, max_model_len=192)
+  assert llm.chat_template.source == CHAT_TEMPLATE and llm.chat_template.bos_token == "w1"
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1",
+                                                eos_token="w2")
+  theirs.chat_template = CHAT_TEMPLATE
+  conversations = [[{"role": "user", "content": "w7 w8"}],
+                   [{"role": "system", "content": "w30"}, {"role": "user", "content": "w31"},
+                    {"role": "assistant", "content": "w32 w33"},
+                    {"role": "user", "content": "w34"}]]
+  params = SamplingParams(max_tokens=5, ignore_eos=True)
+  outs = llm.chat(conversations, params)
+  for conversation, out in zip(conversations, outs):
+    ids = theirs.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, abc.Mapping) else ids)
+    assert out.prompt_token_ids == ids and ids.count(1) == 1
+    assert out.token_ids == llm.generate([ids], params)[0].token_ids
+  assert outs[0].prompt_token_ids == [1, 3, 9, 4, 7, 8, 5]
+  # One conversation alone; a caller's variable; no generation prompt; a template given.
+  one, = llm.chat(conversations[0], params, chat_template_kwargs=dict(system="w35"),
+                  add_generation_prompt=False)
+  assert one.prompt_token_ids == [1, 3, 35, 4, 7, 8]
+  given, = llm.chat(conversations[0], params, chat_template="{{ messages[0]['content'] }}")
+  assert given.prompt_token_ids == [7, 8]
+  for bad, message in (
+      ([{"role": "tool", "content": "w3"}], "the chat template refused the conversation: no "
+                                            "role tool"),
+      ([{"content": "w3"}], r"messages\[0\]=\{'content': 'w3'\} must be a dict with a "
+                            r"'role' \(str\) and a 'content'"),
+      ([conversations[0], []], r"messages\[1\] must be a non-empty list"),
+      ("w3 w4", "messages=str must be a conversation"),
+      ([], "messages=list must be a conversation")):
+    with pytest.raises(ValueError, match=message):
+      llm.chat(bad, params)
+  with pytest.raises(ValueError, match=r"chat_template_kwargs names \['messages'\]"):
+    llm.chat(conversations[0], params, chat_template_kwargs=dict(messages=[]))
+  with pytest.raises(ValueError, match="is not a template Jinja reads"):
+    llm.chat(conversations[0], params, chat_template="{% for %}")
+  llm.chat_template = None
+  with pytest.raises(ValueError, match="the engine has no chat template .* pass chat_template="):
+    llm.chat(conversations[0], params)
+  assert llm.stats["num_free_blocks"] == 48
+
+
 def _stopped(ids, text, stop, include):
   """A word-level completion ``ids`` / ``text`` cut at its first stop string: the first
   prefix of words holding one ends there (words are joined by spaces)."""
@@ -298,7 +381,7 @@ def test_an_error_after_a_stop_in_the_same_report_leaves_no_sequence_behind(chec
 
 
 @pytest.mark.slow
-def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch):
+def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch, tmp_path):
   from paged_jax import LLM, cli
   path, _ = checkpoint
   argv = ["run", "--model", str(path), "--prompt", "w3 w4 w5", "--max-tokens", "6",
@@ -327,6 +410,14 @@ def test_cli_prompt_stops_at_a_stop_string(checkpoint, capsys, monkeypatch):
   out = capsys.readouterr().out
   assert f"completion: {' '.join(words[:2])}\n" in out
   assert f"finish_reason stop (at ' {words[2]} ')" in out  # which stop string
+  # --chat sends the prompt as a user's message laid out by the checkpoint's template.
+  _chat_checkpoint(path, tmp_path)
+  prompts = []
+  monkeypatch.setattr(LLM, "generate_stream", lambda self, p, *a, **k: prompts.append(p) or
+                      stream(self, p, *a, **k))
+  argv[2] = str(tmp_path)
+  assert cli.main(argv[:4] + ["w7 w8", "--chat"] + argv[5:]) == 0
+  assert prompts == [[[1, 3, 9, 4, 7, 8, 5]]] and "finish_reason length" in capsys.readouterr().out
 
 
 def test_cli_prompt_on_a_checkpoint_without_a_tokenizer_names_it(tmp_path, checkpoint,
@@ -410,7 +501,11 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
       (["--prompt", long, "--truncate-prompt-tokens", "0"],
        "--truncate-prompt-tokens=0 must be >= 1 (the prompt's last that many tokens) or -1"),
       (["--truncate-prompt-tokens", "5"], "--truncate-prompt-tokens=5 applies to --prompt "
-                                          "only")):
+                                          "only"),
+      (["--chat"], "--chat applies to --prompt only"),
+      (["--prompt", "w3", "--chat"], "--chat: the engine has no chat template (its checkpoint "
+                                     "has no chat_template.jinja nor a chat_template in "
+                                     "tokenizer_config.json): drop --chat")):
     with pytest.raises(SystemExit) as exit_info:
       cli.main(["run", "--model", str(path), *args, "--no-progress"])
     assert exit_info.value.code == 2
