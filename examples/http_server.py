@@ -5,8 +5,10 @@
     curl -N localhost:8000/generate -d '{"prompt": [5, 6, 7], "max_tokens": 8}'
 
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
-tokenizer) and any ``SamplingParams`` field (``max_tokens``, ``temperature``, ``stop``, ...;
-``logit_bias`` as OpenAI's, ``{"token id": bias}``).
+tokenizer) or ``messages`` (one conversation, ``[{"role": "user", "content": ...}]``, laid
+out by the checkpoint's chat template as ``LLM.chat`` does) and any ``SamplingParams`` field
+(``max_tokens``, ``temperature``, ``stop``, ...; ``logit_bias`` as OpenAI's, ``{"token id":
+bias}``).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
 "token_id": 17, "text": ..., "logprob": ...}`` per token (with ``"top_logprobs": [[id,
 logprob], ...]`` when asked), then ``{"index": 0,
@@ -30,6 +32,7 @@ import re
 import threading
 
 from paged_jax import LLM, SamplingParams
+from paged_jax.engine.chat import chat_prompts
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -38,7 +41,7 @@ class EngineLoop:
   """Steps ``llm``'s session in a thread of its own; ``submit`` / ``abort`` from any thread."""
 
   def __init__(self, llm: LLM):
-    self.session = llm.session()
+    self.llm, self.session = llm, llm.session()
     self.aborted = 0  # requests aborted because their client went away
     self.error: BaseException | None = None
     self._queues: dict[int, queue.Queue] = {}
@@ -131,19 +134,27 @@ def make_handler(loop: EngineLoop):
           body = json.loads(self.rfile.read(int(length)))
         except (json.JSONDecodeError, RecursionError) as e:
           raise ValueError(f"the body is not JSON we read ({e})") from None
-        if not isinstance(body, dict) or "prompt" not in body:
-          raise ValueError("the body must be a JSON object with a 'prompt'")
-        unknown = sorted(set(body) - fields - {"prompt"})
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+          raise ValueError("the body must be a JSON object with a 'prompt' or a 'messages' "
+                           "(one of them)")
+        unknown = sorted(set(body) - fields - {"prompt", "messages"})
         if unknown:
-          raise ValueError(f"unknown fields {unknown}: 'prompt' and SamplingParams' fields "
-                           f"{sorted(fields)}")
+          raise ValueError(f"unknown fields {unknown}: 'prompt' or 'messages' and "
+                           f"SamplingParams' fields {sorted(fields)}")
         params = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()
-                  if k != "prompt"}
+                  if k not in ("prompt", "messages")}
+        prompt = body.get("prompt")
+        if "messages" in body:  # one conversation, laid out by the chat template
+          if not isinstance(body["messages"], list) or not body["messages"]:
+            raise ValueError("'messages' must be one conversation: a non-empty list of "
+                             "{\"role\": ..., \"content\": ...} objects")
+          prompt, = chat_prompts(loop.llm.tokenizer, loop.llm.chat_template,
+                                 [body["messages"]])
         if isinstance(params.get("logit_bias"), dict):  # JSON's keys are strings: ids here
           # As pairs, so that "5" and "05" are one id named twice, not one silently lost.
           params["logit_bias"] = [(int(k) if re.fullmatch(r"-?[0-9]{1,10}", k) else k, v)
                                   for k, v in params["logit_bias"].items()]
-        request_id, events = loop.submit(body["prompt"], SamplingParams(**params))
+        request_id, events = loop.submit(prompt, SamplingParams(**params))
       except ValueError as e:  # a bad JSON body or request: the engine's own message
         return self._refuse(400, str(e))
       except RuntimeError as e:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from paged_jax import LLM, ModelConfig, SamplingParams, allocator, init_random
+from paged_jax import LLM, ChatTemplate, ModelConfig, SamplingParams, allocator, init_random
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,6 +65,8 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
   llm_outputs_n2 = [o.token_ids for o in llm.generate(
       [prompts[0]], SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=9,
                                    ignore_eos=True))]
+  chat_want = llm.generate([[4, 7, 8, 5]], SamplingParams(max_tokens=3, ignore_eos=True)
+                           )[0].token_ids  # the laid-out conversation below
   server, loop = example.serve(llm, port=0)
   port = server.server_address[1]
   threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -122,6 +124,31 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
     conn.close()
     status, lines = _post(port, dict(prompt=[5], max_tokenz=3))
     assert status == 400 and "unknown fields ['max_tokenz']" in lines[0]["error"]
+
+    # A conversation ("messages") is laid out by the model's chat template (this engine has
+    # neither tokenizer nor template: refused, then given both for a moment).
+    chat = dict(messages=[{"role": "user", "content": "w7 w8"}], max_tokens=3,
+                ignore_eos=True)
+    status, lines = _post(port, chat)
+    assert status == 400 and "chat needs the engine's tokenizer" in lines[0]["error"]
+    for body, error in ((dict(chat, prompt=[5]), "with a 'prompt' or a 'messages' (one of"),
+                        (dict(max_tokens=3), "with a 'prompt' or a 'messages' (one of"),
+                        (dict(chat, messages=[]), "'messages' must be one conversation")):
+      status, lines = _post(port, body)
+      assert status == 400 and error in lines[0]["error"], lines
+    import tokenizers
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    llm.tokenizer, llm.chat_template = tok, ChatTemplate(
+        "{% for m in messages %}w4 {{ m['content'] }} {% endfor %}w5")
+    try:
+      status, lines = _post(port, chat)
+      assert status == 200 and [line.get("token_id") for line in lines] == chat_want + [None]
+      status, lines = _post(port, dict(chat, messages=[{"content": "w7"}]))
+      assert status == 400 and "must be a dict with a 'role'" in lines[0]["error"]
+    finally:
+      llm.tokenizer, llm.chat_template = None, None
 
     # A client reads one line of a long answer and hangs up: its request is aborted.
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
