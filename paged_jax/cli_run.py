@@ -359,6 +359,10 @@ def _check_args(args) -> None:
                      "workload's requests end at their drawn lengths")
   if args.chat and args.prompt is None:
     raise ValueError("--chat applies to --prompt only (the synthetic workload is token ids)")
+  if args.chat and args.truncate_prompt_tokens is not None:
+    raise ValueError(f"--truncate-prompt-tokens={args.truncate_prompt_tokens} with --chat "
+                     "would cut the laid-out conversation's start (its BOS and header): give "
+                     "a shorter --prompt")
   if args.truncate_prompt_tokens is not None and args.prompt is None:
     raise ValueError(f"--truncate-prompt-tokens={args.truncate_prompt_tokens} applies to "
                      "--prompt only; the synthetic workload's prompts fit max_model_len")

@@ -148,7 +148,8 @@ class SamplingParams:
     truncate_prompt_tokens: None (the whole prompt) or k >= 1: only the prompt's last k
       tokens are served (left truncation, vLLM's; ``Output.prompt_token_ids`` holds
       them); of a text prompt, the special tokens the tokenizer adds around every text (a
-      BOS) stay, counted among the k, as a tokenizer's own truncation keeps them; -1:
+      BOS) stay, counted among the k, as a tokenizer's own truncation keeps them; token
+      ids (``LLM.chat``'s laid-out conversations too) are cut as given; -1:
       ``max_model_len - 1`` tokens, the most that leave room for one to generate.
   """
 

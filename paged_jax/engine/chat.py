@@ -3,8 +3,11 @@
 A chat model is trained on conversations laid out by its template (a Jinja template in the
 checkpoint's ``chat_template.jinja`` or ``tokenizer_config.json``): the roles' markers, the
 BOS, the turn that asks the model to answer. ``ChatTemplate.render`` lays a conversation
-out as that template does in transformers' ``apply_chat_template`` (a sandboxed Jinja
-environment, blocks trimmed, ``tojson``, ``raise_exception`` and ``strftime_now``), and
+out in a sandboxed Jinja environment set up as transformers' ``apply_chat_template`` sets
+its own (blocks trimmed, loop controls, ``tojson``, ``raise_exception``, ``strftime_now``,
+the ``generation`` block, ``tools`` and ``documents`` None unless given, messages' None
+values left out; not its newer rewrites of messages, such as ``thinking`` into
+``reasoning_content``, nor its choice of a ``tool_use`` template), and
 ``chat_prompts`` turns conversations into token ids without the tokenizer adding its
 special tokens again (the template wrote them).
 """
@@ -13,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
+import warnings
 from collections import abc
-from typing import Any
 
 __all__ = ["ChatTemplate", "chat_prompts", "load_chat_template"]
 
@@ -26,15 +30,18 @@ class ChatTemplate:
   """A chat template and the special-token texts it may name.
 
   Attributes:
-    source: the Jinja template (``messages``, ``add_generation_prompt``, ``bos_token``,
-      ``eos_token`` and any further variables given to ``render``).
+    source: the Jinja template (``messages``, ``add_generation_prompt``, ``tools`` and
+      ``documents`` (None unless given), the special-token texts and any further variables
+      given to ``render``).
     bos_token, eos_token: the texts of the tokenizer's BOS and EOS ("" when none).
+    other_tokens: more ``(name, text)`` pairs the template may name (``pad_token``,
+      ``unk_token``, ... as tokenizer_config.json gives them).
   """
 
   source: str
   bos_token: str = ""
   eos_token: str = ""
-  _jinja: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+  other_tokens: tuple[tuple[str, str], ...] = ()
 
   def __post_init__(self):
     if not isinstance(self.source, str) or not self.source.strip():
@@ -43,23 +50,35 @@ class ChatTemplate:
     for name in ("bos_token", "eos_token"):
       if not isinstance(getattr(self, name), str):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a str")
-    object.__setattr__(self, "_jinja", _compiled(self.source))  # a bad template: now
+    object.__setattr__(self, "other_tokens", tuple(sorted(
+        (str(k), str(v)) for k, v in dict(self.other_tokens).items())))
+    _compiled(self.source)  # a template Jinja cannot read: refused now
 
   def render(self, messages, *, add_generation_prompt: bool = True, **variables) -> str:
-    """The text of one conversation (``messages``: dicts with "role" and "content", as
-    ``LLM.chat`` takes them), ending with the model's turn opened when
-    ``add_generation_prompt``; ``variables``: more template variables (``tools``, ...)."""
-    from jinja2 import TemplateError
-    context = dict(dict(bos_token=self.bos_token, eos_token=self.eos_token), **variables,
-                   messages=messages, add_generation_prompt=bool(add_generation_prompt))
+    """The text of one conversation (``messages``: dicts with a "role", as ``LLM.chat``
+    takes them; keys whose value is None are left out, as transformers does), ending with
+    the model's turn opened when ``add_generation_prompt``; ``variables``: more template
+    variables (``tools``, ...)."""
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    context = dict(dict(self.other_tokens), bos_token=self.bos_token,
+                   eos_token=self.eos_token, tools=None, documents=None)
+    context.update(variables, messages=messages,
+                   add_generation_prompt=bool(add_generation_prompt))
     try:
-      return self._jinja.render(**context)
-    except TemplateError as e:
-      raise ValueError(f"the chat template failed on the conversation: {e}") from None
+      return _compiled(self.source).render(**context)
+    except _Refused as e:
+      raise ValueError(f"the chat template refused the conversation: {e}") from None
+    except Exception as e:  # a template error, or a Python one inside the sandbox
+      raise ValueError(f"the chat template failed on the conversation "
+                       f"({type(e).__name__}: {e})") from None
+
+
+class _Refused(Exception):
+  """``raise_exception`` in a template."""
 
 
 def _raise(message):
-  raise ValueError(f"the chat template refused the conversation: {message}")
+  raise _Refused(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -67,11 +86,29 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                     sort_keys=sort_keys)
 
 
+def _generation_tag():
+  """The ``{% generation %} ... {% endgeneration %}`` block of templates written for
+  transformers' assistant masks: its body, rendered as is."""
+  from jinja2.ext import Extension
+
+  class Generation(Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      next(parser.stream)
+      return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+  return Generation
+
+
+@functools.lru_cache(maxsize=64)
 def _compiled(source: str):
+  """The compiled template of ``source`` (pure: cached by source, shared by threads)."""
   from jinja2 import TemplateError  # lazily: only chat needs Jinja
   from jinja2.sandbox import ImmutableSandboxedEnvironment
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=["jinja2.ext.loopcontrols"])
+                                      extensions=["jinja2.ext.loopcontrols",
+                                                  _generation_tag()])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -97,11 +134,21 @@ def load_chat_template(directory: str) -> ChatTemplate | None:
       source = f.read()
   if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
     named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+    if "default" not in named:
+      warnings.warn(f"{directory}: named chat templates {sorted(map(str, named))} and none "
+                    "named 'default': chat needs chat_template= (one of them)", stacklevel=3)
     source = named.get("default")
   if not isinstance(source, str) or not source.strip():
     return None
-  return ChatTemplate(source, _token_text(config.get("bos_token")),
-                      _token_text(config.get("eos_token")))
+  others = {k: _token_text(v) for k, v in config.items()
+            if k.endswith("_token") and k not in ("bos_token", "eos_token")
+            and _token_text(v)}
+  try:
+    return ChatTemplate(source, _token_text(config.get("bos_token")),
+                        _token_text(config.get("eos_token")), tuple(others.items()))
+  except ValueError as e:  # serving token ids and text needs no template: only chat does
+    warnings.warn(f"{directory}: {e}; chat needs chat_template=", stacklevel=3)
+    return None
 
 
 def _token_text(token) -> str:
@@ -128,10 +175,9 @@ def conversations(messages) -> list[list[dict]]:
       raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} "
                        "dicts")
     for j, message in enumerate(conversation):
-      if (not isinstance(message, abc.Mapping) or not isinstance(message.get("role"), str)
-          or "content" not in message):
+      if not isinstance(message, abc.Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"{where}[{j}]={message!r} must be a dict with a 'role' (str) and "
-                         "a 'content'")
+                         "its 'content' (or, a tool call's turn, its 'tool_calls')")
   return out
 
 
@@ -164,6 +210,12 @@ def chat_prompts(tokenizer, template: ChatTemplate | str | None, messages, *,
   for conversation in conversations(messages):
     text = template.render(conversation, add_generation_prompt=add_generation_prompt,
                            **dict(variables))
-    encoded = tokenizer.encode(text, add_special_tokens=False)
+    try:
+      encoded = tokenizer.encode(text, add_special_tokens=False)
+    except TypeError as e:
+      raise ValueError(f"chat encodes the laid-out conversation with the engine's tokenizer "
+                       f"as encode(text, add_special_tokens=False) (the template wrote the "
+                       f"special tokens), which {type(tokenizer).__name__} refused: {e}"
+                       ) from None
     out.append(list(getattr(encoded, "ids", encoded)))  # an Encoding, or a list
   return out

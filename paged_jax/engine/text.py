@@ -42,7 +42,7 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
                        "checkpoint has no tokenizer.json): pass token ids")
     prompt = _encode(tokenizer, prompt)
     if keep_last is not None:
-      added = _added_around(_encode(tokenizer, ""), prompt)
+      added = _added_around(tokenizer, prompt)
   if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
     raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}, which has no order of "
                      "tokens or holds no ids: a prompt is a str or a sequence of token ids")
@@ -97,21 +97,28 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
   return tuple(ids)
 
 
-def _encode(tokenizer, text: str) -> list:
-  encoded = tokenizer.encode(text)
+def _encode(tokenizer, text: str, **kwargs) -> list:
+  encoded = tokenizer.encode(text, **kwargs)
   # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
-  return getattr(encoded, "ids", encoded)
+  return [int(t) for t in getattr(encoded, "ids", encoded)]
 
 
-def _added_around(empty, ids) -> tuple[int, int]:
-  """How many of the ids the tokenizer gives an empty text (its added special tokens: a
-  BOS, an EOS) begin and end ``ids``: the most at the start, the rest at the end."""
-  empty, ids = [int(t) for t in empty], [int(t) for t in ids]
-  for head in range(len(empty), -1, -1):
-    tail = len(empty) - head
-    if (len(ids) >= len(empty) and ids[:head] == empty[:head]
-        and ids[len(ids) - tail:] == empty[head:]):
-      return head, tail
+def _added_around(tokenizer, ids) -> tuple[int, int]:
+  """How many special ids the tokenizer added before and after a text's own in ``ids``
+  (a BOS, an EOS): those it adds around a probe text, where ``ids`` begins and ends with
+  them. A tokenizer whose ``encode`` takes no ``add_special_tokens``: those it gives an
+  empty text, at the start."""
+  try:
+    plain = _encode(tokenizer, "a", add_special_tokens=False) or None  # [] would match
+    full = _encode(tokenizer, "a")                                       # anywhere
+    at = next(i for i in range(len(full) - len(plain) + 1)
+              if full[i:i + len(plain)] == plain)
+    head, tail = full[:at], full[at + len(plain):]
+  except (TypeError, StopIteration):  # (len(None) is a TypeError too)
+    head, tail = _encode(tokenizer, ""), []
+  if (len(ids) >= len(head) + len(tail) and ids[:len(head)] == head
+      and ids[len(ids) - len(tail):] == tail):
+    return len(head), len(tail)
   return 0, 0
 
 

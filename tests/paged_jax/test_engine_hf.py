@@ -268,7 +268,7 @@ def test_chat_lays_conversations_out_as_transformers_and_serves_them(checkpoint,
       ([{"role": "tool", "content": "w3"}], "the chat template refused the conversation: no "
                                             "role tool"),
       ([{"content": "w3"}], r"messages\[0\]=\{'content': 'w3'\} must be a dict with a "
-                            r"'role' \(str\) and a 'content'"),
+                            r"'role' \(str\) and its 'content'"),
       ([conversations[0], []], r"messages\[1\] must be a non-empty list"),
       ("w3 w4", "messages=str must be a conversation"),
       ([], "messages=list must be a conversation")):
@@ -503,6 +503,8 @@ def test_cli_prompt_is_checked_before_compiling(checkpoint, monkeypatch, capsys)
       (["--truncate-prompt-tokens", "5"], "--truncate-prompt-tokens=5 applies to --prompt "
                                           "only"),
       (["--chat"], "--chat applies to --prompt only"),
+      (["--prompt", "w3", "--chat", "--truncate-prompt-tokens", "4"],
+       "--truncate-prompt-tokens=4 with --chat would cut the laid-out conversation's start"),
       (["--prompt", "w3", "--chat"], "--chat: the engine has no chat template (its checkpoint "
                                      "has no chat_template.jinja nor a chat_template in "
                                      "tokenizer_config.json): drop --chat")):

@@ -232,3 +232,8 @@ def test_a_truncated_text_keeps_the_special_tokens_around_it():
   with pytest.raises(ValueError, match=r"truncate_prompt_tokens=2 keeps no token of the text "
                                        r"beside the 2 special tokens"):
     encode(text, 2)
+  # A text whose own first token is the EOS: the BOS before it and the EOS after it are
+  # the added ones (an empty text's [BOS, EOS] would match at the start).
+  ids = tok.encode("</s> ▁the ▁cat").ids
+  assert ids == [bos, eos, 0, 1, eos]
+  assert encode("</s> ▁the ▁cat", 4) == [bos, 0, 1, eos]
