@@ -355,13 +355,17 @@ class LLM:
     """``generate`` for conversations (vLLM's ``LLM.chat``): ``messages`` is one
     conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them
     (``prompt_index``: its position), each laid out by ``chat_template`` (a Jinja template
-    str or a ``ChatTemplate``; default ``self.chat_template``, the checkpoint's) in a Jinja
-    sandbox set up as transformers' ``apply_chat_template`` sets its own
-    (``paged_jax.engine.chat``), the model's turn opened when ``add_generation_prompt``;
-    ``chat_template_kwargs``: more template variables (``tools``, ...)."""
-    prompts = chat_lib.chat_prompts(
-        self.tokenizer, self.chat_template if chat_template is None else chat_template,
-        messages, add_generation_prompt=add_generation_prompt, variables=chat_template_kwargs)
+    str, given the checkpoint's special-token texts, or a ``ChatTemplate``; default
+    ``self.chat_template``, the checkpoint's) in a Jinja sandbox set up as transformers'
+    ``apply_chat_template`` sets its own (``paged_jax.engine.chat``), the model's turn
+    opened when ``add_generation_prompt``; ``chat_template_kwargs``: more template
+    variables (``tools``, ...)."""
+    template = self.chat_template if chat_template is None else chat_template
+    if isinstance(template, str) and self.chat_template is not None:  # its BOS text etc.
+      template = dataclasses.replace(self.chat_template, source=template)
+    prompts = chat_lib.chat_prompts(self.tokenizer, template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    variables=chat_template_kwargs)
     return self.generate(prompts, params, cache_salt=cache_salt)
 
   @property

@@ -262,8 +262,9 @@ def test_chat_lays_conversations_out_as_transformers_and_serves_them(checkpoint,
   one, = llm.chat(conversations[0], params, chat_template_kwargs=dict(system="w35"),
                   add_generation_prompt=False)
   assert one.prompt_token_ids == [1, 3, 35, 4, 7, 8]
-  given, = llm.chat(conversations[0], params, chat_template="{{ messages[0]['content'] }}")
-  assert given.prompt_token_ids == [7, 8]
+  given, = llm.chat(conversations[0], params,
+                    chat_template="{{ bos_token }} {{ messages[0]['content'] }}")
+  assert given.prompt_token_ids == [1, 7, 8]  # the checkpoint's BOS text
   for bad, message in (
       ([{"role": "tool", "content": "w3"}], "the chat template refused the conversation: no "
                                             "role tool"),
