@@ -22,6 +22,9 @@ import os
 import warnings
 from collections import abc
 
+from paged_jax._json import read_json_object
+from paged_jax.engine.text import encode_text
+
 __all__ = ["ChatTemplate", "chat_prompts", "load_chat_template"]
 
 
@@ -125,7 +128,6 @@ def load_chat_template(directory: str) -> ChatTemplate | None:
   config: dict = {}
   config_path = os.path.join(directory, "tokenizer_config.json")
   if os.path.isfile(config_path):
-    from paged_jax._json import read_json_object
     config = read_json_object(config_path, "tokenizer config")
   source = config.get("chat_template")
   jinja_path = os.path.join(directory, "chat_template.jinja")
@@ -211,11 +213,10 @@ def chat_prompts(tokenizer, template: ChatTemplate | str | None, messages, *,
     text = template.render(conversation, add_generation_prompt=add_generation_prompt,
                            **dict(variables))
     try:
-      encoded = tokenizer.encode(text, add_special_tokens=False)
+      out.append(encode_text(tokenizer, text, add_special_tokens=False))
     except TypeError as e:
       raise ValueError(f"chat encodes the laid-out conversation with the engine's tokenizer "
                        f"as encode(text, add_special_tokens=False) (the template wrote the "
                        f"special tokens), which {type(tokenizer).__name__} refused: {e}"
                        ) from None
-    out.append(list(getattr(encoded, "ids", encoded)))  # an Encoding, or a list
   return out

@@ -21,7 +21,7 @@ from collections import abc
 
 import numpy as np
 
-__all__ = ["CompletionText", "encode_prompt"]
+__all__ = ["CompletionText", "encode_prompt", "encode_text"]
 
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 character decodes to
 
@@ -40,7 +40,7 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
     if tokenizer is None:
       raise ValueError(f"prompts[{i}] is a string but the engine has no tokenizer (the "
                        "checkpoint has no tokenizer.json): pass token ids")
-    prompt = _encode(tokenizer, prompt)
+    prompt = encode_text(tokenizer, prompt)
     if keep_last is not None:
       added = _added_around(tokenizer, prompt)
   if isinstance(prompt, (abc.Set, abc.Mapping, bytes, bytearray, memoryview)):
@@ -97,7 +97,8 @@ def encode_prompt(i: int, prompt, *, tokenizer, vocab_size: int, max_model_len: 
   return tuple(ids)
 
 
-def _encode(tokenizer, text: str, **kwargs) -> list:
+def encode_text(tokenizer, text: str, **kwargs) -> list[int]:
+  """The ids of ``text`` by ``tokenizer.encode(text, **kwargs)``, as ints."""
   encoded = tokenizer.encode(text, **kwargs)
   # tokenizers.Tokenizer gives an Encoding (.ids); a transformers tokenizer a list.
   return [int(t) for t in getattr(encoded, "ids", encoded)]
@@ -109,13 +110,13 @@ def _added_around(tokenizer, ids) -> tuple[int, int]:
   them. A tokenizer whose ``encode`` takes no ``add_special_tokens``: those it gives an
   empty text, at the start."""
   try:
-    plain = _encode(tokenizer, "a", add_special_tokens=False) or None  # [] would match
-    full = _encode(tokenizer, "a")                                       # anywhere
+    plain = encode_text(tokenizer, "a", add_special_tokens=False) or None  # [] would match
+    full = encode_text(tokenizer, "a")                                       # anywhere
     at = next(i for i in range(len(full) - len(plain) + 1)
               if full[i:i + len(plain)] == plain)
     head, tail = full[:at], full[at + len(plain):]
   except (TypeError, StopIteration):  # (len(None) is a TypeError too)
-    head, tail = _encode(tokenizer, ""), []
+    head, tail = encode_text(tokenizer, ""), []
   if (len(ids) >= len(head) + len(tail) and ids[:len(head)] == head
       and ids[len(ids) - len(tail):] == tail):
     return len(head), len(tail)
