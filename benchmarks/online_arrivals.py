@@ -13,7 +13,7 @@ each (greedy, ignore_eos), arriving as a Poisson process at ``load`` x the engin
 capacity (its requests/s serving all of them at once, measured first), on a random Llama of
 2 layers (E = 128, V = 256, H = 4, K = 2, D = 32: ``paged-jax run``'s embedded model's
 shape), impl "xla", block size 16, max_seqs 8, 128 tokens per step, 8 steps per device
-call, every program compiled first. Both ways serve the same arrival times on one engine
+call, every program compiled first. Every way serves the same arrival times on one engine
 (their outputs are checked equal), alternated over ``--repeats`` draws. Reported: time to
 first token (arrival to its first token event) and latency (arrival to the last event),
 median and 90th percentile over all requests of all draws, in seconds.

@@ -16,7 +16,7 @@ The workload: ``--requests`` prompts of random length in [32, 256), 32 generated
 each, greedy, ignore_eos, on a random Llama of 2 layers (H = 4, K = 2, D = 16) of the
 table's width E and vocabulary V, impl "xla", block size 16, max_seqs 16, max_model_len
 1024, 256 tokens per step. E = 64 makes the [S, V] work large beside the model's; E = 576
-with V = 49152 is SmolLM2-135M's head. One engine serves three variants of the same
+with V = 49152 is SmolLM2-135M's head. One engine serves six variants of the same
 requests (one compiled step): none; every request penalised (repetition 1.1, presence 0.5,
 frequency 0.5); every request with stop id 2 and ``min_tokens`` = 32 (barred all along, no
 penalty); every request with ``logprobs`` and ``top_logprobs`` = 20; every request with a
