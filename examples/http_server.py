@@ -11,7 +11,8 @@ out by the checkpoint's chat template as ``LLM.chat`` does) and any ``SamplingPa
 bias}``).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
 "token_id": 17, "text": ..., "logprob": ...}`` per token (with ``"top_logprobs": [[id,
-logprob], ...]`` when asked), then ``{"index": 0,
+logprob], ...]`` when asked; a completion's first line with ``"prompt_logprobs"`` and
+``"prompt_top_logprobs"`` when ``prompt_logprobs`` asks), then ``{"index": 0,
 "finish_reason": "length", ...}`` (``index``: the completion, 0 .. n-1 with ``n``); an
 answer cut short (the server stopping) ends with an ``{"error": ...}`` line. A bad request is a 400
 with the engine's ``ValueError`` message. A client that goes away mid-answer has its request
@@ -174,6 +175,11 @@ def make_handler(loop: EngineLoop):
             ended += 1
             line = {"index": ev.sample_index, "finish_reason": ev.finish_reason,
                     "stop_reason": ev.stop_reason, "text": ev.text}
+          if ev.prompt_logprobs is not None:  # a completion's first line (prompt_logprobs)
+            line["prompt_logprobs"] = ev.prompt_logprobs
+            if ev.prompt_top_logprobs is not None:
+              line["prompt_top_logprobs"] = [None if top is None else [
+                  list(pair) for pair in top.items()] for top in ev.prompt_top_logprobs]
           self.wfile.write(json.dumps(line).encode() + b"\n")
           self.wfile.flush()
         if ended < params.get("n", 1):  # the loop stopped first: say so, not a silent end

@@ -151,6 +151,15 @@ class SamplingParams:
       BOS) stay, counted among the k, as a tokenizer's own truncation keeps them; token
       ids (``LLM.chat``'s laid-out conversations too) are cut as given; -1:
       ``max_model_len - 1`` tokens, the most that leave room for one to generate.
+    prompt_logprobs: None (none) or k in [0, ``MAX_TOP_LOGPROBS`` = 20]: report the
+      log-probability of each prompt token given the tokens before it
+      (``Output.prompt_logprobs``: one entry per prompt token, None for the first, which
+      nothing predicts; vLLM's ``prompt_logprobs``, for scoring and perplexity), the model's
+      own distribution, and with k > 0 the k likeliest tokens at each prompt position
+      (``Output.prompt_top_logprobs``: a ``{token_id: logprob}`` dict per prompt token, None
+      for the first). The prompt is computed whole (no prefix-cache hits: a cached token's
+      logits were never computed) in steps that score every token, which cost a vocabulary
+      projection per token, not per sequence.
   """
 
   max_tokens: int = 16
@@ -174,6 +183,7 @@ class SamplingParams:
   allowed_token_ids: tuple[int, ...] | None = None
   skip_special_tokens: bool = True
   truncate_prompt_tokens: int | None = None
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     max_tokens, temperature, top_k, top_p = (self.max_tokens, self.temperature, self.top_k,
@@ -246,6 +256,12 @@ class SamplingParams:
       raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as OpenAI's "
                        "API asks)")
     object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
+    prompt_k = self.prompt_logprobs
+    if prompt_k is not None and (not _is_int(prompt_k)
+                                 or not 0 <= prompt_k <= MAX_TOP_LOGPROBS):
+      raise ValueError(f"prompt_logprobs={prompt_k!r} must be None or an int in [0, "
+                       f"{MAX_TOP_LOGPROBS}] (0: each prompt token's own log-prob only)")
+    object.__setattr__(self, "prompt_logprobs", None if prompt_k is None else int(prompt_k))
     object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
     object.__setattr__(self, "allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +64,8 @@ from paged_jax._promotion import standard_promotion
 from paged_jax.pallas_kernels import metadata
 from paged_jax.pallas_kernels import validation
 
-__all__ = ["AttentionMetadata", "StepInputs", "Steps", "decode_step", "forward_step",
-           "prepare_step", "tokens_from_history"]
+__all__ = ["AttentionMetadata", "EveryRow", "StepInputs", "Steps", "decode_step",
+           "forward_step", "prepare_step", "tokens_from_history"]
 
 
 @jax.tree_util.register_dataclass
@@ -279,22 +279,37 @@ def paged_forward_checked(model, cache, inputs: StepInputs, **kwargs):
     return model.paged_forward(inputs.tokens_T, inputs.positions_T, cache, m, **kwargs)
 
 
+class EveryRow(NamedTuple):
+  """Every row's logits of a ``forward_step(..., every_row=True)``: ``logits_TV``, the
+  sequence and position of each row (``seq_T``, ``positions_T``), and ``live_T`` (False on
+  padding rows, whose logits mean nothing)."""
+
+  logits_TV: jax.Array
+  seq_T: jax.Array
+  positions_T: jax.Array
+  live_T: jax.Array
+
+
 @standard_promotion
 def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: jax.Array,
-                 num_new_S: jax.Array, *, kv_groups=None, **forward_kwargs):
+                 num_new_S: jax.Array, *, kv_groups=None, every_row: bool = False,
+                 **forward_kwargs):
   """One ragged step (prefill, chunked prefill, decode, or a mix); traceable, not jitted.
 
   Args:
     model: any model with ``paged_forward`` (``paged_jax.protocol``).
     alloc_state, tokens_T, num_new_S, kv_groups: as ``prepare_step``.
     cache: the ``KVCache``.
+    every_row: also return the logits of every row (``paged_forward`` with
+      ``logits_indices=None``: T x V logits, for prompt log-probs), as a fifth element,
+      ``EveryRow``.
     **forward_kwargs: passed on to ``model.paged_forward`` (e.g. the built-in decoders'
       ``impl=``).
 
   Returns:
     ``(logits_SV, alloc_state, cache, ok_S)``: logits of each sequence's last new token
     (zero rows for sequences with no token this step or whose allocation failed), the new
-    allocator state and cache, and ``ok_S``.
+    allocator state and cache, and ``ok_S``; with ``every_row``, then an ``EveryRow``.
   """
   protocol.check_model(model)
   _check_alloc_state(alloc_state)  # before the cache's cross-check reads its fields
@@ -310,7 +325,8 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                        "allocator hands out this cache's blocks (make both from one spec)")
   alloc_state, inputs = prepare_step(alloc_state, tokens_T, num_new_S, kv_groups=kv_groups)
   try:
-    out = paged_forward_checked(model, cache, inputs, logits_indices=inputs.last_S,
+    out = paged_forward_checked(model, cache, inputs,
+                                logits_indices=None if every_row else inputs.last_S,
                                 **forward_kwargs)
   except ValueError as e:
     if hasattr(e, "add_note") and "trace level" in str(e):  # Flax's, from an nnx transform
@@ -343,11 +359,25 @@ def forward_step(model, alloc_state: allocator.AllocatorState, cache, tokens_T: 
                      "step attends to K/V never written)")
   logits_SV, cache = out
   num_seq_rows = alloc_state.max_seqs
+  if every_row:
+    logits_TV = logits_SV
+    num_rows = inputs.tokens_T.shape[0]
+    if logits_TV.ndim != 2 or logits_TV.shape[0] != num_rows:
+      raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
+                       f"{tuple(logits_TV.shape)}; with logits_indices=None it must return "
+                       f"[T, V]=[{num_rows}, V]")
+    logits_SV = logits_TV[inputs.last_S]
+    m = inputs.metadata
+    seq_T = _row_owner(m.cu_q_lens, num_rows)
+    rows = EveryRow(logits_TV=logits_TV, seq_T=seq_T, positions_T=inputs.positions_T,
+                    live_T=jnp.arange(num_rows) < m.cu_q_lens[-1])
   if logits_SV.ndim != 2 or logits_SV.shape[0] != num_seq_rows:
     raise ValueError(f"{type(model).__name__}.paged_forward returned logits of shape "
                      f"{tuple(logits_SV.shape)}; with logits_indices i32[{num_seq_rows}] it "
                      f"must return [S, V]=[{num_seq_rows}, V]")
   logits_SV = jnp.where((inputs.q_lens_S > 0)[:, None], logits_SV, 0)
+  if every_row:
+    return logits_SV, alloc_state, cache, inputs.ok_S, rows
   return logits_SV, alloc_state, cache, inputs.ok_S
 
 

@@ -8,11 +8,12 @@ protocol (``paged_jax.protocol``). Its modules, each readable alone:
 
 - ``state``: ``EngineState``, all device-side state in one pytree, and its small edits;
 - ``device``: one scheduling step (prefix hits, token budget, blocks and preemption, one
-  ragged forward through ``paged_jax.step``, forks, sampling, stops) and the device call
-  (a ``while_loop`` of steps); ``prefix_wait``: which new sequences wait a step for a
-  block another is filling;
+  ragged forward through ``paged_jax.step``, forks, sampling, stops); ``loop``: the device
+  call (a ``while_loop`` of steps) and its report; ``prefix_wait``: which new sequences
+  wait a step for a block another is filling; ``scoring``: prompt log-probs;
 - ``calls``: the jitted device calls of one engine and their compilation;
 - ``scheduler``: the host side (requests, slots, token buckets, reading reports);
+  ``results``: ``Output`` and ``StreamEvent``;
 - ``session``: serving as requests come and go (``Session``), and ``generate_stream``'s
   loop on it;
 - ``stream``: ``generate_stream``'s generator, started at its first event;
@@ -26,7 +27,7 @@ protocol (``paged_jax.protocol``). Its modules, each readable alone:
 from __future__ import annotations
 
 from paged_jax.engine.chat import ChatTemplate
-from paged_jax.engine.device import device_call as _device_call
+from paged_jax.engine.loop import device_call as _device_call
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.scheduler import Output, StreamEvent, default_token_buckets
 from paged_jax.engine.session import Session

@@ -2,9 +2,11 @@
 
 An engine makes three kinds of device calls:
 
-- ``step T=<bucket>``: the scheduling loop (``device.device_call``) at one token bucket,
+- ``step T=<bucket>``: the scheduling loop (``loop.device_call``) at one token bucket,
   one compiled executable per bucket, ``call(params, state, slots_wanted, step_limit) ->
-  (state, report)``, the state donated;
+  (state, report)``, the state donated; and ``step T=<bucket> scoring``, its variant that
+  computes every row's logits (prompt log-probs), compiled only once a request asks for
+  them (``precompile`` leaves it out unless told);
 - ``admit``: write host rows into the state (new requests, cleared slots), a fixed chunk
   of slots at a time (``admit_chunks``);
 - ``abort``: release the sequences of an abandoned stream.
@@ -31,7 +33,7 @@ import jax
 import numpy as np
 
 from paged_jax.engine import state as state_lib
-from paged_jax.engine.device import device_call
+from paged_jax.engine.loop import device_call
 
 __all__ = ["DeviceCalls"]
 
@@ -39,7 +41,7 @@ _device_call_jit = jax.jit(device_call,
                            static_argnames=("graphdef", "steps_per_call", "num_tokens",
                                             "scrub_on_release", "prefix_caching", "hash_fn",
                                             "downshift_at", "upshift", "kv_groups",
-                                            "vocab_size"),
+                                            "vocab_size", "scoring"),
                            donate_argnames=("st",))
 _admit_jit = jax.jit(state_lib.admit, donate_argnums=(0,))
 _abort_jit = jax.jit(state_lib.abort, static_argnames=("scrub_on_release",),
@@ -87,6 +89,7 @@ class DeviceCalls:
   param_specs: Any = None
   max_traces: int | None = None
   steps: dict = dataclasses.field(default_factory=dict)
+  scoring_steps: dict = dataclasses.field(default_factory=dict)
   compile_seconds: dict = dataclasses.field(default_factory=dict)
   # Seconds compiled on first use while serving (``ensure_compiled``), since the counters
   # were reset: serving's wall time less these is what the throughput stats divide by.
@@ -108,17 +111,18 @@ class DeviceCalls:
         shards=1 if self.plan is None else self.plan.data_size,
         slots_per_shard=st.status_S.shape[-1])  # a mesh's state: [d, S/d]
 
-  def step(self, bucket: int) -> Callable:
+  def step(self, bucket: int, scoring: bool = False) -> Callable:
     """The jitted step loop whose budget is ``bucket`` (one of ``token_buckets``), built on
     first use: ``call(params, state, slots_wanted, step_limit) -> (state, report)``, the
-    state donated.
+    state donated; ``scoring``: its prompt log-probs variant (``device_call``).
     With a mesh it runs under the plan's ``shard_map``; with ``max_traces`` it is wrapped in
     ``chex.assert_max_traces`` (per bucket)."""
-    if bucket not in self.steps:
+    steps = self.scoring_steps if scoring else self.steps
+    if bucket not in steps:
       i = self.token_buckets.index(bucket)
       static = dict(self.static, num_tokens=bucket,
                     downshift_at=self.token_buckets[i - 1] if i else 0,
-                    upshift=i + 1 < len(self.token_buckets))
+                    upshift=i + 1 < len(self.token_buckets), scoring=scoring)
       if self.plan is None and self.max_traces is None:
         call = _Bound(_device_call_jit, ("params", "st", "slots_wanted", "step_limit"),
                       **static)
@@ -132,19 +136,21 @@ class DeviceCalls:
           # chex counts the traces of a footprint: the function's name and source and the
           # stack's function names where it is wrapped, alike for every bucket and every
           # engine built at one line. A name of its own makes the count per engine and bucket.
-          call.__name__ = f"step_T{bucket}_{uuid.uuid4().hex[:8]}"
+          call.__name__ = f"step_T{bucket}{'_scoring' * scoring}_{uuid.uuid4().hex[:8]}"
           call = chex.assert_max_traces(call, n=self.max_traces)
         call = jax.jit(call, donate_argnums=(1,))
-      self.steps[bucket] = call
-    return self.steps[bucket]
+      steps[bucket] = call
+    return steps[bucket]
 
-  def precompile(self, params, st, progress: Callable[[int, int, str], Any] | None = None
-                 ) -> dict[str, float]:
+  def precompile(self, params, st, progress: Callable[[int, int, str], Any] | None = None,
+                 *, scoring: bool = False) -> dict[str, float]:
     """Compile every device call the engine will make, before serving: the step loop at
-    each token bucket, then ``admit`` and ``abort``. ``progress(i, n, what)`` is called
+    each token bucket, then ``admit`` and ``abort``; ``scoring``: the prompt log-probs
+    variants too. ``progress(i, n, what)`` is called
     before each (i from 0). Nothing runs and ``st`` is not consumed. Returns (and adds to
     ``compile_seconds``) the seconds each took, keyed by ``what`` ("step T=32", ...)."""
-    jobs = list(self._lowerings(params, st).items())
+    jobs = [(what, lower) for what, lower in self._lowerings(params, st).items()
+            if scoring or not what.endswith(" scoring")]
     done = {}
     for i, (what, lower) in enumerate(jobs):
       if progress is not None:
@@ -156,7 +162,8 @@ class DeviceCalls:
     return done
 
   def ensure_compiled(self, what: str, params, st) -> None:
-    """Compile the call ``what`` ("step T=32", "admit", "abort") now if neither
+    """Compile the call ``what`` ("step T=32", "step T=32 scoring", "admit", "abort") now
+    if neither
     ``precompile`` nor an earlier use did, timing it apart (``compile_seconds``,
     ``serve_compile_s``), so a first ``generate`` that compiles reports its serving speed,
     not its compilations'."""
@@ -177,12 +184,16 @@ class DeviceCalls:
     chunk = next(self.admit_chunks(st, [(0, {})]))  # admit's shapes
     jobs = {f"step T={b}": functools.partial(self._lower_step, b, params, st)
             for b in self.token_buckets}
+    jobs.update({f"step T={b} scoring": functools.partial(self._lower_step, b, params, st,
+                                                          scoring=True)
+                 for b in self.token_buckets})
     jobs["admit"] = lambda: self._lower(self.admit, st, *chunk)
     jobs["abort"] = lambda: self._lower(self.abort, st, mask)
     return jobs
 
-  def _lower_step(self, bucket, params, st):
-    return self.step(bucket).lower(params, st, *jax.device_put((np.int32(0), np.int32(1))))
+  def _lower_step(self, bucket, params, st, scoring=False):
+    return self.step(bucket, scoring).lower(params, st,
+                                            *jax.device_put((np.int32(0), np.int32(1))))
 
   def _lower(self, call, st, *rows):
     """Lower ``admit`` / ``abort`` as the engine calls them (host rows as device arrays)."""

@@ -1,8 +1,10 @@
-"""The engine's device side: one scheduling step and the device call that loops over it.
+"""The engine's device side: one scheduling step (the device call looping over it is
+``paged_jax.engine.loop.device_call``).
 
 One device call = ``lax.while_loop`` of up to ``steps_per_call`` steps, stopping early when
 nothing is left to run, or when enough slots came free for the host's next waiting request.
-The call is jitted once per token bucket (the state is donated) and traces once whatever
+The call is jitted once per token bucket (the state is donated; and once more per bucket
+used for prompt log-probs, ``loop.device_call``'s ``scoring``) and traces once whatever
 the batch holds. Each step (``schedule_step``), all inside ``jit``:
 
 0. Prefix cache (``enable_prefix_caching``). Every running sequence with no KV yet looks up
@@ -41,7 +43,9 @@ the batch holds. Each step (``schedule_step``), all inside ``jit``:
    again. Fresh blocks come from the allocator's free order: never-cached blocks first,
    then cached ones least recently used first (evicting them).
 3. ONE ragged forward of the model (``paged_jax.step.forward_step``: ``allocator.append``,
-   slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together.
+   slots, ``paged_forward`` with ``cu_q_lens``) for prefill chunks and decode rows together;
+   in a scoring call (a request asks for prompt log-probs) with every row's logits, which
+   score the prompt token after each row (``prompt_scores``).
 4. Forks: a request with ``n > 1`` holds n slots; once its prompt is prefilled the parent is
    forked (``allocator.fork`` + ``KVCache.copy_blocks``) into the n - 1 waiting slots.
 5. Sampling for every sequence whose whole history is now cached (``paged_jax.sampling``:
@@ -61,13 +65,13 @@ import jax.numpy as jnp
 from paged_jax import allocator
 from paged_jax import protocol
 from paged_jax import step as step_api
-from paged_jax._promotion import standard_promotion
 from paged_jax.engine.prefix_wait import waits_for_fill
-from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
-                                    restart_counters, scrub_freed, want_S, zero_blocks)
+from paged_jax.engine.scoring import prompt_scores
+from paged_jax.engine.state import (DONE, FORK_WAIT, RUNNING, EngineState, scrub_freed,
+                                    zero_blocks)
 from paged_jax.sampling import Adjustments, request_keys, sample, top_logprobs
 
-__all__ = ["device_call", "schedule_step"]
+__all__ = ["schedule_step"]
 
 
 def _blocks_for(len_S, z):
@@ -76,12 +80,14 @@ def _blocks_for(len_S, z):
 
 def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: bool = False,
                   prefix_caching: bool = False, hash_fn=allocator.chain_hashes,
-                  kv_groups=None, vocab_size: int = 0) -> EngineState:
+                  kv_groups=None, vocab_size: int = 0, scoring: bool = False):
   """One scheduling step (module docstring): prefix hits, budget, blocks (preempting),
   ragged forward, prefix registration, fork, sample, stop. ``model``: any model of the
   protocol (``paged_jax.protocol``). ``kv_groups``: the model's ``KVGroups`` when the
   allocator has several groups. ``vocab_size``: the config's, which the logits' width must
-  equal (0: unchecked)."""
+  equal (0: unchecked). Returns the new ``EngineState``; ``scoring`` (prompt log-probs:
+  the forward computes every row's logits), ``(state, scores)``, ``scores`` the
+  ``prompt_scores`` of the step's rows."""
   # KV groups: sliding groups first give back what no query still to come can read, so
   # that admission and preemption below count only the blocks the groups really hold.
   if st.alloc.slides:
@@ -99,7 +105,9 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   #    all but its last token at most (that one is computed, so its logits exist).
   cached_S = alloc.seq_lens
   if prefix_caching:
-    empty_S = running_S & (cached_S == 0)
+    # A prompt whose log-probs are asked for (``prompt_k_S``) is computed whole, the hits'
+    # tokens would have no logits, until it has generated (its prompt scored by then).
+    empty_S = running_S & (cached_S == 0) & ((st.prompt_k_S < 0) | (st.len_S > st.prompt_len_S))
     hit_SP, hit_S = jax.lax.cond(  # most steps admit nobody: skip the table build then
         jnp.any(empty_S),
         lambda: allocator.lookup(alloc, st.tokens_SJ, jnp.where(empty_S, st.len_S - 1, 0),
@@ -206,9 +214,9 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   # 3. One ragged forward over prefill chunks and decode rows.
   cached_S = alloc.seq_lens
   tokens_T = step_api.tokens_from_history(st.tokens_SJ, cached_S, q_S, num_tokens)
-  logits_SV, alloc, cache, ok_S = step_api.forward_step(model, alloc, cache, tokens_T, q_S,
-                                                        kv_groups=kv_groups)
-  protocol.check_logits(model, logits_SV, vocab_size)
+  logits_SV, alloc, cache, ok_S, *rows = step_api.forward_step(
+      model, alloc, cache, tokens_T, q_S, kv_groups=kv_groups, every_row=scoring)
+  protocol.check_logits(model, rows[0].logits_TV if scoring else logits_SV, vocab_size)
   after_register = True
   if prefix_caching:  # the blocks this forward filled become reusable (most steps fill none)
     filled = jnp.any(alloc.seq_lens // z > cached_S // z)
@@ -284,7 +292,7 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
   reason_S = jnp.where(stop_S, 1, jnp.where(length_S, 2, st.reason_S))
 
   busy = jnp.any(q_S > 0)
-  return dataclasses.replace(
+  st = dataclasses.replace(
       st, alloc=alloc, cache=cache, tokens_SJ=tokens_SJ, logprobs_SJ=logprobs_SJ, len_S=len_S,
       top_ids_Sv=top_ids_Sv, top_logprobs_Sv=top_logprobs_Sv,
       status_S=status_S, reason_S=reason_S, stop_id_S=jnp.where(stop_S, tok_S, st.stop_id_S),
@@ -301,6 +309,10 @@ def schedule_step(model, st: EngineState, *, num_tokens: int, scrub_on_release: 
       cached_prompt_tokens=st.cached_prompt_tokens + jnp.sum(
           jnp.where(first_S, hit_S * z, 0), dtype=jnp.int32),
   )
+  if scoring:
+    return st, prompt_scores(rows[0], st.tokens_SJ, st.prompt_len_S, st.prompt_k_S,
+                             st.top_ids_Sv.shape[-1])
+  return st
 
 
 def _budget_S(want_S, order_S, num_tokens: int):
@@ -316,78 +328,3 @@ def _computed_after(x_SV: jax.Array) -> jax.Array:
   ``lax.optimization_barrier`` orders nothing here: XLA drops it before placing copies."""
   x = x_SV[0, 0]
   return (x == x) | jnp.isnan(x)
-
-
-@standard_promotion
-def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
-                steps_per_call: int,
-                num_tokens: int, scrub_on_release: bool = False, prefix_caching: bool = False,
-                hash_fn=allocator.chain_hashes, downshift_at: int = 0, upshift: bool = False,
-                kv_groups=None, vocab_size: int = 0):
-  """Up to ``steps_per_call`` steps in one ``while_loop``; returns the state and a report.
-
-  The loop stops after ``step_limit`` (i32[], a caller's cap below ``steps_per_call``: one
-  compiled loop serves every cap) steps, early when no sequence is left running, or when
-  enough slots have come
-  free for the host's waiting requests (``slots_wanted`` i32[], 0 if none wait). Token
-  buckets: ``num_tokens`` is this call's step budget, one of the engine's compiled sizes;
-  the loop also stops once the tokens the running sequences still want (their history not
-  in the cache) fit the next smaller size (``downshift_at``, 0: none) or, ``upshift``,
-  exceed this one, so the host picks the size that fits. The pool never passes through a
-  ``switch`` (XLA would copy it each step).
-  """
-  st = restart_counters(st)  # the report counts this call; the host sums them
-  start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
-  max_len = st.tokens_SJ.shape[1]
-  # A slot gains a token a step at most, and never past max_len: min(steps, max_len) wide.
-  width = min(steps_per_call, max_len)
-
-  def cond(c):
-    _, i, stop, _ = c
-    return (i < steps_per_call) & (i < step_limit) & ~stop
-
-  def body(c):
-    st, i, _, top = c
-    len_before_S = st.len_S
-    # The model is built inside the loop's trace: a model that runs Flax transforms of its
-    # own (``nnx.scan`` over layers) refuses graph nodes made at another trace level.
-    model = protocol.merge(graphdef, params)
-    st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
-                       prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups,
-                       vocab_size=vocab_size)
-    active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
-    free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
-    stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))
-    pending = jnp.sum(want_S(st))
-    if downshift_at:
-      stop |= pending <= downshift_at
-    if upshift:
-      stop |= pending > num_tokens
-    # The likeliest tokens of each token the step appended, at the token's report column.
-    slot_S = jnp.arange(st.len_S.shape[0])
-    # (A fork's child starts at its parent's length: a stop drawn there appends nothing.)
-    col_S = st.len_S - 1 - start_S
-    col_S = jnp.where((st.len_S > len_before_S) & (col_S >= 0), col_S, width)
-    top = (top[0].at[slot_S, col_S].set(st.top_ids_Sv, mode="drop"),
-           top[1].at[slot_S, col_S].set(st.top_logprobs_Sv, mode="drop"))
-    return st, i + 1, stop, top
-
-  num_slots, v = st.top_ids_Sv.shape
-  top = (jnp.full((num_slots, width, v), -1, jnp.int32),
-         jnp.full((num_slots, width, v), -jnp.inf, jnp.float32))
-  st, _, _, top = jax.lax.while_loop(cond, body, (st, jnp.int32(0), jnp.bool_(False), top))
-  idx_SK = jnp.clip(start_S[:, None] + jnp.arange(width)[None, :], 0, max_len - 1)
-  report = dict(
-      status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,
-      stop_id_S=st.stop_id_S, want_S=want_S(st),
-      tokens_SK=jnp.take_along_axis(st.tokens_SJ, idx_SK, axis=1),
-      logprobs_SK=jnp.take_along_axis(st.logprobs_SJ, idx_SK, axis=1),
-      top_ids_SKv=top[0], top_logprobs_SKv=top[1],
-      steps=st.steps, preemptions=st.preemptions, generated=st.generated,
-      blocks_in_use_sum=st.blocks_in_use_sum, peak_blocks_in_use=st.peak_blocks_in_use,
-      utilization_sum=st.utilization_sum, busy_steps=st.busy_steps,
-      num_free=st.alloc.num_free, prompt_tokens=st.prompt_tokens,
-      cached_prompt_tokens=st.cached_prompt_tokens)
-  return st, report
-
-

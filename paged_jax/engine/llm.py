@@ -5,7 +5,8 @@ caching, forks (``n > 1``), streaming, stats and sharding over a mesh, for any
 ``flax.nnx.Module`` with ``paged_forward``. The parts:
 
 - ``paged_jax.engine.state``: the device-side state (one pytree) and its small edits;
-- ``paged_jax.engine.device``: one scheduling step and the device call looping over it;
+- ``paged_jax.engine.device``: one scheduling step; ``paged_jax.engine.loop``: the device
+  call looping over it; ``paged_jax.engine.scoring``: prompt log-probs;
 - ``paged_jax.engine.calls``: the jitted device calls, compiled by ``LLM.precompile``;
 - ``paged_jax.engine.scheduler``: host scheduling (requests, slots, token buckets, reports);
 - ``paged_jax.engine.options``: the checks of this class's options;
@@ -187,6 +188,7 @@ class LLM:
         token_buckets=self.token_buckets, plan=self._plan, param_specs=param_specs,
         max_traces=max_traces)
     self._bucket = self.token_buckets[-1]  # the step budget of the next device call
+    self._scoring = False  # and whether it is the prompt log-probs variant
     self._scheduler = Scheduler(
         max_seqs=self.max_seqs, slots_per_shard=self._slots_per_shard,
         max_model_len=self.max_model_len, token_buckets=self.token_buckets,
@@ -228,21 +230,25 @@ class LLM:
     return self._plan.init_state(
         lambda: init(dataclasses.replace(self.spec, num_blocks=blocks), self._slots_per_shard))
 
-  def precompile(self, progress: Callable[[int, int, str], Any] | None = None
-                 ) -> dict[str, float]:
+  def precompile(self, progress: Callable[[int, int, str], Any] | None = None, *,
+                 prompt_logprobs: bool = False) -> dict[str, float]:
     """Compile every device call serving will make (the step loop at each of
     ``token_buckets``, then the admit and abort merges) now, so that no request waits for
-    a compilation. ``progress(i, n, what)`` is called before each of the n compilations
+    a compilation; ``prompt_logprobs``: also the step loops that serve requests asking for
+    them ("step T=32 scoring", else compiled at the first such request). ``progress(i, n,
+    what)`` is called before each of the n compilations
     (``what`` e.g. "step T=32"). Returns the seconds each took, also kept in
     ``compile_seconds`` (and their sum in ``stats["compile_s"]``). Calls compiled before
     (by serving, or by another engine of the same model structure and sizes) take ~0 s."""
+    options.check_bools(prompt_logprobs=prompt_logprobs)
     with self._state_lock:
-      return self._device.precompile(self._params, self._state, progress)
+      return self._device.precompile(self._params, self._state, progress,
+                                     scoring=prompt_logprobs)
 
   @property
   def compile_seconds(self) -> dict[str, float]:
-    """Seconds each device call took to compile, by name ("step T=32", "admit", "abort"):
-    by ``precompile``, or when serving first used it."""
+    """Seconds each device call took to compile, by name ("step T=32", "step T=32 scoring",
+    "admit", "abort"): by ``precompile``, or when serving first used it."""
     return dict(self._device.compile_seconds)
 
   @property
@@ -256,7 +262,8 @@ class LLM:
 
   def _call(self, params, st, slots_wanted, step_limit):
     """One device call at the step budget ``self._bucket`` (set before each call)."""
-    return self._call_for(self._bucket)(params, st, slots_wanted, step_limit)
+    return self._device.step(self._bucket, self._scoring)(params, st, slots_wanted,
+                                                          step_limit)
 
   def reset_stats(self) -> None:
     """Zero ``stats``' counters (``compile_s`` and the pool's figures stay), e.g. after a
@@ -274,11 +281,13 @@ class LLM:
 
   # --- serving ---
 
-  def _run(self, bucket: int, slots_wanted: int, max_steps: int | None = None) -> dict:
+  def _run(self, bucket: int, slots_wanted: int, max_steps: int | None = None,
+           scoring: bool = False) -> dict:
     limit = self.steps_per_call if max_steps is None else min(max_steps, self.steps_per_call)
     with self._state_lock:
-      self._device.ensure_compiled(f"step T={bucket}", self._params, self._state)
-      self._bucket = bucket
+      self._device.ensure_compiled(f"step T={bucket}{' scoring' * scoring}", self._params,
+                                   self._state)
+      self._bucket, self._scoring = bucket, scoring
       # Explicit host -> device puts: a caller's jax.transfer_guard("disallow") holds.
       wanted, limit = jax.device_put((np.int32(slots_wanted), np.int32(limit)))
       self._state, report = self._call(self._params, self._state, wanted, limit)

@@ -6,7 +6,8 @@ counters): one device -> host transfer per call, counted in ``stats["host_syncs"
 Requests are admitted first come, first served; the slots of one request (its n
 completions) lie in one data shard. Each call runs at the smallest token bucket holding
 the tokens its sequences want (``pick_bucket``) and ends early when enough slots come free
-for the waiting requests (``slots_wanted``).
+for the waiting requests (``slots_wanted``). While a request that asks for prompt log-probs
+is prefilling, calls are scoring ones (``paged_jax.engine.scoring``).
 
 Outputs. ``generate`` returns one ``Output`` per completion in prompt order; a request with
 ``n > 1`` contributes n consecutive Outputs (``sample_index`` 0 .. n-1).
@@ -21,7 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
+from paged_jax.engine.results import Output, StreamEvent
 from paged_jax.engine.salts import SaltIds
+from paged_jax.engine.scoring import read_scores
 from paged_jax.engine.state import (DONE, FORK_WAIT, MAX_STOP_IDS, REASONS, RUNNING,
                                     add_counters)
 from paged_jax.engine.text import CompletionText, encode_prompt
@@ -31,69 +34,6 @@ from paged_jax.sharding import pick_slots
 ARRIVAL_LIMIT = 2 ** 31 - 1  # arrival_S is int32
 
 __all__ = ["Output", "Request", "Scheduler", "StreamEvent", "default_token_buckets"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Output:
-  """One completion.
-
-  Attributes:
-    prompt_index: index of the prompt in the ``generate`` call.
-    sample_index: completion index within the prompt (0 .. n-1).
-    prompt_token_ids: the prompt's token ids (a list).
-    token_ids: generated ids, a list (the stop / EOS token not included).
-    text: ``token_ids`` decoded when the engine has a tokenizer (up to a stop string:
-      ``SamplingParams.stop``; special tokens left out unless
-      ``SamplingParams.skip_special_tokens`` is False), else None.
-    finish_reason: "stop" (EOS, a stop id or a stop string) or "length" (max_tokens or
-      max_model_len).
-    logprobs: log-probability of each generated id, a list (``SamplingParams.logprobs``),
-      else None.
-    stop_reason: what ended a "stop": the stop string (str) or the id of
-      ``SamplingParams.stop_token_ids`` (int) it reached; None at an EOS id of the engine
-      (unless ``ignore_eos``; listed in ``stop_token_ids`` too) and for "length", as vLLM's
-      (which also names a checkpoint's extra EOS ids from its generation config).
-    top_logprobs: with ``SamplingParams.top_logprobs`` = k > 0, a list with one dict per
-      generated id: the k likeliest ids at its position and their log-probabilities
-      (``{id: logprob}``, most likely first); else None.
-  Lists (``out.token_ids == [5, 9]`` as a user means it); an Output still hashes.
-  """
-
-  prompt_index: int
-  sample_index: int
-  prompt_token_ids: list[int]
-  token_ids: list[int]
-  text: str | None
-  finish_reason: str
-  logprobs: list[float] | None = None
-  stop_reason: int | str | None = None
-  top_logprobs: list[dict[int, float]] | None = None
-
-  def __hash__(self):  # lists as tuples, dicts as sets of items: equal outputs hash alike
-    frozen = lambda v: (tuple(frozen(x) for x in v) if isinstance(v, list)
-                        else frozenset(v.items()) if isinstance(v, dict) else v)
-    return hash(tuple(frozen(v) for v in vars(self).values()))
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamEvent:
-  """One event of ``generate_stream`` or ``Session.step``: a token (``token_id`` set) or the
-  end of a completion (``token_id`` None, ``finish_reason`` and ``stop_reason`` set as
-  ``Output``'s; ``finish_reason`` "abort" for a request a session aborted). ``text``:
-  with a tokenizer, the text the event adds to the completion's (maybe ""; text that could
-  begin a stop string, or a character whose bytes are not all in yet, comes with a later
-  event), so the ``text`` of a completion's events joined is its ``Output.text``; None
-  without a tokenizer. ``top_logprobs``: a token's ``{id: logprob}`` of the likeliest ids
-  when its request asks for them (``SamplingParams.top_logprobs``), else None."""
-
-  prompt_index: int
-  sample_index: int
-  token_id: int | None
-  logprob: float | None = None
-  finish_reason: str | None = None
-  text: str | None = None
-  stop_reason: int | str | None = None
-  top_logprobs: dict[int, float] | None = None
 
 
 @dataclasses.dataclass
@@ -109,6 +49,29 @@ class Request:
   arrival: int = -1
   tokens: list = dataclasses.field(default_factory=list)  # per completion
   texts: list = dataclasses.field(default_factory=list)  # CompletionText (None: no tokenizer)
+  # SamplingParams.prompt_logprobs: each prompt token's log-prob and likeliest tokens, as
+  # scoring calls report them (None until then; position 0 stays None).
+  prompt_logprobs: list | None = None
+  prompt_top_logprobs: list | None = None
+  prompt_unscored: int = 0  # positions still to be scored (the variant runs while > 0)
+  prompt_sent: set = dataclasses.field(default_factory=set)  # completions told them
+
+  def prompt_fields(self, f: int) -> dict:
+    """``StreamEvent``'s prompt log-prob fields for completion ``f``'s next event: set on
+    its first only."""
+    if self.prompt_logprobs is None or f in self.prompt_sent:
+      return {}
+    self.prompt_sent.add(f)
+    return dict(prompt_logprobs=list(self.prompt_logprobs),
+                prompt_top_logprobs=None if self.prompt_top_logprobs is None
+                else list(self.prompt_top_logprobs))
+
+  def __post_init__(self):
+    k = self.params.prompt_logprobs
+    if k is not None:
+      self.prompt_logprobs = [None] * len(self.prompt)
+      self.prompt_top_logprobs = [None] * len(self.prompt) if k else None
+      self.prompt_unscored = len(self.prompt) - 1
 
 
 def default_token_buckets(max_tokens_per_step: int, max_seqs: int) -> tuple[int, ...]:
@@ -239,9 +202,10 @@ class Scheduler:
         raise ValueError(f"params[{i}].allowed_token_ids holds "
                          f"{[t for t in allowed if t >= self.vocab_size]}, outside the "
                          f"vocabulary [0, vocab_size={self.vocab_size})")
-      if p.top_logprobs > self.vocab_size:
-        raise ValueError(f"params[{i}].top_logprobs={p.top_logprobs} must be <= vocab_size="
-                         f"{self.vocab_size}")
+      for name in ("top_logprobs", "prompt_logprobs"):
+        if (getattr(p, name) or 0) > self.vocab_size:
+          raise ValueError(f"params[{i}].{name}={getattr(p, name)} must be <= vocab_size="
+                           f"{self.vocab_size}")
       if p.stop and self.tokenizer is None:
         raise ValueError(f"params[{i}].stop={p.stop} needs the engine's tokenizer to read "
                          "the text, and it has none (pass LLM(..., tokenizer=...))")
@@ -293,7 +257,9 @@ class Scheduler:
             fork_S=f, seed_S=req.seed, temperature_S=p.temperature, top_k_S=p.top_k,
             top_p_S=p.top_p, min_p_S=p.min_p, repetition_penalty_S=p.repetition_penalty,
             presence_penalty_S=p.presence_penalty, frequency_penalty_S=p.frequency_penalty,
-            min_tokens_S=p.min_tokens, top_n_S=p.top_logprobs, stop_Si=req.stop,
+            min_tokens_S=p.min_tokens, top_n_S=p.top_logprobs,
+            prompt_k_S=-1 if p.prompt_logprobs is None else p.prompt_logprobs,
+            stop_Si=req.stop,
             **bias_rows(p),
             salt_S=self.salts.intern(req.salt, held),
             fresh_S=f == 0)))
@@ -307,6 +273,9 @@ class Scheduler:
     for counter in ("host_syncs", "device_calls"):
       self.counters[counter] += 1
     add_counters(self.device_counters, report)
+    if "prompt_slot_T" in report:
+      read_scores(report, slot_owner, self.max_seqs // self.slots_per_shard,
+                  self.slots_per_shard)
     clear, stopped = np.zeros(self.max_seqs, bool), np.zeros(self.max_seqs, bool)
     events = []
     for s, owner in enumerate(slot_owner):
@@ -329,7 +298,7 @@ class Scheduler:
         self.counters["tokens"] += 1
         events.append(StreamEvent(req.index, f, tok, lp if req.params.logprobs else None,
                                   text=None if text is None else text.add(tok),
-                                  top_logprobs=top))
+                                  top_logprobs=top, **req.prompt_fields(f)))
         if text is not None and text.stopped:  # the tokens after it are dropped
           stopped[s] = True
           break
@@ -340,7 +309,8 @@ class Scheduler:
         why = (text.stop_string if stopped[s] else stop_id if reason == "stop"
                and stop_id in p.stop_token_ids and not eos else None)
         events.append(StreamEvent(req.index, f, None, None, reason,
-                                  None if text is None else text.finish(), why))
+                                  None if text is None else text.finish(), why,
+                                  **req.prompt_fields(f)))
         if not stopped[s]:  # a stopped one is the slot's until its abort (serve)
           slot_owner[s] = None
         clear[s] = True

@@ -34,7 +34,8 @@ class Session:
   docstring). Use it in a ``with`` block, or ``close()`` it: until then the engine serves
   nothing else (``generate`` is a ``RuntimeError``)."""
 
-  def __init__(self, scheduler: Scheduler, *, run: Callable[[int, int, int | None], dict],
+  def __init__(self, scheduler: Scheduler, *,
+               run: Callable[[int, int, int | None, bool], dict],
                admit: Callable[[list], Any], abort: Callable[[np.ndarray], Any]):
     scheduler.claim()  # the engine is this session's until close()
     self._s, self._run, self._admit, self._abort = scheduler, run, admit, abort
@@ -127,7 +128,8 @@ class Session:
   def step(self, max_steps: int | None = None) -> list[StreamEvent]:
     """Admit what waits into free slots, make one device call (up to ``steps_per_call``
     engine steps; it ends early as any call does: nothing left running, enough slots free
-    for the waiting requests, or a token bucket that fits better) and return its events,
+    for the waiting requests, a token bucket that fits better, or a step that scored prompt
+    tokens for ``SamplingParams.prompt_logprobs``) and return its events,
     as ``generate_stream`` yields them; the aborted requests' "abort" events come first.
     With nothing unfinished it returns [] at once. An error here closes the session (its
     requests are dropped) and propagates. One thread at a time: a second is refused.
@@ -184,7 +186,8 @@ class Session:
       for f in forks:
         text = req.texts[f]
         events.append(StreamEvent(req.index, f, None, None, "abort",
-                                  None if text is None else text.finish()))
+                                  None if text is None else text.finish(),
+                                  **req.prompt_fields(f)))
     if mask_S.any():
       self._aborted(mask_S)
     return events
@@ -205,8 +208,11 @@ class Session:
     admitted = s.fill_slots(self._waiting, self._owner, self._want_S)
     if admitted:
       self._admit(admitted)
+    # While a request that asks for prompt log-probs is prefilling its prompt, the call
+    # scores every row (``device_call``'s ``scoring``).
+    scoring = any(o is not None and o[0].prompt_unscored > 0 for o in self._owner)
     report = self._run(s.pick_bucket(self._want_S), s.slots_wanted(self._waiting),
-                       max_steps)
+                       max_steps, scoring)
     events, clear, stopped = s.read_report(report, self._owner)
     self._want_S = np.array(report["want_S"], np.int64)
     if stopped.any():  # at a stop string: the sequence still runs on the device
@@ -260,14 +266,15 @@ class Session:
 
 
 def serve(scheduler: Scheduler, requests: list[Request], *,
-          run: Callable[[int, int, int | None], dict],
+          run: Callable[[int, int, int | None, bool], dict],
           admit: Callable[[list], Any],
           abort: Callable[[np.ndarray], Any]) -> Iterator[StreamEvent]:
   """``generate_stream``'s events: ``requests`` (validated, ids 0 .. n-1) served by a
   session that ends with them, or when the generator is closed (their slots freed).
 
-  ``run(bucket, slots_wanted, max_steps) -> report`` makes one device call (the report on
-  the host; ``max_steps`` None: ``steps_per_call``);
+  ``run(bucket, slots_wanted, max_steps, scoring) -> report`` makes one device call (the
+  report on the host; ``max_steps`` None: ``steps_per_call``; ``scoring``: the prompt
+  log-probs variant);
   ``admit(entries)`` writes slots' host rows (``Scheduler.fill_slots``) into the device
   state; ``abort(mask_S)`` drops sequences (at a stop string; what is left at the end).
   """
@@ -303,5 +310,8 @@ def outputs(requests: list[Request], events, *, with_text: bool) -> list[Output]
       lps, end = logprobs.get(key, []) if p.logprobs else None, finish[key]
       top = tops.get(key, []) if p.top_logprobs else None
       out.append(Output(req.index, f, list(req.prompt), tokens.get(key, []), text,
-                        end.finish_reason, lps, end.stop_reason, top))
+                        end.finish_reason, lps, end.stop_reason, top,
+                        None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+                        None if req.prompt_top_logprobs is None
+                        else list(req.prompt_top_logprobs)))
   return out

@@ -65,6 +65,7 @@ class EngineState:
   frequency_penalty_S: jax.Array  # f32[S]
   min_tokens_S: jax.Array  # i32[S]
   top_n_S: jax.Array  # i32[S] top log-probs asked for (SamplingParams.top_logprobs)
+  prompt_k_S: jax.Array  # i32[S] SamplingParams.prompt_logprobs (-1: None)
   stop_Si: jax.Array  # i32[S, i] stop ids, -1 padding
   bias_ids_Sb: jax.Array  # i32[S, b] ids of logit_bias (or allowed_token_ids), -1 padding
   bias_Sb: jax.Array  # f32[S, b] their biases
@@ -98,7 +99,8 @@ _ROW_LAYOUT = dict(
     temperature_S=(np.float32, 0, ""), top_k_S=(np.int32, 0, ""), top_p_S=(np.float32, 1, ""),
     min_p_S=(np.float32, 0, ""), repetition_penalty_S=(np.float32, 1, ""),
     presence_penalty_S=(np.float32, 0, ""), frequency_penalty_S=(np.float32, 0, ""),
-    min_tokens_S=(np.int32, 0, ""), top_n_S=(np.int32, 0, ""), stop_Si=(np.int32, -1, "i"),
+    min_tokens_S=(np.int32, 0, ""), top_n_S=(np.int32, 0, ""), prompt_k_S=(np.int32, -1, ""),
+    stop_Si=(np.int32, -1, "i"),
     bias_ids_Sb=(np.int32, -1, "b"), bias_Sb=(np.float32, 0, "b"),
     allowed_only_S=(np.bool_, False, ""),
     salt_S=(np.int32, 0, ""), fresh_S=(np.bool_, False, ""), waited_S=(np.bool_, False, ""))

@@ -60,6 +60,7 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
   bodies = [dict(prompt=p, max_tokens=4 + i, temperature=0.7 * (i % 2), seed=i,
                  ignore_eos=True, logprobs=True, top_logprobs=i % 3)
             for i, p in enumerate(prompts)]
+  bodies[1]["prompt_logprobs"] = 2
   expected = llm.generate(prompts, [SamplingParams(**{k: v for k, v in b.items()
                                                       if k != "prompt"}) for b in bodies])
   llm_outputs_n2 = [o.token_ids for o in llm.generate(
@@ -88,6 +89,12 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
           [None] * len(want.token_ids) if want.top_logprobs is None
           else [[[i, lp] for i, lp in top.items()] for top in want.top_logprobs])
       assert lines[-1]["finish_reason"] == "length"
+      assert lines[0].get("prompt_logprobs") == want.prompt_logprobs  # first line only
+      assert all("prompt_logprobs" not in line for line in lines[1:])
+      tops = want.prompt_top_logprobs
+      assert lines[0].get("prompt_top_logprobs") == (
+          None if tops is None else [None] + [[[i, lp] for i, lp in top.items()]
+                                              for top in tops[1:]])
 
     # n = 2: both completions, interleaved as they come, the answer ends after the second.
     status, lines = _post(port, dict(prompt=prompts[0], max_tokens=3, n=2, temperature=1.0,

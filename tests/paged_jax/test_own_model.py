@@ -753,3 +753,16 @@ def test_a_linen_model_is_served_as_readme_shows(examples):
   assert outs == [dense_greedy(model, p) for p in prompts]
   unshifted = scope["FromLinen"](module, dict(variables, batch_stats={"shift": shift * 0}))
   assert outs != [dense_greedy(unshifted, p) for p in prompts]  # the shift is served
+
+
+def test_prompt_logprobs_of_an_own_model(examples, model, config):
+  # The scoring steps call paged_forward with logits_indices=None ([T, V] logits): an own
+  # model's prompt log-probs are its dense forward's.
+  llm = LLM(model, config, **examples.serve.ENGINE)
+  prompts = [list(range(3, 24)), [7, 8, 9]]
+  outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=0))
+  for prompt, out in zip(prompts, outs):
+    dense = jax.nn.log_softmax(model(jnp.asarray([prompt]))[0].astype(jnp.float32), -1)
+    want = [float(dense[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert out.prompt_logprobs[0] is None
+    np.testing.assert_allclose(out.prompt_logprobs[1:], want, rtol=0, atol=2e-5)

@@ -55,18 +55,19 @@ def test_bucketed_steps_give_the_same_tokens(tiny):
   assert sorted(llm._calls) == [8, 24, 64]  # every bucket served some device call
 
 
-def _pool_copies(model, config):
+def _pool_copies(model, config, scoring=False):
   """Copy instructions of the pool's shape, of the token history's and its log-probs'
   ([S, J]), or of the logits' ([S, V]: V = J for the built-in models here, 96 for
-  own_model.py's), in the compiled device call of an engine (prefix caching on)."""
+  own_model.py's), in the compiled device call of an engine (prefix caching on);
+  ``scoring``: its prompt log-probs variant."""
   llm = LLM(model, config, block_size=4, num_blocks=97, max_seqs=3, max_tokens_per_step=64,
             steps_per_call=4, scrub_on_release=True, max_traces=1)
   pages = llm._state.cache.k_pages
   shape = lambda x: ",".join(map(str, x.shape))
   big = [f"f32[{shape(pages)}]", f"s32[{shape(llm._state.tokens_SJ)}]",
          f"f32[{shape(llm._state.logprobs_SJ)}]", f"f32[3,{config.vocab_size}]"]
-  hlo = llm._call_for(64).lower(llm._params, llm._state, jnp.int32(0),
-                               jnp.int32(8)).compile().as_text()
+  hlo = llm._device.step(64, scoring).lower(llm._params, llm._state, jnp.int32(0),
+                                            jnp.int32(8)).compile().as_text()
   assert all(x in hlo for x in big)
   return [line for line in hlo.splitlines() for x in big
           if re.search(re.escape(x) + r"\{[^}]*\} copy\(", line)]
@@ -104,6 +105,12 @@ def test_device_call_never_copies_the_pool(tiny, model_kind):
   else:
     model, config = _own_gpt(2)
   copies = _pool_copies(model, config)
+  assert not copies, copies[:3]
+
+
+def test_the_scoring_device_call_never_copies_the_pool(tiny):
+  # The prompt log-probs variant (every row's logits, a cond that ranks them) too.
+  copies = _pool_copies(*tiny, scoring=True)
   assert not copies, copies[:3]
 
 

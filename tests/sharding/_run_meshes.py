@@ -102,6 +102,16 @@ def workload():
   return prompts, params
 
 
+def prompt_logprobs(llm, prompts):
+  """Each prompt's log-probs and top 2 (``SamplingParams.prompt_logprobs``), for the first
+  six prompts (one of 30 tokens: chunks over T = 16), with a fork."""
+  params = [SamplingParams(max_tokens=2, prompt_logprobs=2, n=1 + (i == 3))
+            for i in range(6)]
+  outs = llm.generate(prompts[:6], params)
+  return [[o.prompt_logprobs, [None if t is None else list(t.items())
+                               for t in o.prompt_top_logprobs]] for o in outs]
+
+
 def summary(outs):
   return dict(tokens=[list(o.token_ids) for o in outs],
               reasons=[(o.finish_reason, o.stop_reason) for o in outs],
@@ -131,6 +141,7 @@ def run_engines(model, cfg, checkpoint):
   base = LLM(model, cfg, **ENGINE)
   result = dict(unsharded=summary(base.generate(prompts, params)))
   result["unsharded_s"] = time.perf_counter() - t0
+  result["unsharded"]["prompt_logprobs"] = prompt_logprobs(base, prompts)
   for shape in MESHES:
     t0 = time.perf_counter()
     if shape == FROM_PRETRAINED_MESH:  # the same weights, loaded onto their slices; the
@@ -144,6 +155,8 @@ def run_engines(model, cfg, checkpoint):
                 **ENGINE)
     out = summary(llm.generate(prompts, params))
     stats = llm.stats
+    if shape == ABORT_MESH:  # prompt log-probs: rows of 8 shards' steps, merged
+      out["prompt_logprobs"] = prompt_logprobs(llm, prompts)
     if shape == ABORT_MESH:  # a stream closed early: every shard's blocks come back
       stream = llm.generate_stream(prompts[:6], params[:6])
       next(stream)

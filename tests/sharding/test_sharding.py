@@ -37,6 +37,16 @@ def run(tmp_path_factory):
   return result
 
 
+def test_prompt_logprobs_over_data_shards(run):
+  # Eight data shards of two slots: each shard's scored rows come back at their slots.
+  base, got = (run["engines"][k]["prompt_logprobs"] for k in ("unsharded", "8x1"))
+  assert [len(lps) for lps, _ in base] == [5, 17, 9, 30, 30, 3, 1]  # prompt 3 forked: n = 2
+  for (lps, tops), (want_lps, want_tops) in zip(got, base):
+    assert lps[0] is None and tops[0] is None and None not in lps[1:]
+    np.testing.assert_allclose(lps[1:], want_lps[1:], rtol=0, atol=1e-5)
+    assert [[i for i, _ in t] for t in tops[1:]] == [[i for i, _ in t] for t in want_tops[1:]]
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_mesh_produces_the_unsharded_greedy_tokens(run, mesh):
   base, got = run["engines"]["unsharded"], run["engines"][mesh]
