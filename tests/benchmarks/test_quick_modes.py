@@ -170,6 +170,19 @@ def test_penalty_cost_quick():
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_cost_quick():
+  # Scored and plain runs of the same requests: every prompt token scored and the same
+  # generated tokens (asserted inside); every rate measured; the scoring runs make more
+  # device calls (one step each while scoring).
+  from benchmarks import prompt_logprobs_cost
+  rows = prompt_logprobs_cost.main(["--quick"])
+  assert [row["vocab"] for row in rows] == [128]
+  for row in rows:
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in prompt_logprobs_cost.VARIANTS)
+    assert row["calls"]["prompt_logprobs=0"] > row["calls"]["none"], row
+
+
+@pytest.mark.slow
 def test_online_arrivals_quick():
   # Waves, a session and a capped one serve the same arrivals with the same tokens
   # (asserted inside); every wait measured and non-negative, the median below the 90th
