@@ -95,6 +95,20 @@ def test_text_prompts_match_transformers_greedy(smollm2):
   for text, chat, output in zip(texts, chats, outputs):
     assert chat.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert chat.token_ids == output.token_ids
+  # Prompt log-probs: transformers' log-softmax at each prompt position, and its top token
+  # (but where two are within float error of each other).
+  import torch
+  scored = llm.generate(texts[:2], SamplingParams(max_tokens=1, prompt_logprobs=1))
+  for text, out in zip(texts[:2], scored):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    with torch.inference_mode():
+      theirs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    assert out.prompt_token_ids == ids and out.prompt_logprobs[0] is None
+    np.testing.assert_allclose(out.prompt_logprobs[1:],
+                               [theirs[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
+                               atol=2e-3)
+    top = [next(iter(t)) for t in out.prompt_top_logprobs[1:]]
+    assert np.mean(np.array(top) == theirs[:-1].argmax(-1).numpy()) > 0.95, text
   # The model answers what it was trained on; a wrong tensor anywhere would not.
   assert "Paris" in answers[QUESTIONS[0]], answers
   assert "Tokyo" in answers[QUESTIONS[1]], answers
