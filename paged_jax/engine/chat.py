@@ -57,27 +57,78 @@ class ChatTemplate:
         (str(k), str(v)) for k, v in dict(self.other_tokens).items())))
     _compiled(self.source)  # a template Jinja cannot read: refused now
 
-  def render(self, messages, *, add_generation_prompt: bool = True, **variables) -> str:
+  def render(self, messages, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, **variables) -> str:
     """The text of one conversation (``messages``: dicts with a "role", as ``LLM.chat``
     takes them; keys whose value is None are left out, as transformers does), ending with
-    the model's turn opened when ``add_generation_prompt``; ``variables``: more template
-    variables (``tools``, ...)."""
+    the model's turn opened when ``add_generation_prompt``, or, ``continue_final_message``
+    (with ``add_generation_prompt`` False), right after the last message's content, its
+    turn left open for the model to continue (a reply begun for it: "Sure, here"), as
+    transformers' ``apply_chat_template`` cuts it; ``variables``: more template variables
+    (``tools``, ...)."""
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    if continue_final_message:
+      if add_generation_prompt:
+        raise ValueError("continue_final_message=True continues the last message; "
+                         "add_generation_prompt=True opens a new turn: pass "
+                         "add_generation_prompt=False with it")
+      messages = _mark_final(messages)
     context = dict(dict(self.other_tokens), bos_token=self.bos_token,
                    eos_token=self.eos_token, tools=None, documents=None)
     context.update(variables, messages=messages,
                    add_generation_prompt=bool(add_generation_prompt))
     try:
-      return _compiled(self.source).render(**context)
+      text = _compiled(self.source).render(**context)
     except _Refused as e:
       raise ValueError(f"the chat template refused the conversation: {e}") from None
     except Exception as e:  # a template error, or a Python one inside the sandbox
       raise ValueError(f"the chat template failed on the conversation "
                        f"({type(e).__name__}: {e})") from None
+    return _cut_at_mark(text) if continue_final_message else text
 
 
 class _Refused(Exception):
   """``raise_exception`` in a template."""
+
+
+_MARK = "<|paged_jax: continue here|> "
+"""Appended to the last message's text (``continue_final_message``): the rendered text
+ends where it is found. Its trailing space tells a template that trims the content."""
+
+
+def _mark_final(messages: list[dict]) -> list[dict]:
+  """``messages`` with ``_MARK`` after the last one's text: its "content" (a str, or the
+  last part with a "text" of a list of parts)."""
+  if not messages:
+    raise ValueError("continue_final_message=True needs a conversation to continue: it is "
+                     "empty")
+  final = dict(messages[-1])
+  content = final.get("content")
+  if isinstance(content, str):
+    final["content"] = content + _MARK
+  elif isinstance(content, (list, tuple)):
+    texts = [i for i, part in enumerate(content) if isinstance(part, dict) and "text" in part]
+    if not texts:
+      raise ValueError("continue_final_message=True: the last message has no text to "
+                       "continue (its content parts hold no \"text\")")
+    parts = list(content)
+    parts[texts[-1]] = dict(parts[texts[-1]], text=str(parts[texts[-1]]["text"]) + _MARK)
+    final["content"] = parts
+  else:
+    raise ValueError(f"continue_final_message=True: the last message's content "
+                     f"{content!r} must be a str or a list of parts with text to continue")
+  return messages[:-1] + [final]
+
+
+def _cut_at_mark(text: str) -> str:
+  """``text`` up to ``_MARK`` (where a template trimmed the content, less the spaces before
+  it); a ``ValueError`` where the template dropped it."""
+  at = text.rfind(_MARK.strip())
+  if at < 0:
+    raise ValueError("continue_final_message=True, but the chat template does not write the "
+                     "last message's content as given (it dropped or rewrote its end), so "
+                     "the reply cannot continue it")
+  return text[:at] if text.startswith(_MARK, at) else text[:at].rstrip()
 
 
 def _raise(message):
@@ -184,9 +235,11 @@ def conversations(messages) -> list[list[dict]]:
 
 
 def chat_prompts(tokenizer, template: ChatTemplate | str | None, messages, *,
-                 add_generation_prompt: bool = True, variables=None) -> list[list[int]]:
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 variables=None) -> list[list[int]]:
   """The token ids of each conversation of ``messages`` laid out by ``template`` (a
-  ``ChatTemplate`` or its source; ``variables``: a dict of more template variables),
+  ``ChatTemplate`` or its source; ``variables``: a dict of more template variables;
+  ``add_generation_prompt``, ``continue_final_message``: ``ChatTemplate.render``'s),
   encoded without the tokenizer's added special tokens."""
   if variables is None:
     variables = {}
@@ -211,7 +264,7 @@ def chat_prompts(tokenizer, template: ChatTemplate | str | None, messages, *,
   out = []
   for conversation in conversations(messages):
     text = template.render(conversation, add_generation_prompt=add_generation_prompt,
-                           **dict(variables))
+                           continue_final_message=continue_final_message, **dict(variables))
     try:
       out.append(encode_text(tokenizer, text, add_special_tokens=False))
     except TypeError as e:

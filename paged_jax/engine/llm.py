@@ -234,10 +234,9 @@ class LLM:
                  prompt_logprobs: bool = False) -> dict[str, float]:
     """Compile every device call serving will make (the step loop at each of
     ``token_buckets``, then the admit and abort merges) now, so that no request waits for
-    a compilation; ``prompt_logprobs``: also the step loops that serve requests asking for
-    them ("step T=32 scoring", else compiled at the first such request). ``progress(i, n,
-    what)`` is called before each of the n compilations
-    (``what`` e.g. "step T=32"). Returns the seconds each took, also kept in
+    a compilation; ``prompt_logprobs``: also the step loops of requests asking for them
+    ("step T=32 scoring"). ``progress(i, n, what)`` is called before each of the n
+    compilations (``what`` e.g. "step T=32"). Returns the seconds each took, also kept in
     ``compile_seconds`` (and their sum in ``stats["compile_s"]``). Calls compiled before
     (by serving, or by another engine of the same model structure and sizes) take ~0 s."""
     options.check_bools(prompt_logprobs=prompt_logprobs)
@@ -360,20 +359,23 @@ class LLM:
     return session_lib.outputs(requests, stream, with_text=self.tokenizer is not None)
 
   def chat(self, messages, params=None, *, chat_template=None, add_generation_prompt=True,
-           chat_template_kwargs=None, cache_salt=None) -> list[Output]:
+           continue_final_message=False, chat_template_kwargs=None, cache_salt=None
+           ) -> list[Output]:
     """``generate`` for conversations (vLLM's ``LLM.chat``): ``messages`` is one
     conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them
     (``prompt_index``: its position), each laid out by ``chat_template`` (a Jinja template
     str, given the checkpoint's special-token texts, or a ``ChatTemplate``; default
     ``self.chat_template``, the checkpoint's) in a Jinja sandbox set up as transformers'
     ``apply_chat_template`` sets its own (``paged_jax.engine.chat``), the model's turn
-    opened when ``add_generation_prompt``; ``chat_template_kwargs``: more template
-    variables (``tools``, ...)."""
+    opened when ``add_generation_prompt``, or its last message continued (a reply begun:
+    ``continue_final_message``, with ``add_generation_prompt=False``);
+    ``chat_template_kwargs``: more template variables (``tools``, ...)."""
     template = self.chat_template if chat_template is None else chat_template
     if isinstance(template, str) and self.chat_template is not None:  # its BOS text etc.
       template = dataclasses.replace(self.chat_template, source=template)
     prompts = chat_lib.chat_prompts(self.tokenizer, template, messages,
                                     add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
                                     variables=chat_template_kwargs)
     return self.generate(prompts, params, cache_salt=cache_salt)
 

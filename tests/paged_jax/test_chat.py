@@ -54,6 +54,43 @@ def test_rendering_follows_transformers():
   assert "Tools" not in ours.render(CONVERSATION) and '"°' not in ours.render(CONVERSATION)
 
 
+def test_continue_final_message_follows_transformers():
+  # The last message's turn left open after its content: with a template that trims the
+  # content (LLAMA_STYLE) and one that writes it as given, content as a str or as parts.
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+  plain = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}"
+           "{{ m['content'] }}{% else %}{{ m['content'][-1]['text'] }}{% endif %}</s>"
+           "{% endfor %}")
+  begun = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "It is sunny, "}]
+  parts = begun[:1] + [{"role": "assistant", "content": [{"type": "text", "text": "Warm "}]}]
+  for template, conversation in ((LLAMA_STYLE, begun), (plain, begun), (plain, parts)):
+    theirs.chat_template = template
+    want = theirs.apply_chat_template(conversation, tokenize=False,
+                                      add_generation_prompt=False,
+                                      continue_final_message=True)
+    ours = ChatTemplate(template, bos_token="<s>", eos_token="</s>")
+    got = ours.render(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert got == want
+    assert got.endswith(("It is sunny,", "It is sunny, ", "Warm "))
+  assert parts[1]["content"] == [{"type": "text", "text": "Warm "}]  # the caller's, as given
+  ours = ChatTemplate(plain)
+  with pytest.raises(ValueError, match="pass add_generation_prompt=False with it"):
+    ours.render(begun, continue_final_message=True)
+  with pytest.raises(ValueError, match="does not write the last message's content as given"):
+    ChatTemplate("{{ messages[-1]['content'][:3] }}").render(
+        begun, add_generation_prompt=False, continue_final_message=True)
+  with pytest.raises(ValueError, match="no text to continue"):
+    ours.render(begun[:1] + [{"role": "assistant", "content": [{"type": "image"}]}],
+                add_generation_prompt=False, continue_final_message=True)
+  with pytest.raises(ValueError, match="needs a conversation to continue"):
+    ours.render([], add_generation_prompt=False, continue_final_message=True)
+
+
 def test_template_features_errors_and_copies():
   t = ChatTemplate("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}"
                    "|{{ tools is none }}|{{ documents is none }}|{{ pad_token }}|{{ x }}",

@@ -265,6 +265,13 @@ def test_chat_lays_conversations_out_as_transformers_and_serves_them(checkpoint,
   given, = llm.chat(conversations[0], params,
                     chat_template="{{ bos_token }} {{ messages[0]['content'] }}")
   assert given.prompt_token_ids == [1, 7, 8]  # the checkpoint's BOS text
+  # A reply begun for the model: its turn left open after "w36 w37", as transformers' is.
+  begun = conversations[0] + [{"role": "assistant", "content": "w36 w37"}]
+  cont, = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+  want = theirs.apply_chat_template(begun, add_generation_prompt=False, tokenize=True,
+                                    continue_final_message=True)
+  want = list(want["input_ids"] if isinstance(want, abc.Mapping) else want)
+  assert cont.prompt_token_ids == want and want[-2:] == [36, 37]
   for bad, message in (
       ([{"role": "tool", "content": "w3"}], "the chat template refused the conversation: no "
                                             "role tool"),
