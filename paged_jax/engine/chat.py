@@ -64,15 +64,19 @@ class ChatTemplate:
     the model's turn opened when ``add_generation_prompt``, or, ``continue_final_message``
     (with ``add_generation_prompt`` False), right after the last message's content, its
     turn left open for the model to continue (a reply begun for it: "Sure, here"), as
-    transformers' ``apply_chat_template`` cuts it; ``variables``: more template variables
+    transformers' ``apply_chat_template`` cuts it (a template that drops, rewrites or
+    repeats that content is refused); ``variables``: more template variables
     (``tools``, ...)."""
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    if not isinstance(continue_final_message, bool):
+      raise ValueError(f"continue_final_message={continue_final_message!r} must be a bool "
+                       "(it continues the last message's content)")
     if continue_final_message:
       if add_generation_prompt:
         raise ValueError("continue_final_message=True continues the last message; "
                          "add_generation_prompt=True opens a new turn: pass "
                          "add_generation_prompt=False with it")
-      messages = _mark_final(messages)
+      messages, final_text = _mark_final(messages)
     context = dict(dict(self.other_tokens), bos_token=self.bos_token,
                    eos_token=self.eos_token, tools=None, documents=None)
     context.update(variables, messages=messages,
@@ -84,51 +88,56 @@ class ChatTemplate:
     except Exception as e:  # a template error, or a Python one inside the sandbox
       raise ValueError(f"the chat template failed on the conversation "
                        f"({type(e).__name__}: {e})") from None
-    return _cut_at_mark(text) if continue_final_message else text
+    return _cut_at_mark(text, final_text) if continue_final_message else text
 
 
 class _Refused(Exception):
   """``raise_exception`` in a template."""
 
 
-_MARK = "<|paged_jax: continue here|> "
+_MARK = "PAGED_JAX_CONTINUES_HERE "
 """Appended to the last message's text (``continue_final_message``): the rendered text
-ends where it is found. Its trailing space tells a template that trims the content."""
+ends where it is found. Capitals and "_" only, which escaping and ``upper`` keep; its
+trailing space tells a template that trims the content."""
 
 
-def _mark_final(messages: list[dict]) -> list[dict]:
-  """``messages`` with ``_MARK`` after the last one's text: its "content" (a str, or the
-  last part with a "text" of a list of parts)."""
+def _mark_final(messages: list[dict]) -> tuple[list[dict], str]:
+  """``messages`` with ``_MARK`` after the last one's text (its "content": a str, or the
+  last part with a "text" of a list of parts), and that text."""
   if not messages:
     raise ValueError("continue_final_message=True needs a conversation to continue: it is "
                      "empty")
   final = dict(messages[-1])
   content = final.get("content")
-  if isinstance(content, str):
-    final["content"] = content + _MARK
-  elif isinstance(content, (list, tuple)):
+  if isinstance(content, (list, tuple)):
     texts = [i for i, part in enumerate(content) if isinstance(part, dict) and "text" in part]
-    if not texts:
+    if not texts or not isinstance(content[texts[-1]]["text"], str):
       raise ValueError("continue_final_message=True: the last message has no text to "
-                       "continue (its content parts hold no \"text\")")
+                       "continue (none of its content parts has a str \"text\")")
     parts = list(content)
-    parts[texts[-1]] = dict(parts[texts[-1]], text=str(parts[texts[-1]]["text"]) + _MARK)
+    text = parts[texts[-1]]["text"]
+    parts[texts[-1]] = dict(parts[texts[-1]], text=text + _MARK)
     final["content"] = parts
+  elif isinstance(content, str):
+    text, final["content"] = content, content + _MARK
   else:
-    raise ValueError(f"continue_final_message=True: the last message's content "
-                     f"{content!r} must be a str or a list of parts with text to continue")
-  return messages[:-1] + [final]
+    raise ValueError(f"continue_final_message=True: the last message's 'content' must be "
+                     f"a str or a list of parts with text to continue, not {content!r}")
+  return messages[:-1] + [final], text
 
 
-def _cut_at_mark(text: str) -> str:
-  """``text`` up to ``_MARK`` (where a template trimmed the content, less the spaces before
-  it); a ``ValueError`` where the template dropped it."""
-  at = text.rfind(_MARK.strip())
-  if at < 0:
+def _cut_at_mark(rendered: str, text: str) -> str:
+  """``rendered`` up to ``_MARK`` (where a template trimmed the content, less the spaces
+  before it), which must end with the last message's ``text`` (stripped); a
+  ``ValueError`` where the template dropped, rewrote or repeated it."""
+  at = rendered.rfind(_MARK.strip())
+  cut = rendered[:at] if rendered.startswith(_MARK, at) else rendered[:at].rstrip()
+  if at < 0 or rendered.count(_MARK.strip()) > 1 or text.strip() not in cut[-len(text) - 1:]:
     raise ValueError("continue_final_message=True, but the chat template does not write the "
-                     "last message's content as given (it dropped or rewrote its end), so "
-                     "the reply cannot continue it")
-  return text[:at] if text.startswith(_MARK, at) else text[:at].rstrip()
+                     "last message's content once, as given, at the end of what it writes "
+                     "of the conversation (it dropped, rewrote or repeated it), so the reply "
+                     "cannot continue it")
+  return cut
 
 
 def _raise(message):
@@ -246,7 +255,8 @@ def chat_prompts(tokenizer, template: ChatTemplate | str | None, messages, *,
   if not isinstance(variables, abc.Mapping) or not all(isinstance(k, str) for k in variables):
     raise ValueError(f"chat_template_kwargs={variables!r} must be a dict of template "
                      "variables by name")
-  reserved = sorted({"messages", "add_generation_prompt"} & set(variables))
+  reserved = sorted({"messages", "add_generation_prompt", "continue_final_message"}
+                    & set(variables))
   if reserved:
     raise ValueError(f"chat_template_kwargs names {reserved}, which chat sets itself")
   if tokenizer is None:

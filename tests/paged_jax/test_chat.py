@@ -81,12 +81,21 @@ def test_continue_final_message_follows_transformers():
   ours = ChatTemplate(plain)
   with pytest.raises(ValueError, match="pass add_generation_prompt=False with it"):
     ours.render(begun, continue_final_message=True)
-  with pytest.raises(ValueError, match="does not write the last message's content as given"):
-    ChatTemplate("{{ messages[-1]['content'][:3] }}").render(
-        begun, add_generation_prompt=False, continue_final_message=True)
-  with pytest.raises(ValueError, match="no text to continue"):
-    ours.render(begun[:1] + [{"role": "assistant", "content": [{"type": "image"}]}],
-                add_generation_prompt=False, continue_final_message=True)
+  for dropped_rewritten_repeated in ("{{ messages[-1]['content'][:3] }}",
+                                     "{{ messages[-1]['content'] | lower }}",
+                                     "{{ messages[-1]['content'] }}|{{ messages[-1]['content'] }}"):
+    with pytest.raises(ValueError, match="does not write the last message's content once, "
+                                         "as given"):
+      ChatTemplate(dropped_rewritten_repeated).render(
+          begun, add_generation_prompt=False, continue_final_message=True)
+  with pytest.raises(ValueError, match="continue_final_message='content' must be a bool"):
+    ours.render(begun, add_generation_prompt=False, continue_final_message="content")
+  with pytest.raises(ValueError, match=r"chat_template_kwargs names \['continue_final_message'\]"):
+    chat_prompts(None, plain, begun, variables=dict(continue_final_message=True))
+  for no_text in ([{"type": "image"}], [{"type": "text", "text": None}]):
+    with pytest.raises(ValueError, match="no text to continue"):
+      ours.render(begun[:1] + [{"role": "assistant", "content": no_text}],
+                  add_generation_prompt=False, continue_final_message=True)
   with pytest.raises(ValueError, match="needs a conversation to continue"):
     ours.render([], add_generation_prompt=False, continue_final_message=True)
 
