@@ -6,7 +6,8 @@
 
 ``POST /generate`` takes a JSON object: ``prompt`` (token ids, or text when the model has a
 tokenizer) or ``messages`` (one conversation, ``[{"role": "user", "content": ...}]``, laid
-out by the checkpoint's chat template as ``LLM.chat`` does) and any ``SamplingParams`` field
+out by the checkpoint's chat template as ``LLM.chat`` does; ``"continue_final_message": true``
+continues its last message, ``"add_generation_prompt"`` as there) and any ``SamplingParams`` field
 (``max_tokens``, ``temperature``, ``stop``, ...; ``logit_bias`` as OpenAI's, ``{"token id":
 bias}``).
 The answer streams one JSON line per event as the engine decides it: ``{"index": 0,
@@ -36,6 +37,7 @@ from paged_jax import LLM, SamplingParams
 from paged_jax.engine.chat import chat_prompts
 
 MAX_BODY_BYTES = 1 << 20
+CHAT_LAYOUT = ("add_generation_prompt", "continue_final_message")
 
 
 class EngineLoop:
@@ -138,6 +140,12 @@ def make_handler(loop: EngineLoop):
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
           raise ValueError("the body must be a JSON object with a 'prompt' or a 'messages' "
                            "(one of them)")
+        # How the conversation is laid out (``LLM.chat``'s): with "messages" only.
+        layout = {k: body.pop(k) for k in CHAT_LAYOUT if k in body}
+        if layout and "messages" not in body:
+          raise ValueError(f"{sorted(layout)} lay out 'messages': a 'prompt' has none")
+        if not all(isinstance(v, bool) for v in layout.values()):
+          raise ValueError(f"{layout} must be true or false")
         unknown = sorted(set(body) - fields - {"prompt", "messages"})
         if unknown:
           raise ValueError(f"unknown fields {unknown}: 'prompt' or 'messages' and "
@@ -149,8 +157,11 @@ def make_handler(loop: EngineLoop):
           if not isinstance(body["messages"], list) or not body["messages"]:
             raise ValueError("'messages' must be one conversation: a non-empty list of "
                              "{\"role\": ..., \"content\": ...} objects")
-          prompt, = chat_prompts(loop.llm.tokenizer, loop.llm.chat_template,
-                                 [body["messages"]])
+          cont = layout.get("continue_final_message", False)
+          prompt, = chat_prompts(
+              loop.llm.tokenizer, loop.llm.chat_template, [body["messages"]],
+              add_generation_prompt=layout.get("add_generation_prompt", not cont),
+              continue_final_message=cont)
         if isinstance(params.get("logit_bias"), dict):  # JSON's keys are strings: ids here
           # As pairs, so that "5" and "05" are one id named twice, not one silently lost.
           params["logit_bias"] = [(int(k) if re.fullmatch(r"-?[0-9]{1,10}", k) else k, v)

@@ -68,6 +68,8 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
                                    ignore_eos=True))]
   chat_want = llm.generate([[4, 7, 8, 5]], SamplingParams(max_tokens=3, ignore_eos=True)
                            )[0].token_ids  # the laid-out conversation below
+  begun_want = llm.generate([[4, 7, 8, 4, 9]], SamplingParams(max_tokens=3, ignore_eos=True)
+                            )[0].token_ids  # the same continued after a begun reply
   server, loop = example.serve(llm, port=0)
   port = server.server_address[1]
   threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -154,6 +156,16 @@ def test_clients_at_once_get_generates_tokens_and_a_hang_up_is_aborted(example, 
       assert status == 200 and [line.get("token_id") for line in lines] == chat_want + [None]
       status, lines = _post(port, dict(chat, messages=[{"content": "w7"}]))
       assert status == 400 and "must be a dict with a 'role'" in lines[0]["error"]
+      # A reply begun ("w9") is continued: the prompt ends right after it.
+      begun = dict(chat, messages=chat["messages"] + [{"role": "assistant", "content": "w9"}],
+                   continue_final_message=True)
+      status, lines = _post(port, begun)
+      assert status == 200 and [line.get("token_id") for line in lines] == begun_want + [None]
+      for body, error in ((dict(begun, add_generation_prompt=True), "pass add_generation"),
+                          (dict(begun, continue_final_message=1), "must be true or false"),
+                          (dict(prompt=[5], continue_final_message=True), "a 'prompt' has")):
+        status, lines = _post(port, body)
+        assert status == 400 and error in lines[0]["error"], lines
     finally:
       llm.tokenizer, llm.chat_template = None, None
 
