@@ -3,9 +3,9 @@ without it, on one engine.
 
 While a request that asks for prompt log-probs is prefilling, the engine runs the scoring
 variant of its step: the forward computes the logits of every row (T x V, not one row per
-sequence), a log-softmax and a top-k over them, and the device call ends after each step
-that scored a prompt token (its report holds one step's rows), so such a prefill costs a
-host round trip a step. This measures a scoring workload (every request asks, one token
+sequence), a log-softmax and (when a request asks for k > 0) a top-k over them, and the
+device call ends after 4 steps that scored a prompt token (its report holds their rows,
+``scoring.SCORED_STEPS``), so such a prefill costs a host round trip per 4 steps. This measures a scoring workload (every request asks, one token
 generated each: perplexity or ranking) against the same requests without prompt
 log-probs: ``--requests`` prompts of random length in [32, 256), greedy, on a random Llama
 of 2 layers (H = 4, K = 2, D = 16) of the table's width E and vocabulary V, impl "xla",
@@ -126,7 +126,7 @@ def main(argv=None) -> list[dict]:
         "second (wall time of `generate`). \"none\": the same requests without "
         "prompt_logprobs (the same prefill, one logits row per sequence); "
         "\"prompt_logprobs=k\": every request asks (every row's logits, a log-softmax "
-        "and a top-k over them, one step per device call while scoring).\n\n"
+        "and a top-k over them, at most 4 scoring steps per device call).\n\n"
         + text + "\n")
     out = pathlib.Path(__file__).with_name("prompt_logprobs_RESULTS_section.md")
     out.write_text(section)

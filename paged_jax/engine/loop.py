@@ -11,7 +11,7 @@ from paged_jax import allocator
 from paged_jax import protocol
 from paged_jax._promotion import standard_promotion
 from paged_jax.engine.device import schedule_step
-from paged_jax.engine.scoring import no_scores
+from paged_jax.engine.scoring import SCORED_STEPS, no_scores
 from paged_jax.engine.state import (DONE, FORK_WAIT, FREE, RUNNING, EngineState,
                                     restart_counters, want_S)
 
@@ -37,9 +37,9 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
   ``switch`` (XLA would copy it each step).
 
   ``scoring``: the variant the host calls while a request that asks for prompt log-probs
-  is prefilling its prompt: every row's logits are computed, and the loop stops after a
-  step that scored a prompt token (of a sequence that asks), whose ``prompt_scores`` the
-  report carries.
+  is prefilling its prompt: every row's logits are computed, and the report carries the
+  ``prompt_scores`` of the steps that scored a prompt token (of a sequence that asks), up
+  to ``scoring.SCORED_STEPS`` of them: the loop stops after that many.
   """
   st = restart_counters(st)  # the report counts this call; the host sums them
   start_S = jnp.where(st.status_S == RUNNING, st.len_S, st.prompt_len_S)
@@ -60,13 +60,17 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
     st = schedule_step(model, st, num_tokens=num_tokens, scrub_on_release=scrub_on_release,
                        prefix_caching=prefix_caching, hash_fn=hash_fn, kv_groups=kv_groups,
                        vocab_size=vocab_size, scoring=scoring)
-    if scoring:
-      st, scores = st
+    if scoring:  # this step's scores into the report's next row while it has one
+      st, step_scores = st
+      rows, n = scores
+      rows = {k: r.at[n].set(step_scores[k]) for k, r in rows.items()}
+      n += jnp.any(step_scores["prompt_slot_T"] >= 0).astype(jnp.int32)
+      scores = rows, jnp.minimum(n, scored_steps - 1)
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))
-    if scoring:  # the report holds one step's scores
-      stop |= jnp.any(scores["prompt_slot_T"] >= 0)
+    if scoring:  # the report holds scored_steps steps' scores
+      stop |= n >= scored_steps
     pending = jnp.sum(want_S(st))
     if downshift_at:
       stop |= pending <= downshift_at
@@ -84,9 +88,14 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
   num_slots, v = st.top_ids_Sv.shape
   top = (jnp.full((num_slots, width, v), -1, jnp.int32),
          jnp.full((num_slots, width, v), -jnp.inf, jnp.float32))
-  scores = no_scores(num_tokens, v) if scoring else {}
+  scores, scored_steps = (), min(SCORED_STEPS, steps_per_call)
+  if scoring:
+    scores = ({k: jnp.broadcast_to(x, (scored_steps,) + x.shape)
+               for k, x in no_scores(num_tokens, v).items()}, jnp.int32(0))
   st, _, _, top, scores = jax.lax.while_loop(
       cond, body, (st, jnp.int32(0), jnp.bool_(False), top, scores))
+  # The scored steps' rows one after another: [scored_steps * T, ...].
+  scores = {k: r.reshape((-1,) + r.shape[2:]) for k, r in scores[0].items()} if scoring else {}
   idx_SK = jnp.clip(start_S[:, None] + jnp.arange(width)[None, :], 0, max_len - 1)
   report = dict(
       status_S=st.status_S, len_S=st.len_S, reason_S=st.reason_S, start_S=start_S,

@@ -4,8 +4,8 @@ the device, and what the host keeps of it.
 While a request that asks for them is prefilling its prompt, the host makes scoring calls
 (``device_call(..., scoring=True)``): the forward computes every row's logits, not one row
 per sequence, and row t (sequence s, position p) scores token p + 1 of s where that is a
-prompt token and s asks (``prompt_scores``). Such a call stops after a step that scored
-anything, so its report holds one step's rows, which the host keeps (``read_scores``).
+prompt token and s asks (``prompt_scores``). Such a call ends after ``SCORED_STEPS`` steps
+that scored anything; its report holds their rows, which the host keeps (``read_scores``).
 Their prompts take no prefix-cache hits (``device.schedule_step``): a cached token's
 logits are never computed; the blocks they fill are registered as any other's.
 """
@@ -19,7 +19,11 @@ import numpy as np
 from paged_jax.sampling import top_logprobs
 from paged_jax.step import EveryRow
 
-__all__ = ["no_scores", "prompt_scores", "read_scores"]
+__all__ = ["SCORED_STEPS", "no_scores", "prompt_scores", "read_scores"]
+
+SCORED_STEPS = 4
+"""Steps that scored a prompt whose rows one scoring call reports (at most): the call ends
+after that many, so a long prompt costs a host round trip per 4 steps of its prefill."""
 
 
 def prompt_scores(rows: EveryRow, tokens_SJ, prompt_len_S, prompt_k_S, width: int) -> dict:
@@ -60,7 +64,7 @@ def no_scores(num_tokens: int, width: int) -> dict:
 def read_scores(report: dict, slot_owner, num_shards: int, slots_per_shard: int) -> None:
   """Keep the prompt log-probs a scoring call's ``report`` holds in the ``Request``s that
   asked (``slot_owner[s]``: ``(request, completion)`` or None): rows of data shard k come
-  k-th, T each, their slots the shard's. A position is kept once: a prompt recomputed
+  k-th (``SCORED_STEPS`` x T each), their slots the shard's. A position is kept once: a prompt recomputed
   (after a preemption) may differ in the last bits, and every event tells the first."""
   slot_T = np.asarray(report["prompt_slot_T"])
   num_rows = slot_T.shape[0] // num_shards

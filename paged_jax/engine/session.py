@@ -128,7 +128,7 @@ class Session:
   def step(self, max_steps: int | None = None) -> list[StreamEvent]:
     """Admit what waits into free slots, make one device call (up to ``steps_per_call``
     engine steps; it ends early as any call does: nothing left running, enough slots free
-    for the waiting requests, a token bucket that fits better, or a step that scored prompt
+    for the waiting requests, a token bucket that fits better, or 4 steps that scored prompt
     tokens for ``SamplingParams.prompt_logprobs``) and return its events,
     as ``generate_stream`` yields them; the aborted requests' "abort" events come first.
     With nothing unfinished it returns [] at once. An error here closes the session (its

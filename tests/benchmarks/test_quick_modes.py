@@ -172,14 +172,14 @@ def test_penalty_cost_quick():
 @pytest.mark.slow
 def test_prompt_logprobs_cost_quick():
   # Scored and plain runs of the same requests: every prompt token scored and the same
-  # generated tokens (asserted inside); every rate measured; the scoring runs make more
-  # device calls (one step each while scoring).
+  # generated tokens (asserted inside); every rate measured; the scoring runs make no
+  # fewer device calls (they end after 4 scoring steps).
   from benchmarks import prompt_logprobs_cost
   rows = prompt_logprobs_cost.main(["--quick"])
   assert [row["vocab"] for row in rows] == [128]
   for row in rows:
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in prompt_logprobs_cost.VARIANTS)
-    assert row["calls"]["prompt_logprobs=0"] > row["calls"]["none"], row
+    assert row["calls"]["prompt_logprobs=0"] >= row["calls"]["none"] >= 1, row
 
 
 @pytest.mark.slow
