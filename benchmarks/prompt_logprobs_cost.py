@@ -5,10 +5,11 @@ While a request that asks for prompt log-probs is prefilling, the engine runs th
 variant of its step: the forward computes the logits of every row (T x V, not one row per
 sequence), a log-softmax and (when a request asks for k > 0) a top-k over them, and the
 device call ends after 4 steps that scored a prompt token (its report holds their rows,
-``scoring.SCORED_STEPS``), so such a prefill costs a host round trip per 4 steps. This measures a scoring workload (every request asks, one token
-generated each: perplexity or ranking) against the same requests without prompt
-log-probs: ``--requests`` prompts of random length in [32, 256), greedy, on a random Llama
-of 2 layers (H = 4, K = 2, D = 16) of the table's width E and vocabulary V, impl "xla",
+``scoring.SCORED_STEPS``), so such a prefill costs a host round trip per 4 steps. This
+measures a scoring workload (every request asks, one token generated each: perplexity or
+ranking) against the same requests without prompt log-probs: ``--requests`` prompts of
+random length in [32, 256), greedy, on a random Llama of 2 layers (H = 4, K = 2, D = 16)
+of the table's width E and vocabulary V, impl "xla",
 block size 16, max_seqs 16, max_model_len 1024, 256 tokens per step, prefix caching on,
 each ``generate`` under a ``cache_salt`` of its own (no run finds an earlier one's
 blocks: every prompt is computed whole, as the scored ones are anyway). Each

@@ -64,8 +64,9 @@ def no_scores(num_tokens: int, width: int) -> dict:
 def read_scores(report: dict, slot_owner, num_shards: int, slots_per_shard: int) -> None:
   """Keep the prompt log-probs a scoring call's ``report`` holds in the ``Request``s that
   asked (``slot_owner[s]``: ``(request, completion)`` or None): rows of data shard k come
-  k-th (``SCORED_STEPS`` x T each), their slots the shard's. A position is kept once: a prompt recomputed
-  (after a preemption) may differ in the last bits, and every event tells the first."""
+  k-th (``SCORED_STEPS`` x T each), their slots the shard's. A position is kept once: a
+  prompt recomputed (after a preemption) may differ in the last bits, and every event
+  tells the first."""
   slot_T = np.asarray(report["prompt_slot_T"])
   num_rows = slot_T.shape[0] // num_shards
   for t in np.flatnonzero(slot_T >= 0):
