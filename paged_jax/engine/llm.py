@@ -255,14 +255,13 @@ class LLM:
     """The step loops built so far, by token bucket."""
     return self._device.steps
 
-  def _call_for(self, bucket: int):
-    """The jitted step loop at ``bucket`` (``DeviceCalls.step``)."""
-    return self._device.step(bucket)
+  def _call_for(self, bucket: int, scoring: bool = False):
+    """The jitted step loop at ``bucket`` (``DeviceCalls.step``; ``scoring``: its variant)."""
+    return self._device.step(bucket, scoring)
 
   def _call(self, params, st, slots_wanted, step_limit):
     """One device call at the step budget ``self._bucket`` (set before each call)."""
-    return self._device.step(self._bucket, self._scoring)(params, st, slots_wanted,
-                                                          step_limit)
+    return self._call_for(self._bucket, self._scoring)(params, st, slots_wanted, step_limit)
 
   def reset_stats(self) -> None:
     """Zero ``stats``' counters (``compile_s`` and the pool's figures stay), e.g. after a

@@ -65,7 +65,7 @@ def device_call(graphdef, params, st: EngineState, slots_wanted, step_limit, *,
       rows, n = scores
       rows = {k: r.at[n].set(step_scores[k]) for k, r in rows.items()}
       n += jnp.any(step_scores["prompt_slot_T"] >= 0).astype(jnp.int32)
-      scores = rows, jnp.minimum(n, scored_steps - 1)
+      scores = rows, n  # n < scored_steps, or the loop stops here
     active = jnp.any((st.status_S == RUNNING) | (st.status_S == FORK_WAIT))
     free = jnp.sum((st.status_S == FREE) | (st.status_S == DONE))
     stop = ~active | ((slots_wanted > 0) & (free >= slots_wanted))

@@ -66,8 +66,8 @@ def _pool_copies(model, config, scoring=False):
   shape = lambda x: ",".join(map(str, x.shape))
   big = [f"f32[{shape(pages)}]", f"s32[{shape(llm._state.tokens_SJ)}]",
          f"f32[{shape(llm._state.logprobs_SJ)}]", f"f32[3,{config.vocab_size}]"]
-  hlo = llm._device.step(64, scoring).lower(llm._params, llm._state, jnp.int32(0),
-                                            jnp.int32(8)).compile().as_text()
+  hlo = llm._call_for(64, scoring).lower(llm._params, llm._state, jnp.int32(0),
+                                         jnp.int32(8)).compile().as_text()
   assert all(x in hlo for x in big)
   return [line for line in hlo.splitlines() for x in big
           if re.search(re.escape(x) + r"\{[^}]*\} copy\(", line)]
