@@ -34,15 +34,21 @@ CONVERSATION = [
 ]
 
 
+def _their_tokenizer():
+  """A transformers tokenizer with BOS "<s>" and EOS "</s>", to render templates with
+  (the test skips without transformers)."""
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                              eos_token="</s>", unk_token="<unk>")
+
+
 def test_rendering_follows_transformers():
   # Text equal to transformers' for the template with and without tools and the generation
   # prompt; a None value is left out (as transformers does), tools and documents are None
   # unless given.
-  transformers = pytest.importorskip("transformers")
-  tokenizers = pytest.importorskip("tokenizers")
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
+  theirs = _their_tokenizer()
   theirs.chat_template = LLAMA_STYLE
   ours = ChatTemplate(LLAMA_STYLE, bos_token="<s>", eos_token="</s>")
   tools = [{"name": "weather", "parameters": {"city": "string"}}]
@@ -57,11 +63,7 @@ def test_rendering_follows_transformers():
 def test_continue_final_message_follows_transformers():
   # The last message's turn left open after its content: with a template that trims the
   # content (LLAMA_STYLE) and one that writes it as given, content as a str or as parts.
-  transformers = pytest.importorskip("transformers")
-  tokenizers = pytest.importorskip("tokenizers")
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
+  theirs = _their_tokenizer()
   plain = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}"
            "{{ m['content'] }}{% else %}{{ m['content'][-1]['text'] }}{% endif %}</s>"
            "{% endfor %}")
